@@ -1,0 +1,131 @@
+//! The kernel's rseq ABI as Rust types: the per-thread area, the critical-section descriptor,
+//! and the constants user space needs. Layouts follow `include/uapi/linux/rseq.h`; every offset
+//! that assembly uses is pinned here against `offset_of!`.
+
+use core::mem::{align_of, offset_of, size_of};
+
+/// `RSEQ_CPU_ID_UNINITIALIZED`: the area is not registered (or was unregistered).
+pub const CPU_ID_UNINITIALIZED: i32 = -1;
+/// `RSEQ_CPU_ID_REGISTRATION_FAILED`: glibc's marker for "registration failed or disabled".
+pub const CPU_ID_REGISTRATION_FAILED: i32 = -2;
+/// `RSEQ_FLAG_UNREGISTER`.
+pub const FLAG_UNREGISTER: i32 = 1;
+/// `AT_RSEQ_FEATURE_SIZE` (Linux 6.3+): `offsetof(struct rseq, end)`.
+pub const AT_RSEQ_FEATURE_SIZE: libc::c_ulong = 27;
+/// `AT_RSEQ_ALIGN` (Linux 6.3+).
+pub const AT_RSEQ_ALIGN: libc::c_ulong = 28;
+/// The registration length every kernel since 4.18 accepts.
+pub const ORIGINAL_AREA_SIZE: u32 = 32;
+/// Bytes of the area the original ABI fills (up to and including `flags`).
+pub const ORIGINAL_FEATURE_SIZE: u32 = 20;
+
+/// `struct rseq`: the per-thread area the kernel keeps up to date.
+///
+/// Size and alignment: 32 bytes, 32-byte aligned, as the original ABI requires. `node_id` and
+/// `mm_cid` are written only by Linux 6.3 and later; see [`crate::Source`] for how thiscpu
+/// decides whether they are usable.
+#[repr(C, align(32))]
+#[derive(Debug)]
+pub struct Rseq {
+    /// Current CPU, always a valid index (0 when unregistered).
+    pub cpu_id_start: u32,
+    /// Current CPU, or [`CPU_ID_UNINITIALIZED`] / [`CPU_ID_REGISTRATION_FAILED`].
+    pub cpu_id: i32,
+    /// Address of the active [`RseqCs`], or 0.
+    pub rseq_cs: u64,
+    /// Must stay 0 (the restart-inhibit flags are deprecated and fatal since Linux 6.0).
+    pub flags: u32,
+    /// NUMA node of `cpu_id` (Linux 6.3+).
+    pub node_id: u32,
+    /// Memory-map concurrency id (Linux 6.3+).
+    pub mm_cid: u32,
+}
+
+/// `struct rseq_cs`: describes one critical section to the kernel.
+#[repr(C, align(32))]
+#[derive(Debug)]
+pub struct RseqCs {
+    /// Must be 0.
+    pub version: u32,
+    /// Must be 0.
+    pub flags: u32,
+    /// First instruction of the section.
+    pub start_ip: u64,
+    /// Length of the section in bytes; the commit instruction ends right at its end.
+    pub post_commit_offset: u64,
+    /// Where the kernel sends an interrupted section; preceded by the registration signature.
+    pub abort_ip: u64,
+}
+
+/// Field offsets used inside `asm!`, named once and checked against the struct below.
+pub mod offset {
+    /// `struct rseq.cpu_id_start`.
+    pub const CPU_ID_START: usize = 0;
+    /// `struct rseq.cpu_id`.
+    pub const CPU_ID: usize = 4;
+    /// `struct rseq.rseq_cs`.
+    pub const RSEQ_CS: usize = 8;
+    /// `struct rseq.node_id`.
+    pub const NODE_ID: usize = 20;
+    /// `struct rseq.mm_cid`.
+    pub const MM_CID: usize = 24;
+}
+
+const _: () = {
+    assert!(offset_of!(Rseq, cpu_id_start) == offset::CPU_ID_START);
+    assert!(offset_of!(Rseq, cpu_id) == offset::CPU_ID);
+    assert!(offset_of!(Rseq, rseq_cs) == offset::RSEQ_CS);
+    assert!(offset_of!(Rseq, flags) == 16);
+    assert!(offset_of!(Rseq, node_id) == offset::NODE_ID);
+    assert!(offset_of!(Rseq, mm_cid) == offset::MM_CID);
+    assert!(size_of::<Rseq>() == ORIGINAL_AREA_SIZE as usize);
+    assert!(align_of::<Rseq>() == 32);
+    assert!(offset_of!(RseqCs, version) == 0);
+    assert!(offset_of!(RseqCs, flags) == 4);
+    assert!(offset_of!(RseqCs, start_ip) == 8);
+    assert!(offset_of!(RseqCs, post_commit_offset) == 16);
+    assert!(offset_of!(RseqCs, abort_ip) == 24);
+    assert!(size_of::<RseqCs>() == 32);
+    assert!(align_of::<RseqCs>() == 32);
+};
+
+/// Bytes of the area that the kernel keeps current, given the size a registrant reported and
+/// the kernel's `AT_RSEQ_FEATURE_SIZE`.
+///
+/// glibc reports 20 or 32 (depending on version) even where the kernel fills `node_id` and
+/// `mm_cid` inside the 32 registered bytes; in that case the kernel's feature size, capped at
+/// 32, is what is really kept up to date (librseq decides the same way).
+pub fn usable_size(registered_size: u32, kernel_feature_size: u32) -> u32 {
+    if registered_size == ORIGINAL_FEATURE_SIZE || registered_size == ORIGINAL_AREA_SIZE {
+        if kernel_feature_size > ORIGINAL_FEATURE_SIZE {
+            kernel_feature_size.min(ORIGINAL_AREA_SIZE)
+        } else {
+            ORIGINAL_FEATURE_SIZE
+        }
+    } else {
+        registered_size
+    }
+}
+
+/// Whether a field ending at `end` lies inside the usable size.
+pub const fn field_usable(usable: u32, field_offset: usize) -> bool {
+    usable as usize >= field_offset + 4
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usable_size_follows_the_kernel_when_glibc_reports_the_original_sizes() {
+        assert_eq!(usable_size(20, 28), 28);
+        assert_eq!(usable_size(32, 28), 28);
+        assert_eq!(usable_size(32, 0), 20);
+        assert_eq!(usable_size(20, 0), 20);
+        assert_eq!(usable_size(28, 28), 28);
+        assert_eq!(usable_size(32, 40), 32);
+        assert!(field_usable(28, offset::MM_CID));
+        assert!(!field_usable(20, offset::NODE_ID));
+        assert!(field_usable(24, offset::NODE_ID));
+    }
+}

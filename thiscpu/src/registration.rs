@@ -1,0 +1,225 @@
+//! Who owns rseq in this process, decided once: glibc (when it registered every thread),
+//! thiscpu (its own per-thread area, registered lazily on first use in each thread), or nobody
+//! (rseq missing, refused, or turned off with `THISCPU_RSEQ=off`).
+//!
+//! # Safety
+//! This module calls `dlsym`, `getauxval`, `getenv` and the `rseq` syscall, and writes the
+//! calling thread's own area before registering it; each block states why it holds.
+
+use crate::abi::{self, Rseq};
+use crate::arch;
+use std::cell::Cell;
+use std::ffi::CStr;
+use std::sync::OnceLock;
+
+/// Who registered the rseq areas that thiscpu reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Registrar {
+    /// glibc 2.35+ registered every thread; thiscpu uses glibc's areas.
+    Glibc,
+    /// thiscpu registers an area of its own in each thread on first use.
+    Thiscpu,
+    /// Nobody: every answer comes from a fallback source.
+    None,
+}
+
+impl Registrar {
+    /// The name used in reports and JSON: `"glibc"`, `"thiscpu"` or `"none"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Registrar::Glibc => "glibc",
+            Registrar::Thiscpu => "thiscpu",
+            Registrar::None => "none",
+        }
+    }
+}
+
+/// Why rseq is not used, when it is not.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Unavailable {
+    /// `THISCPU_RSEQ=off` was set.
+    TurnedOff,
+    /// The kernel has no rseq syscall (before 4.18, `CONFIG_RSEQ=n`, valgrind, qemu-user).
+    NoSyscall,
+    /// The syscall was refused (a seccomp filter) with this errno.
+    Refused(i32),
+}
+
+/// The process-wide facts, gathered once.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Process {
+    pub registrar: Registrar,
+    pub unavailable: Option<Unavailable>,
+    /// `AT_RSEQ_FEATURE_SIZE`, 0 on kernels before 6.3.
+    pub kernel_feature_size: u32,
+    /// Bytes of the area the kernel keeps current for the registrar.
+    pub usable_size: u32,
+    /// glibc's `__rseq_size`, if the symbol exists.
+    pub glibc_rseq_size: Option<u32>,
+    /// glibc's `__rseq_offset`, if the symbol exists.
+    pub glibc_rseq_offset: Option<isize>,
+}
+
+impl Process {
+    pub fn node_id_usable(&self) -> bool {
+        self.registrar != Registrar::None
+            && abi::field_usable(self.usable_size, abi::offset::NODE_ID)
+    }
+
+    pub fn mm_cid_usable(&self) -> bool {
+        self.registrar != Registrar::None
+            && abi::field_usable(self.usable_size, abi::offset::MM_CID)
+    }
+}
+
+static PROCESS: OnceLock<Process> = OnceLock::new();
+
+/// The process-wide decision, made on first call (normally by a constructor before `main`).
+#[inline]
+pub(crate) fn process() -> &'static Process {
+    PROCESS.get_or_init(decide)
+}
+
+/// Runs the decision before `main`, so that no first call pays for it, and no first call
+/// happens inside a signal handler.
+#[used]
+#[unsafe(link_section = ".init_array")]
+static DECIDE_AT_STARTUP: extern "C" fn() = decide_at_startup;
+
+extern "C" fn decide_at_startup() {
+    let _ = process();
+    crate::cpu::decide_fallback();
+}
+
+fn rseq_turned_off() -> bool {
+    // SAFETY: `getenv` with a NUL-terminated name; the result is read before any other call
+    // that could change the environment in this function.
+    let value = unsafe { libc::getenv(c"THISCPU_RSEQ".as_ptr()) };
+    if value.is_null() {
+        return false;
+    }
+    // SAFETY: a non-null `getenv` result is a NUL-terminated string.
+    let value = unsafe { CStr::from_ptr(value) }.to_bytes();
+    matches!(value, b"off" | b"0" | b"false" | b"no")
+}
+
+/// Looks up a data symbol of glibc at run time, so that the binary also links and runs on
+/// glibc before 2.35 and on libcs without rseq support.
+fn glibc_symbol<T: Copy>(name: &CStr) -> Option<T> {
+    // SAFETY: `dlsym` with `RTLD_DEFAULT` and a NUL-terminated name has no precondition.
+    let address = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
+    if address.is_null() {
+        return None;
+    }
+    // SAFETY: glibc declares `__rseq_offset` as `ptrdiff_t` and `__rseq_size`/`__rseq_flags`
+    // as `unsigned int` (sys/rseq.h); the callers ask for exactly those types.
+    Some(unsafe { (address as *const T).read() })
+}
+
+/// Result of the cheap probe `rseq(NULL, 0, 0, 0)`: `EINVAL` means the syscall exists.
+fn probe_syscall() -> Result<(), Unavailable> {
+    // SAFETY: a null area with length 0 is rejected by the kernel before it touches memory.
+    let ret =
+        unsafe { libc::syscall(libc::SYS_rseq, core::ptr::null_mut::<Rseq>(), 0u32, 0, 0u32) };
+    let errno = if ret == 0 {
+        0
+    } else {
+        std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+    };
+    match errno {
+        libc::EINVAL => Ok(()),
+        libc::ENOSYS => Err(Unavailable::NoSyscall),
+        other => Err(Unavailable::Refused(other)),
+    }
+}
+
+fn decide() -> Process {
+    // SAFETY: `getauxval` has no precondition; it returns 0 for absent entries.
+    let kernel_feature_size = unsafe { libc::getauxval(abi::AT_RSEQ_FEATURE_SIZE) } as u32;
+    let glibc_rseq_size = glibc_symbol::<u32>(c"__rseq_size");
+    let glibc_rseq_offset = glibc_symbol::<isize>(c"__rseq_offset");
+    let mut process = Process {
+        registrar: Registrar::None,
+        unavailable: None,
+        kernel_feature_size,
+        usable_size: 0,
+        glibc_rseq_size,
+        glibc_rseq_offset,
+    };
+    if rseq_turned_off() {
+        process.unavailable = Some(Unavailable::TurnedOff);
+        return process;
+    }
+    if let (Some(size), Some(offset)) = (glibc_rseq_size, glibc_rseq_offset)
+        && size > 0
+    {
+        process.registrar = Registrar::Glibc;
+        process.usable_size = abi::usable_size(size, kernel_feature_size);
+        arch::set_active_offset(offset);
+        return process;
+    }
+    match probe_syscall() {
+        Ok(()) => {
+            process.registrar = Registrar::Thiscpu;
+            process.usable_size = abi::usable_size(abi::ORIGINAL_AREA_SIZE, kernel_feature_size);
+        }
+        Err(why) => process.unavailable = Some(why),
+    }
+    process
+}
+
+thread_local! {
+    /// Whether this thread already tried to register thiscpu's own area, so a refused
+    /// registration costs one syscall per thread, not one per call.
+    static REGISTRATION_TRIED: Cell<bool> = const { Cell::new(false) };
+}
+
+/// Registers thiscpu's own area for the calling thread when thiscpu owns rseq in this process.
+/// Returns whether the calling thread's active area is registered afterwards.
+///
+/// Async-signal-safe once the process-wide decision is made: it touches only this thread's
+/// area and a thread-local flag, and makes one syscall.
+#[cold]
+pub(crate) fn ensure_registered() -> bool {
+    let process = process();
+    let area = arch::area_at(arch::active_offset());
+    // SAFETY: the active area is this thread's and live (see `arch`); a 32-bit aligned read.
+    let cpu_id = unsafe { core::ptr::addr_of!((*area).cpu_id).read_volatile() };
+    if cpu_id >= 0 {
+        return true;
+    }
+    if process.registrar != Registrar::Thiscpu {
+        return false;
+    }
+    let tried = REGISTRATION_TRIED
+        .try_with(|tried| tried.replace(true))
+        .unwrap_or(true);
+    if tried {
+        return false;
+    }
+    let own = arch::area_at(arch::own_area_offset());
+    // SAFETY: `own` is this thread's static-TLS area, which no other thread writes, and it is
+    // not registered (its `cpu_id` is negative, checked above through the same address since
+    // the active offset is the own one in this mode). The kernel requires `cpu_id = -1` and
+    // `rseq_cs = 0` before registration. The area lives in static TLS, freed only after the
+    // kernel has seen the thread exit, so it may stay registered until then.
+    let ret = unsafe {
+        own.write_volatile(Rseq {
+            cpu_id_start: 0,
+            cpu_id: abi::CPU_ID_UNINITIALIZED,
+            rseq_cs: 0,
+            flags: 0,
+            node_id: 0,
+            mm_cid: 0,
+        });
+        libc::syscall(
+            libc::SYS_rseq,
+            own,
+            abi::ORIGINAL_AREA_SIZE,
+            0,
+            arch::RSEQ_SIG,
+        )
+    };
+    // SAFETY: as above.
+    ret == 0 && unsafe { core::ptr::addr_of!((*own).cpu_id).read_volatile() } >= 0
+}

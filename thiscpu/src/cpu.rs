@@ -10,7 +10,7 @@ use crate::abi::offset;
 use crate::arch;
 use crate::registration::{self, Registrar, Unavailable};
 use crate::topology;
-use core::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 /// A CPU and the NUMA node it belongs to, read together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -75,10 +75,13 @@ pub struct Source {
     pub mm_cid: bool,
 }
 
-// The process-wide facts the inline fast paths test. They start false, which sends the first
-// calls to the slow path, where the decision is made and these are set.
-static NODE_ID_USABLE: AtomicBool = AtomicBool::new(false);
-static MM_CID_USABLE: AtomicBool = AtomicBool::new(false);
+use registration::{MM_CID_USABLE, NODE_ID_USABLE};
+
+/// Whether `mm_cid` is kept current in this process's areas.
+#[inline]
+pub(crate) fn mm_cid_usable() -> bool {
+    MM_CID_USABLE.load(Ordering::Relaxed) || registration::process().mm_cid_usable()
+}
 
 const UNDECIDED: u8 = 0;
 static FALLBACK: AtomicU8 = AtomicU8::new(UNDECIDED);
@@ -107,7 +110,7 @@ pub(crate) fn decide_fallback() -> CpuSource {
     if code != UNDECIDED {
         return decode(code);
     }
-    let process = registration::process();
+    registration::process();
     topology::prepare();
     let source = if via::rdpid().is_some() {
         CpuSource::Rdpid
@@ -116,8 +119,6 @@ pub(crate) fn decide_fallback() -> CpuSource {
     } else {
         CpuSource::Syscall
     };
-    NODE_ID_USABLE.store(process.node_id_usable(), Ordering::Relaxed);
-    MM_CID_USABLE.store(process.mm_cid_usable(), Ordering::Relaxed);
     FALLBACK.store(encode(source), Ordering::Release);
     source
 }

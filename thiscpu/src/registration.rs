@@ -8,6 +8,7 @@
 
 use crate::abi::{self, Rseq};
 use crate::arch;
+use core::sync::atomic::{AtomicBool, Ordering};
 use std::cell::Cell;
 use std::ffi::CStr;
 use std::sync::OnceLock;
@@ -74,6 +75,11 @@ impl Process {
 
 static PROCESS: OnceLock<Process> = OnceLock::new();
 
+// Process-wide facts that inline fast paths test with one relaxed load. They start false, which
+// sends the first calls to the slow path, where the decision is made and these are set.
+pub(crate) static NODE_ID_USABLE: AtomicBool = AtomicBool::new(false);
+pub(crate) static MM_CID_USABLE: AtomicBool = AtomicBool::new(false);
+
 /// The process-wide decision, made on first call (normally by a constructor before `main`).
 #[inline]
 pub(crate) fn process() -> &'static Process {
@@ -134,6 +140,13 @@ fn probe_syscall() -> Result<(), Unavailable> {
 }
 
 fn decide() -> Process {
+    let process = decide_registrar();
+    NODE_ID_USABLE.store(process.node_id_usable(), Ordering::Relaxed);
+    MM_CID_USABLE.store(process.mm_cid_usable(), Ordering::Relaxed);
+    process
+}
+
+fn decide_registrar() -> Process {
     // SAFETY: `getauxval` has no precondition; it returns 0 for absent entries.
     let kernel_feature_size = unsafe { libc::getauxval(abi::AT_RSEQ_FEATURE_SIZE) } as u32;
     let glibc_rseq_size = glibc_symbol::<u32>(c"__rseq_size");

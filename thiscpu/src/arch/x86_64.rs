@@ -52,9 +52,8 @@ macro_rules! rseq_abort {
     };
 }
 
-/// Lists an early exit of a section (a label outside it that the section jumps to) in
-/// `__rseq_exit_point_array`, as librseq does for debuggers.
-#[allow(unused_macros)]
+/// Lists an early exit of a section (from its start label to a label outside it) in
+/// `__rseq_exit_point_array`, as librseq does for debuggers. Place it before the start label.
 macro_rules! rseq_exit_point {
     ($start:literal, $exit:literal) => {
         concat!(
@@ -63,9 +62,52 @@ macro_rules! rseq_exit_point {
             $start,
             "f, ",
             $exit,
-            "f\n",
+            "\n",
             ".popsection\n",
         )
+    };
+}
+
+/// A delay loop at numbered point `$n` inside a section, built only with
+/// `--cfg thiscpu_inject`: it spins for the count in `inject::DELAYS[$n]`, widening the window in
+/// which preemption, migration or a signal aborts the section. Empty otherwise.
+#[cfg(thiscpu_inject)]
+macro_rules! inject {
+    ($n:literal) => {
+        concat!(
+            "mov {scratch:e}, dword ptr [rip + {delays} + 4 * ",
+            $n,
+            "]\n",
+            "78:\n",
+            "sub {scratch:e}, 1\n",
+            "jae 78b\n",
+        )
+    };
+}
+#[cfg(not(thiscpu_inject))]
+macro_rules! inject {
+    ($n:literal) => {
+        ""
+    };
+}
+
+/// `asm!` for a restartable sequence: template pieces, then operands, then options. With
+/// `--cfg thiscpu_inject` it adds the scratch register and the delay table that `inject!` uses.
+#[cfg(thiscpu_inject)]
+macro_rules! rseq_asm {
+    ($($template:expr),+ ; $($operands:tt)*) => {
+        asm!(
+            $($template),+,
+            scratch = out(reg) _,
+            delays = sym crate::ops::inject::DELAYS,
+            $($operands)*
+        )
+    };
+}
+#[cfg(not(thiscpu_inject))]
+macro_rules! rseq_asm {
+    ($($template:expr),+ ; $($operands:tt)*) => {
+        asm!($($template),+, $($operands)*)
     };
 }
 
@@ -272,4 +314,183 @@ pub(crate) mod native {
         let aux = super::rdpid();
         (aux & 0xfff, aux >> 12)
     }
+}
+
+/// The active offset, loaded once before a section so that the CPU read and the section use the
+/// same area.
+#[inline(always)]
+pub(crate) fn section_offset() -> isize {
+    let offset: isize;
+    // SAFETY: a relaxed load of an aligned word in `.data` (see `active_offset`).
+    unsafe {
+        asm!(
+            "mov {}, qword ptr [rip + __thiscpu_0_1_rseq_offset]",
+            out(reg) offset,
+            options(nostack, readonly, preserves_flags),
+        );
+    }
+    offset
+}
+
+/// The 32-bit field `FIELD` (`cpu_id` or `mm_cid`) of the area at `offset`.
+#[inline(always)]
+pub(crate) fn field_at<const FIELD: usize>(offset: isize) -> i32 {
+    let value: i32;
+    // SAFETY: `offset` was read from the active offset, which always names a live area in this
+    // thread; FIELD is an aligned 32-bit field inside it.
+    unsafe {
+        asm!(
+            "mov {v:e}, dword ptr fs:[{off} + {field}]",
+            off = in(reg) offset,
+            v = lateout(reg) value,
+            field = const FIELD,
+            options(nostack, readonly, preserves_flags),
+        );
+    }
+    value
+}
+
+use crate::ops::Outcome;
+
+// Every section below has the same frame: the descriptor (label 3), the arming store of its
+// address into `rseq_cs`, the start (label 2), the comparison of the area's `FIELD` with the
+// index the caller read before the section (any migration since then aborts), the operation,
+// the single committing instruction, the post-commit label 4, and the abort handler at label 5
+// in `__rseq_failure`, preceded by the signature. The abort handler only jumps to the Rust
+// label block: no register the section wrote is needed there.
+
+/// `*v += count`, committed by one `add` to memory. See `ops::load_add_store`.
+///
+/// # Safety
+/// `offset` and `index` were read from this thread's area (`index` from `FIELD`), and `v` is
+/// valid for reads and writes of a `u64` that only sections indexed by `index` write.
+#[inline(always)]
+pub(crate) unsafe fn load_add_store<const FIELD: usize>(
+    offset: isize,
+    index: u32,
+    v: *mut u64,
+    count: u64,
+) -> Outcome<()> {
+    // SAFETY: the caller's contract; the section follows the frame described above.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            "lea {cs}, [rip + 3b]",
+            "mov qword ptr fs:[{off} + {rseq_cs}], {cs}",
+            "2:",
+            "cmp dword ptr fs:[{off} + {field}], {index:e}",
+            "jne 5f",
+            inject!(1),
+            "add qword ptr [{v}], {count}",
+            "4:",
+            rseq_abort!("5", "jmp {abort}");
+            off = in(reg) offset,
+            index = in(reg) index,
+            v = in(reg) v,
+            count = in(reg) count,
+            cs = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS,
+            field = const FIELD,
+            abort = label { return Outcome::Aborted; },
+            options(nostack),
+        );
+    }
+    Outcome::Committed(())
+}
+
+/// If `*v == expect`, `*v = newv`. See `ops::load_cbne_store`.
+///
+/// # Safety
+/// As for `load_add_store`.
+#[inline(always)]
+pub(crate) unsafe fn load_cbne_store<const FIELD: usize>(
+    offset: isize,
+    index: u32,
+    v: *mut u64,
+    expect: u64,
+    newv: u64,
+) -> Outcome<()> {
+    // SAFETY: the caller's contract; the section follows the frame described above, and its
+    // early exit (label `mismatch`) is listed as an exit point.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{mismatch}"),
+            "lea {cs}, [rip + 3b]",
+            "mov qword ptr fs:[{off} + {rseq_cs}], {cs}",
+            "2:",
+            "cmp dword ptr fs:[{off} + {field}], {index:e}",
+            "jne 5f",
+            "cmp qword ptr [{v}], {expect}",
+            "jne {mismatch}",
+            inject!(1),
+            "mov qword ptr [{v}], {newv}",
+            "4:",
+            rseq_abort!("5", "jmp {abort}");
+            off = in(reg) offset,
+            index = in(reg) index,
+            v = in(reg) v,
+            expect = in(reg) expect,
+            newv = in(reg) newv,
+            cs = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS,
+            field = const FIELD,
+            mismatch = label { return Outcome::Mismatch; },
+            abort = label { return Outcome::Aborted; },
+            options(nostack),
+        );
+    }
+    Outcome::Committed(())
+}
+
+/// Pops the head of a singly linked list: `h = *head; if h == 0 leave; *out = h;
+/// *head = *(h + NEXT)`. See `ops::load_cbeq_load_store`.
+///
+/// # Safety
+/// As for `load_add_store`, for the word at `head`; every non-null value stored there points to
+/// a node whose word at byte offset `NEXT` is readable; `out` is valid for a pointer write.
+#[inline(always)]
+pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>(
+    offset: isize,
+    index: u32,
+    head: *mut usize,
+    out: *mut usize,
+) -> Outcome<()> {
+    // SAFETY: the caller's contract; the section follows the frame described above; the store
+    // to `out` before the commit is harmless if the section aborts (the caller only reads `out`
+    // after a commit).
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{empty}"),
+            "lea {cs}, [rip + 3b]",
+            "mov qword ptr fs:[{off} + {rseq_cs}], {cs}",
+            "2:",
+            "cmp dword ptr fs:[{off} + {field}], {index:e}",
+            "jne 5f",
+            "mov {node}, qword ptr [{head}]",
+            "test {node}, {node}",
+            "jz {empty}",
+            "mov qword ptr [{out}], {node}",
+            inject!(1),
+            "mov {node}, qword ptr [{node} + {next}]",
+            inject!(2),
+            "mov qword ptr [{head}], {node}",
+            "4:",
+            rseq_abort!("5", "jmp {abort}");
+            off = in(reg) offset,
+            index = in(reg) index,
+            head = in(reg) head,
+            out = in(reg) out,
+            node = out(reg) _,
+            cs = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS,
+            field = const FIELD,
+            next = const NEXT,
+            empty = label { return Outcome::Mismatch; },
+            abort = label { return Outcome::Aborted; },
+            options(nostack),
+        );
+    }
+    Outcome::Committed(())
 }

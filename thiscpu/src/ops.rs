@@ -1,0 +1,257 @@
+//! The raw restartable operations on per-CPU data: each runs as one restartable sequence on the
+//! calling thread's current CPU (or concurrency id) and either commits with a single store,
+//! leaves early because a comparison failed, or is aborted by the kernel (preemption,
+//! migration, signal, membarrier). No `lock`-prefixed instruction is involved.
+//!
+//! Each operation is named after its steps, as librseq names them:
+//! - `load_add_store`: load `*v`, add, store (x86_64 commits with one `add` to memory).
+//! - `load_cbne_store`: load `*v`, compare-and-branch if not equal to `expect` (leave:
+//!   [`Outcome::Mismatch`]), store `newv`.
+//! - `load_cbeq_load_store`: load the list head, compare-and-branch if equal to null (leave:
+//!   `Mismatch`), load the head's `next`, store it into the head: a pop.
+//! - `list_push`: store the head into the node's `next` outside the section, then
+//!   `load_cbne_store` the head from that value to the node.
+//!
+//! A [`Position`] is read before the operation: the CPU (or `mm_cid`) this thread is on and the
+//! area it was read from. The section compares it again at its start, so an operation can only
+//! commit on the CPU whose data the caller addressed.
+//!
+//! # Safety
+//! The operations are `unsafe fn`s whose `# Safety` sections state the contract; the safe
+//! types (`Counter`, the pool) uphold it by construction.
+
+use crate::abi::offset;
+use crate::arch;
+use crate::registration;
+use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+
+/// How a restartable operation ended.
+#[must_use = "an aborted operation did nothing and must be retried"]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome<T = ()> {
+    /// The committing store happened.
+    Committed(T),
+    /// A comparison failed (the value was not the expected one, or the list was empty):
+    /// nothing was stored.
+    Mismatch,
+    /// The kernel aborted the section (preemption, migration, signal, membarrier), or the
+    /// thread was no longer on the position's CPU: nothing was stored. Read a new position and
+    /// retry.
+    Aborted,
+}
+
+/// Sections indexed by CPU compare the area's `cpu_id`.
+pub const BY_CPU: usize = offset::CPU_ID;
+/// Sections indexed by memory-map concurrency id compare the area's `mm_cid`.
+pub const BY_MM_CID: usize = offset::MM_CID;
+
+/// Where the calling thread is, read from its rseq area just before an operation: the CPU (or
+/// `mm_cid`, by `FIELD`) and the area the section must check it against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Position<const FIELD: usize = BY_CPU> {
+    offset: isize,
+    index: u32,
+}
+
+impl<const FIELD: usize> Position<FIELD> {
+    /// The CPU (or concurrency id) to address data for.
+    #[inline]
+    pub fn index(self) -> u32 {
+        self.index
+    }
+}
+
+/// The calling thread's CPU, for an operation to follow, or `None` if this thread has no
+/// registered rseq area (rseq unavailable or turned off: use a fallback).
+///
+/// ```
+/// if let Some(position) = thiscpu::ops::position() {
+///     assert!((position.index() as usize) < thiscpu::topology::possible_cpus());
+/// }
+/// ```
+#[inline]
+pub fn position() -> Option<Position<BY_CPU>> {
+    let offset = arch::section_offset();
+    let cpu = arch::field_at::<BY_CPU>(offset);
+    if cpu >= 0 {
+        return Some(Position {
+            offset,
+            index: cpu as u32,
+        });
+    }
+    position_slow()
+}
+
+#[cold]
+#[inline(never)]
+fn position_slow() -> Option<Position<BY_CPU>> {
+    crate::cpu::decide_fallback();
+    if !registration::ensure_registered() {
+        return None;
+    }
+    let offset = arch::section_offset();
+    let cpu = arch::field_at::<BY_CPU>(offset);
+    (cpu >= 0).then_some(Position {
+        offset,
+        index: cpu as u32,
+    })
+}
+
+/// The calling thread's `mm_cid`, for an operation indexed by concurrency id, or `None` where
+/// the kernel does not provide it (before Linux 6.3) or the thread has no registered area.
+///
+/// ```
+/// if let Some(position) = thiscpu::ops::mm_cid_position() {
+///     assert!((position.index() as usize) < thiscpu::topology::possible_cpus());
+/// }
+/// ```
+#[inline]
+pub fn mm_cid_position() -> Option<Position<BY_MM_CID>> {
+    let cpu = position()?;
+    if !crate::cpu::mm_cid_usable() {
+        return None;
+    }
+    let cid = arch::field_at::<BY_MM_CID>(cpu.offset);
+    Some(Position {
+        offset: cpu.offset,
+        index: cid as u32,
+    })
+}
+
+/// Adds `count` to `*v` on the position's CPU: load, add, store, with the store committing.
+///
+/// # Safety
+/// - `at` was read by the calling thread (positions are not to be sent to other threads).
+/// - `v` is valid for reads and writes of a `u64` (8-byte aligned) for the whole call.
+/// - `v` is the word for `at.index()`: every write to it is made by an operation whose position
+///   has the same index and field (so that only one CPU ever runs a committing section on it),
+///   or happens after a fence that guarantees no such operation is in flight. Other threads may
+///   read it concurrently with atomic loads.
+///
+/// ```
+/// use core::sync::atomic::{AtomicU64, Ordering};
+/// use thiscpu::ops::{self, Outcome};
+///
+/// let slots: Vec<AtomicU64> = (0..thiscpu::topology::possible_cpus()).map(|_| AtomicU64::new(0)).collect();
+/// loop {
+///     let Some(at) = ops::position() else { break };
+///     let slot = &slots[at.index() as usize];
+///     // SAFETY: `slot` belongs to `at.index()` and is written only by sections on that CPU.
+///     match unsafe { ops::load_add_store(at, slot.as_ptr(), 1) } {
+///         Outcome::Committed(()) => break,
+///         _ => continue,
+///     }
+/// }
+/// ```
+#[inline]
+pub unsafe fn load_add_store<const FIELD: usize>(
+    at: Position<FIELD>,
+    v: *mut u64,
+    count: u64,
+) -> Outcome {
+    // SAFETY: forwarded contract.
+    unsafe { arch::load_add_store::<FIELD>(at.offset, at.index, v, count) }
+}
+
+/// Stores `newv` into `*v` if `*v` still holds `expect`, on the position's CPU.
+///
+/// # Safety
+/// As for [`load_add_store`].
+#[inline]
+pub unsafe fn load_cbne_store<const FIELD: usize>(
+    at: Position<FIELD>,
+    v: *mut u64,
+    expect: u64,
+    newv: u64,
+) -> Outcome {
+    // SAFETY: forwarded contract.
+    unsafe { arch::load_cbne_store::<FIELD>(at.offset, at.index, v, expect, newv) }
+}
+
+/// Pops the first node of the position's singly linked list at `head`, whose nodes keep their
+/// `next` pointer at byte offset `NEXT`. `Mismatch` means the list was empty.
+///
+/// No ABA problem: nothing else can change this CPU's head between the load and the commit
+/// without aborting the section.
+///
+/// # Safety
+/// As for [`load_add_store`], for the pointer at `head`; moreover every non-null pointer stored
+/// at `head` (and in the `next` field of every node reachable from it) points to a live node
+/// whose `next` field at byte offset `NEXT` is readable until it is popped.
+#[inline]
+pub unsafe fn load_cbeq_load_store<T, const FIELD: usize, const NEXT: usize>(
+    at: Position<FIELD>,
+    head: *mut *mut T,
+) -> Outcome<*mut T> {
+    let mut node = 0usize;
+    // SAFETY: forwarded contract; `node` is a local the section may write.
+    let outcome = unsafe {
+        arch::load_cbeq_load_store::<FIELD, NEXT>(at.offset, at.index, head.cast(), &mut node)
+    };
+    match outcome {
+        Outcome::Committed(()) => Outcome::Committed(node as *mut T),
+        Outcome::Mismatch => Outcome::Mismatch,
+        Outcome::Aborted => Outcome::Aborted,
+    }
+}
+
+/// Pushes `node` onto the position's list at `head`: writes the current head into the node's
+/// `next` field (at `next`), then commits `*head = node` if the head did not change meanwhile.
+/// `Mismatch` means the head changed (another thread pushed or popped on this CPU): retry.
+///
+/// # Safety
+/// As for [`load_cbeq_load_store`]; moreover `node` is exclusively owned by the caller until
+/// the push commits, and `next` is its `next` field.
+#[inline]
+pub unsafe fn list_push<T, const FIELD: usize>(
+    at: Position<FIELD>,
+    head: *mut *mut T,
+    node: *mut T,
+    next: *mut *mut T,
+) -> Outcome {
+    // SAFETY: `head` is valid and aligned (contract); other CPUs may write it only under a
+    // fence, so an atomic load never races a plain store.
+    let current = unsafe { AtomicUsize::from_ptr(head.cast()) }.load(Ordering::Relaxed);
+    // SAFETY: the caller owns `node`, so nobody else reads or writes its `next` field yet.
+    unsafe { next.write(current as *mut T) };
+    // SAFETY: forwarded contract; the head is a pointer-sized word, 8 bytes on 64-bit targets.
+    unsafe { load_cbne_store(at, head.cast(), current as u64, node as u64) }
+}
+
+static ABORTS: AtomicU64 = AtomicU64::new(0);
+
+/// Records one aborted operation of thiscpu's safe types (called on the abort path only).
+#[cold]
+#[inline(never)]
+pub(crate) fn note_abort() {
+    ABORTS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Number of aborted restartable operations that thiscpu's safe types ([`crate::Counter`] and
+/// others) retried in this process so far. A diagnostic: aborts are normal and cost one retry.
+///
+/// ```
+/// let before = thiscpu::ops::aborts();
+/// assert!(thiscpu::ops::aborts() >= before);
+/// ```
+pub fn aborts() -> u64 {
+    ABORTS.load(Ordering::Relaxed)
+}
+
+/// Fault injection, built only with `RUSTFLAGS="--cfg thiscpu_inject"`: delay loops at
+/// numbered points inside every restartable sequence, so tests can drive the abort path.
+#[cfg(thiscpu_inject)]
+pub mod inject {
+    use core::sync::atomic::{AtomicU32, Ordering};
+
+    /// Number of injection points.
+    pub const POINTS: usize = 4;
+
+    /// Spin counts per point, read by the sections' delay loops.
+    pub static DELAYS: [AtomicU32; POINTS] = [const { AtomicU32::new(0) }; POINTS];
+
+    /// Sets the delay at `point` (spins of a decrement loop; 0 for none).
+    pub fn set_delay(point: usize, spins: u32) {
+        DELAYS[point].store(spins, Ordering::Relaxed);
+    }
+}

@@ -29,11 +29,20 @@ pub mod abi;
 #[allow(unsafe_code)]
 mod arch;
 #[allow(unsafe_code)]
+mod counter;
+#[allow(unsafe_code)]
 mod cpu;
+#[allow(unsafe_code)]
+pub mod ops;
+mod percpu;
 #[allow(unsafe_code)]
 mod registration;
 #[allow(unsafe_code)]
+pub mod stress;
+#[allow(unsafe_code)]
 pub mod topology;
 
+pub use counter::Counter;
 pub use cpu::{CpuNode, CpuSource, Source, current_cpu, current_node, getcpu, mm_cid, source, via};
+pub use percpu::{CachePadded, PerCpu};
 pub use registration::{Registrar, Unavailable};

@@ -1,0 +1,282 @@
+//! A self-test of exactness: many threads increment one [`Counter`] while another thread
+//! migrates them between CPUs at random, a signal storm runs handlers that increment the same
+//! counter, and short-lived threads come and go. Every increment is also counted privately, so
+//! the counter's total can be checked to the unit.
+//!
+//! This is what `thiscpu stress` runs; the test suite runs it too, in every environment.
+//!
+//! # Safety
+//! Installs a signal handler (restored afterwards), sends signals with `tgkill` and moves
+//! threads with `sched_setaffinity`; each block states why it holds.
+
+use crate::Counter;
+use core::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
+use std::sync::{Arc, Barrier, Mutex};
+use std::time::{Duration, Instant};
+
+/// What to run.
+#[derive(Clone, Debug)]
+pub struct StressConfig {
+    /// How long the workers increment.
+    pub duration: Duration,
+    /// Long-lived incrementing threads (default: 4 per online CPU).
+    pub threads: usize,
+    /// Move workers between CPUs at random, as fast as the kernel allows.
+    pub migrate: bool,
+    /// Send workers signals whose handler increments the same counter.
+    pub signals: bool,
+    /// Keep creating short-lived threads that increment and exit.
+    pub churn: bool,
+    /// The signal to use for the storm (its handler is restored afterwards).
+    pub signal: i32,
+}
+
+impl Default for StressConfig {
+    fn default() -> Self {
+        StressConfig {
+            duration: Duration::from_secs(1),
+            threads: 4 * crate::topology::online_cpus().len().max(1),
+            migrate: true,
+            signals: true,
+            churn: true,
+            signal: libc::SIGUSR2,
+        }
+    }
+}
+
+/// What happened.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StressReport {
+    /// Increments made (by workers, short-lived threads and signal handlers).
+    pub operations: u64,
+    /// What the counter says.
+    pub counted: u64,
+    /// `operations - counted`: must be 0.
+    pub lost: i128,
+    /// Aborted restartable sequences retried during the run.
+    pub aborts: u64,
+    /// Affinity changes made to workers.
+    pub migrations: u64,
+    /// Signals sent to workers.
+    pub signals: u64,
+    /// Increments made inside signal handlers.
+    pub signal_increments: u64,
+    /// Short-lived threads created.
+    pub threads_created: u64,
+    /// Long-lived worker threads.
+    pub workers: usize,
+    /// Wall time of the run.
+    pub elapsed: Duration,
+}
+
+impl StressReport {
+    /// Whether every increment was counted exactly once.
+    pub fn exact(&self) -> bool {
+        self.lost == 0
+    }
+}
+
+// The signal handler reaches the counter under test through these; one run at a time.
+static RUN: Mutex<()> = Mutex::new(());
+static COUNTER: AtomicPtr<Counter> = AtomicPtr::new(core::ptr::null_mut());
+static HANDLER_INCREMENTS: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn increment_in_handler(_: libc::c_int) {
+    let counter = COUNTER.load(Ordering::Acquire);
+    if !counter.is_null() {
+        // SAFETY: the pointer is set while the counter is alive and cleared (after the storm
+        // stops and every signal was handled) before it is dropped.
+        unsafe { &*counter }.inc();
+        HANDLER_INCREMENTS.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+fn gettid() -> i32 {
+    // SAFETY: no precondition.
+    unsafe { libc::gettid() }
+}
+
+/// A small xorshift generator: the stress needs cheap, not good, randomness.
+struct Random(u64);
+
+impl Random {
+    fn next(&mut self, below: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % below.max(1) as u64) as usize
+    }
+}
+
+fn pin(tid: i32, cpu: u32) -> bool {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays within it for cpu < 1024.
+    unsafe {
+        let mut set: libc::cpu_set_t = core::mem::zeroed();
+        if cpu as usize >= libc::CPU_SETSIZE as usize {
+            return false;
+        }
+        libc::CPU_SET(cpu as usize, &mut set);
+        libc::sched_setaffinity(tid, core::mem::size_of::<libc::cpu_set_t>(), &set) == 0
+    }
+}
+
+fn allowed_cpus() -> Vec<u32> {
+    // SAFETY: a zeroed cpu_set_t is valid; sched_getaffinity fills it.
+    unsafe {
+        let mut set: libc::cpu_set_t = core::mem::zeroed();
+        if libc::sched_getaffinity(0, core::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return crate::topology::online_cpus();
+        }
+        (0..libc::CPU_SETSIZE as u32)
+            .filter(|&cpu| libc::CPU_ISSET(cpu as usize, &set))
+            .collect()
+    }
+}
+
+/// Restores the previous handler when dropped.
+struct HandlerGuard {
+    signal: i32,
+    previous: libc::sigaction,
+}
+
+impl HandlerGuard {
+    fn install(signal: i32) -> std::io::Result<Self> {
+        // SAFETY: a zeroed sigaction is valid; the handler is async-signal-safe (one counter
+        // increment and one atomic add); SA_RESTART keeps the workers' syscalls going.
+        unsafe {
+            let mut action: libc::sigaction = core::mem::zeroed();
+            action.sa_sigaction = increment_in_handler as extern "C" fn(libc::c_int) as usize;
+            action.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut action.sa_mask);
+            let mut previous: libc::sigaction = core::mem::zeroed();
+            if libc::sigaction(signal, &action, &mut previous) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(HandlerGuard { signal, previous })
+        }
+    }
+}
+
+impl Drop for HandlerGuard {
+    fn drop(&mut self) {
+        // SAFETY: restores the action saved at installation.
+        unsafe {
+            libc::sigaction(self.signal, &self.previous, core::ptr::null_mut());
+        }
+    }
+}
+
+/// Runs the stress on a fresh [`Counter`] and reports. Only one run at a time in a process.
+///
+/// ```
+/// use std::time::Duration;
+/// let config = thiscpu::stress::StressConfig {
+///     duration: Duration::from_millis(100),
+///     threads: 4,
+///     ..Default::default()
+/// };
+/// let report = thiscpu::stress::run_counter(&config).unwrap();
+/// assert!(report.exact(), "{report:?}");
+/// ```
+pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
+    let _one_at_a_time = RUN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let counter = Arc::new(Counter::new());
+    let workers = config.threads.max(1);
+    let cpus = allowed_cpus();
+    let stop = Arc::new(AtomicBool::new(false));
+    let start = Arc::new(Barrier::new(workers + 1));
+    let tids: Arc<Vec<AtomicI32>> = Arc::new((0..workers).map(|_| AtomicI32::new(0)).collect());
+    let aborts_before = crate::ops::aborts();
+    HANDLER_INCREMENTS.store(0, Ordering::Relaxed);
+    let guard = if config.signals {
+        Some(HandlerGuard::install(config.signal)?)
+    } else {
+        None
+    };
+    COUNTER.store(Arc::as_ptr(&counter).cast_mut(), Ordering::Release);
+
+    let worker_handles: Vec<_> = (0..workers)
+        .map(|index| {
+            let (counter, stop, start, tids) =
+                (counter.clone(), stop.clone(), start.clone(), tids.clone());
+            std::thread::spawn(move || {
+                tids[index].store(gettid(), Ordering::Release);
+                start.wait();
+                let mut made = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    for _ in 0..64 {
+                        counter.inc();
+                    }
+                    made += 64;
+                }
+                made
+            })
+        })
+        .collect();
+
+    start.wait();
+    let began = Instant::now();
+    let deadline = began + config.duration;
+    let mut migrations = 0u64;
+    let mut signals = 0u64;
+    let mut churned = Vec::new();
+    let mut threads_created = 0u64;
+    let mut random = Random(0x9e37_79b9_7f4a_7c15 ^ u64::from(gettid() as u32));
+    // SAFETY: no precondition.
+    let pid = unsafe { libc::getpid() };
+    while Instant::now() < deadline {
+        for _ in 0..8 {
+            let tid = tids[random.next(workers)].load(Ordering::Acquire);
+            if config.migrate && !cpus.is_empty() && pin(tid, cpus[random.next(cpus.len())]) {
+                migrations += 1;
+            }
+            if config.signals {
+                // SAFETY: tgkill to a live thread of this process (workers run until `stop`);
+                // the signal's handler is installed.
+                if unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, config.signal) } == 0 {
+                    signals += 1;
+                }
+            }
+        }
+        if config.churn {
+            let counter = counter.clone();
+            churned.push(std::thread::spawn(move || {
+                let n = 2_000;
+                (0..n).for_each(|_| counter.inc());
+                n
+            }));
+            threads_created += 1;
+            if churned.len() >= 16 {
+                churned.drain(..8).for_each(|handle| drop(handle.join()));
+            }
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut operations: u64 = worker_handles
+        .into_iter()
+        .map(|handle| handle.join().expect("stress worker panicked"))
+        .sum();
+    operations += 2_000 * threads_created;
+    churned.into_iter().for_each(|handle| drop(handle.join()));
+    let elapsed = began.elapsed();
+    // Signals go only to workers, all joined now: no handler can run any more. A signal still
+    // pending when its worker exited was discarded with it, neither handled nor counted.
+    drop(guard);
+    COUNTER.store(core::ptr::null_mut(), Ordering::Release);
+    let signal_increments = HANDLER_INCREMENTS.load(Ordering::Relaxed);
+    operations += signal_increments;
+    let counted = counter.sum();
+    Ok(StressReport {
+        operations,
+        counted,
+        lost: i128::from(operations) - i128::from(counted),
+        aborts: crate::ops::aborts() - aborts_before,
+        migrations,
+        signals,
+        signal_increments,
+        threads_created,
+        workers,
+        elapsed,
+    })
+}

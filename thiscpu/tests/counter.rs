@@ -1,0 +1,215 @@
+//! Exactness of `Counter` and the raw operations, under migration, signals and thread churn.
+//! `.ci/run` runs this file in every environment (glibc's registration, thiscpu's own,
+//! `THISCPU_RSEQ=off`) and once built with `--cfg thiscpu_inject`.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use thiscpu::Counter;
+use thiscpu::ops::{self, Outcome};
+use thiscpu::stress::{StressConfig, run_counter};
+
+fn stress(config: StressConfig) -> thiscpu::stress::StressReport {
+    let report = run_counter(&config).expect("stress run");
+    eprintln!("{report:?}");
+    assert!(
+        report.exact(),
+        "lost {} of {} increments: {report:?}",
+        report.lost,
+        report.operations
+    );
+    assert!(report.operations > 0);
+    report
+}
+
+#[test]
+fn counter_is_exact_under_migration_signals_and_churn() {
+    let report = stress(StressConfig {
+        duration: Duration::from_millis(1500),
+        ..Default::default()
+    });
+    assert!(
+        report.signal_increments > 0,
+        "the signal storm reached no handler: {report:?}"
+    );
+    assert!(report.migrations > 0 || thiscpu::topology::online_cpus().len() == 1);
+    assert!(report.threads_created > 0);
+}
+
+/// Built with `--cfg thiscpu_inject`, delay loops inside every section make preemption and
+/// signals land inside sections, so the abort path must run; without the cfg this test checks
+/// exactness only.
+#[test]
+fn aborted_sections_are_retried_exactly() {
+    #[cfg(thiscpu_inject)]
+    for point in 0..ops::inject::POINTS {
+        ops::inject::set_delay(point, 20_000);
+    }
+    let report = stress(StressConfig {
+        duration: Duration::from_millis(1000),
+        churn: false,
+        ..Default::default()
+    });
+    let rseq_in_use = ops::position().is_some();
+    eprintln!("aborts: {}, rseq in use: {rseq_in_use}", report.aborts);
+    if cfg!(thiscpu_inject) && rseq_in_use {
+        assert!(
+            report.aborts > 0,
+            "fault injection on, yet no section aborted: {report:?}"
+        );
+    }
+}
+
+#[test]
+fn counter_sums_per_cpu_shares_and_handles_large_adds() {
+    let counter = Counter::new();
+    counter.add(u64::MAX);
+    counter.add(2);
+    assert_eq!(counter.sum(), 1, "sums wrap like u64 arithmetic");
+    let counter = Counter::new();
+    std::thread::scope(|s| {
+        for t in 0..8u64 {
+            let counter = &counter;
+            s.spawn(move || (0..10_000).for_each(|_| counter.add(t)));
+        }
+    });
+    let shares: u64 = counter.per_cpu().map(|(_, v)| v).sum::<u64>() + counter.unattributed();
+    assert_eq!(counter.sum(), 10_000 * (0..8).sum::<u64>());
+    assert_eq!(shares, counter.sum());
+    assert_eq!(counter.per_cpu().len(), thiscpu::topology::possible_cpus());
+}
+
+fn slots() -> Vec<AtomicU64> {
+    (0..thiscpu::topology::possible_cpus())
+        .map(|_| AtomicU64::new(0))
+        .collect()
+}
+
+#[test]
+fn load_cbne_store_stores_only_over_the_expected_value() {
+    let words = slots();
+    let Some(_) = ops::position() else {
+        eprintln!("rseq not in use here: nothing to check");
+        return;
+    };
+    let mut committed = 0;
+    let mut mismatched = 0;
+    while committed < 1 || mismatched < 1 {
+        let at = ops::position().unwrap();
+        let word = &words[at.index() as usize];
+        let current = word.load(Ordering::Relaxed);
+        // SAFETY: each word belongs to its CPU and is written only by sections on it.
+        match unsafe { ops::load_cbne_store(at, word.as_ptr(), current + 1, 99) } {
+            Outcome::Mismatch => mismatched += 1,
+            Outcome::Committed(()) => panic!("stored over {current}, expected {}", current + 1),
+            Outcome::Aborted => continue,
+        }
+        // SAFETY: as above.
+        match unsafe { ops::load_cbne_store(at, word.as_ptr(), current, current + 7) } {
+            Outcome::Committed(()) => committed += 1,
+            Outcome::Mismatch => panic!("{current} was there and did not match"),
+            Outcome::Aborted => continue,
+        }
+    }
+    let total: u64 = words.iter().map(|w| w.load(Ordering::Relaxed)).sum();
+    assert_eq!(total, 7);
+}
+
+#[repr(C)]
+struct Node {
+    next: *mut Node,
+    value: u64,
+}
+
+const NEXT: usize = core::mem::offset_of!(Node, next);
+
+/// Threads push and pop nodes on per-CPU lists while being migrated; every node is accounted for
+/// at the end, once, with its value.
+#[test]
+fn per_cpu_lists_never_lose_or_duplicate_a_node() {
+    if ops::position().is_none() {
+        eprintln!("rseq not in use here: nothing to check");
+        return;
+    }
+    let heads: Vec<AtomicU64> = slots();
+    let nodes_per_thread = 2_000u64;
+    let threads = 4;
+    std::thread::scope(|s| {
+        for t in 0..threads {
+            let heads = &heads;
+            s.spawn(move || {
+                let mut owned: Vec<*mut Node> = (0..nodes_per_thread)
+                    .map(|i| {
+                        Box::into_raw(Box::new(Node {
+                            next: core::ptr::null_mut(),
+                            value: t * nodes_per_thread + i,
+                        }))
+                    })
+                    .collect();
+                for round in 0..20_000usize {
+                    if round % 3 != 2 {
+                        let Some(node) = owned.pop() else { continue };
+                        loop {
+                            let at = ops::position().unwrap();
+                            let head = heads[at.index() as usize].as_ptr().cast::<*mut Node>();
+                            // SAFETY: heads are per-CPU and written only by sections on their
+                            // CPU; `node` is ours until the push commits.
+                            let outcome =
+                                unsafe { ops::list_push(at, head, node, &raw mut (*node).next) };
+                            if outcome == Outcome::Committed(()) {
+                                break;
+                            }
+                        }
+                    } else {
+                        loop {
+                            let at = ops::position().unwrap();
+                            let head = heads[at.index() as usize].as_ptr().cast::<*mut Node>();
+                            // SAFETY: as above; listed nodes are live until popped.
+                            match unsafe {
+                                ops::load_cbeq_load_store::<Node, { ops::BY_CPU }, NEXT>(at, head)
+                            } {
+                                Outcome::Committed(node) => {
+                                    owned.push(node);
+                                    break;
+                                }
+                                Outcome::Mismatch => break,
+                                Outcome::Aborted => continue,
+                            }
+                        }
+                    }
+                    if round % 1000 == 0 {
+                        std::thread::yield_now();
+                    }
+                }
+                // Hand the nodes still owned back through the lists too.
+                for node in owned {
+                    loop {
+                        let at = ops::position().unwrap();
+                        let head = heads[at.index() as usize].as_ptr().cast::<*mut Node>();
+                        // SAFETY: as above.
+                        if unsafe { ops::list_push(at, head, node, &raw mut (*node).next) }
+                            == Outcome::Committed(())
+                        {
+                            break;
+                        }
+                    }
+                }
+            });
+        }
+    });
+    let mut seen = vec![false; (threads * nodes_per_thread) as usize];
+    for head in &heads {
+        let mut node = head.load(Ordering::Relaxed) as *mut Node;
+        while !node.is_null() {
+            // SAFETY: every thread has stopped; the lists hold the boxed nodes.
+            let boxed = unsafe { Box::from_raw(node) };
+            assert!(
+                !seen[boxed.value as usize],
+                "node {} listed twice",
+                boxed.value
+            );
+            seen[boxed.value as usize] = true;
+            node = boxed.next;
+        }
+    }
+    assert!(seen.iter().all(|&s| s), "a node was lost");
+}

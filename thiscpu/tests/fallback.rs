@@ -1,0 +1,96 @@
+//! The other ways to ask "which CPU": each `via::` source against the kernel's own answer, and
+//! the fallback chain's choice against what the machine offers.
+
+mod common;
+
+use common::*;
+use thiscpu::{CpuNode, CpuSource, topology, via};
+
+#[test]
+fn every_source_agrees_with_the_kernel_when_pinned() {
+    let _restore = AffinityGuard::new();
+    let mut seen = Vec::new();
+    for cpu in allowed_cpus() {
+        pin(cpu);
+        let (kernel_cpu, node) = kernel_getcpu();
+        assert_eq!(kernel_cpu, cpu);
+        assert_eq!(
+            topology::node_of_cpu(cpu),
+            Some(node),
+            "/sys vs getcpu syscall"
+        );
+        let expected = CpuNode { cpu, node };
+        for round in 0..20 {
+            let at = format!("pinned to CPU {cpu}, round {round}");
+            assert_eq!(via::syscall(), expected, "via::syscall(), {at}");
+            if let Some(answer) = via::vdso() {
+                assert_eq!(answer, expected, "via::vdso(), {at}");
+                seen.push("vdso");
+            }
+            if let Some(answer) = via::rdpid() {
+                assert_eq!(answer, expected, "via::rdpid(), {at}");
+                seen.push("rdpid");
+            }
+            if let Some(answer) = via::rdtscp() {
+                assert_eq!(answer, expected, "via::rdtscp(), {at}");
+                seen.push("rdtscp");
+            }
+            if let Some(answer) = via::sched_getcpu() {
+                assert_eq!(answer, cpu, "via::sched_getcpu(), {at}");
+                seen.push("sched_getcpu");
+            }
+        }
+    }
+    seen.sort_unstable();
+    seen.dedup();
+    eprintln!("sources present besides the syscall: {seen:?}");
+}
+
+#[test]
+fn the_fallback_is_the_first_source_the_machine_offers() {
+    let source = thiscpu::source();
+    let expected = if via::rdpid().is_some() {
+        CpuSource::Rdpid
+    } else if via::vdso().is_some() {
+        CpuSource::Vdso
+    } else {
+        CpuSource::Syscall
+    };
+    assert_eq!(source.fallback, expected, "{source:?}");
+}
+
+#[test]
+fn sources_answer_for_the_moving_thread_too() {
+    for _ in 0..20 {
+        let both = |(cpu, node)| CpuNode { cpu, node };
+        agrees_with_kernel(via::syscall, both).unwrap_or_else(|e| panic!("via::syscall(): {e}"));
+        if via::vdso().is_some() {
+            agrees_with_kernel(|| via::vdso().unwrap(), both)
+                .unwrap_or_else(|e| panic!("via::vdso(): {e}"));
+        }
+        if via::rdpid().is_some() {
+            agrees_with_kernel(|| via::rdpid().unwrap(), both)
+                .unwrap_or_else(|e| panic!("via::rdpid(): {e}"));
+        }
+        if via::rdtscp().is_some() {
+            agrees_with_kernel(|| via::rdtscp().unwrap(), both)
+                .unwrap_or_else(|e| panic!("via::rdtscp(): {e}"));
+        }
+    }
+}
+
+/// The CPU instructions are only used where CPUID says the CPU has them.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn cpu_instructions_only_where_cpuid_has_them() {
+    use std::arch::x86_64::{__cpuid, __cpuid_count};
+    let has_rdpid = __cpuid_count(7, 0).ecx & (1 << 22) != 0;
+    let has_rdtscp =
+        __cpuid(0x8000_0000).eax >= 0x8000_0001 && __cpuid(0x8000_0001).edx & (1 << 27) != 0;
+    if via::rdpid().is_some() {
+        assert!(has_rdpid, "via::rdpid() answered but CPUID has no RDPID");
+    }
+    if via::rdtscp().is_some() {
+        assert!(has_rdtscp, "via::rdtscp() answered but CPUID has no RDTSCP");
+    }
+}

@@ -1,0 +1,302 @@
+//! Who registers rseq, and whether every thread gets a working area: threads started before
+//! and after the first use, hundreds of short-lived threads, and a forked child.
+//!
+//! `.ci/run` runs this file in each environment and says what it expects in
+//! `THISCPU_EXPECT_REGISTRAR` (`glibc`, `thiscpu` or `none`); without it the tests work the
+//! expectation out from glibc's symbols, `THISCPU_RSEQ` and the kernel.
+
+mod common;
+
+use common::*;
+use std::sync::{Arc, Barrier};
+use thiscpu::{CpuNode, CpuSource, Registrar, Unavailable, topology, via};
+
+#[test]
+fn registrar_is_what_the_environment_provides() {
+    let source = thiscpu::source();
+    eprintln!("{source:?}");
+    if let Some(expected) = expected_registrar_from_env() {
+        assert_eq!(
+            source.registrar.name(),
+            expected,
+            "THISCPU_EXPECT_REGISTRAR; source {source:?}"
+        );
+    }
+    assert_eq!(
+        source.registrar,
+        registrar_from_environment(),
+        "registrar vs the environment seen by the test; source {source:?}"
+    );
+    match source.registrar {
+        Registrar::Glibc | Registrar::Thiscpu => assert_eq!(source.unavailable, None),
+        Registrar::None => {
+            let why = source.unavailable.expect("no registrar but no reason");
+            if rseq_turned_off_by_env() {
+                assert_eq!(why, Unavailable::TurnedOff);
+            } else if !kernel_has_rseq() {
+                assert_ne!(why, Unavailable::TurnedOff);
+            }
+        }
+    }
+}
+
+#[test]
+fn source_reports_the_kernel_and_glibc_as_they_are() {
+    let source = thiscpu::source();
+    // SAFETY: getauxval has no precondition; it returns 0 for absent entries.
+    let feature_size = unsafe { libc::getauxval(27) } as u32;
+    if source.registrar != Registrar::None || source.unavailable == Some(Unavailable::TurnedOff) {
+        assert_eq!(source.kernel_feature_size, feature_size, "{source:?}");
+    }
+    assert_eq!(source.glibc_rseq_size, glibc_symbol::<u32>(c"__rseq_size"));
+    assert_eq!(
+        source.glibc_rseq_offset,
+        glibc_symbol::<isize>(c"__rseq_offset")
+    );
+    assert_eq!(source.this_thread, expected_this_thread(&source));
+    assert!(
+        matches!(
+            source.fallback,
+            CpuSource::Rdpid | CpuSource::Vdso | CpuSource::Syscall
+        ),
+        "{source:?}"
+    );
+    // node_id (offset 20) and mm_cid (offset 24) are usable exactly when rseq is in use and the
+    // kernel fills them (AT_RSEQ_FEATURE_SIZE covers them).
+    let rseq = source.registrar != Registrar::None;
+    assert_eq!(source.node_id, rseq && feature_size >= 24, "{source:?}");
+    assert_eq!(source.mm_cid, rseq && feature_size >= 28, "{source:?}");
+    assert_eq!(thiscpu::mm_cid().is_some(), source.mm_cid, "{source:?}");
+    if rseq {
+        assert!(source.usable_size >= 20, "{source:?}");
+    }
+}
+
+/// The checks every thread must pass, whatever registers rseq, pinned to each allowed CPU.
+fn check_thread(who: &str) {
+    let source = thiscpu::source();
+    assert_eq!(
+        source.this_thread,
+        expected_this_thread(&source),
+        "{who}: {source:?}"
+    );
+    match source.registrar {
+        Registrar::Glibc | Registrar::Thiscpu => assert_eq!(
+            kernel_rseq_state(),
+            KernelRseq::Registered,
+            "{who}: rseq in use, but the kernel has no area registered for this thread"
+        ),
+        Registrar::None => {}
+    }
+    let _restore = AffinityGuard::new();
+    for cpu in allowed_cpus() {
+        pin(cpu);
+        let node = topology::node_of_cpu(cpu).unwrap();
+        assert_eq!(thiscpu::current_cpu(), cpu, "{who}: current_cpu() on {cpu}");
+        assert_eq!(
+            thiscpu::getcpu(),
+            CpuNode { cpu, node },
+            "{who}: getcpu() on {cpu}"
+        );
+        match source.registrar {
+            // glibc's own area must say the same: that is the one thiscpu reads.
+            Registrar::Glibc => assert_eq!(glibc_area_cpu_id(), Some(cpu as i32), "{who}"),
+            // glibc must have kept out (its area says "registration failed or disabled").
+            Registrar::Thiscpu => {
+                if let Some(glibc) = glibc_area_cpu_id() {
+                    assert!(glibc < 0, "{who}: glibc's area is live ({glibc}) too");
+                }
+            }
+            Registrar::None => {}
+        }
+    }
+}
+
+#[test]
+fn threads_started_before_and_after_first_use_all_work() {
+    let _serial = serial();
+    // `early` exists before this test's thread first asks anything, and asks only later.
+    let go = Arc::new(Barrier::new(2));
+    let early = {
+        let go = Arc::clone(&go);
+        std::thread::spawn(move || {
+            go.wait();
+            check_thread("thread started before first use");
+        })
+    };
+    check_thread("test thread");
+    go.wait();
+    let late = std::thread::spawn(|| check_thread("thread started after first use"));
+    early.join().expect("early thread");
+    late.join().expect("late thread");
+    // Threads that never ask thiscpu anything cost nothing and break nothing.
+    std::thread::spawn(|| {}).join().unwrap();
+    check_thread("test thread, again");
+}
+
+#[test]
+fn short_lived_threads_leave_nothing_behind() {
+    let _serial = serial();
+    let cpus = allowed_cpus();
+    let possible = topology::possible_cpus() as u32;
+    // Hundreds of threads register (with thiscpu's own registration), answer, and exit, a few
+    // at a time so that glibc reuses their stacks and static TLS for the next ones. An area
+    // the kernel still wrote after its thread exited would land in a later thread's TLS.
+    for batch in 0..50 {
+        let threads: Vec<_> = (0..6)
+            .map(|i| {
+                let cpu = cpus[(batch * 6 + i) % cpus.len()];
+                std::thread::spawn(move || {
+                    let first = thiscpu::current_cpu();
+                    assert!(first < possible, "first answer {first}");
+                    pin(cpu);
+                    assert_eq!(thiscpu::current_cpu(), cpu, "batch {batch} thread {i}");
+                    assert_eq!(thiscpu::getcpu().cpu, cpu, "batch {batch} thread {i}");
+                })
+            })
+            .collect();
+        for thread in threads {
+            thread.join().expect("a short-lived thread saw a wrong CPU");
+        }
+    }
+    // Threads built on the recycled memory still start unregistered and register properly,
+    // and so does every answer in this old thread.
+    for round in 0..4 {
+        std::thread::spawn(move || check_thread(&format!("thread {round} after the churn")))
+            .join()
+            .expect("thread after the churn");
+    }
+    check_thread("test thread after the churn");
+}
+
+/// Failures a forked child reports through its exit status, one bit each.
+const CHILD_CPU: i32 = 1;
+const CHILD_GETCPU: i32 = 2;
+const CHILD_NODE: i32 = 4;
+const CHILD_SYSCALL: i32 = 8;
+const CHILD_MM_CID: i32 = 16;
+const CHILD_PIN: i32 = 32;
+const CHILD_UNPINNED: i32 = 64;
+
+fn describe_child_failure(bits: i32) -> String {
+    [
+        (CHILD_CPU, "current_cpu() differs from the kernel"),
+        (CHILD_GETCPU, "getcpu() differs from the kernel"),
+        (CHILD_NODE, "current_node() differs from the kernel"),
+        (CHILD_SYSCALL, "via::syscall() differs from the kernel"),
+        (
+            CHILD_MM_CID,
+            "mm_cid() is not 0 in a single-threaded process",
+        ),
+        (CHILD_PIN, "sched_setaffinity failed"),
+        (
+            CHILD_UNPINNED,
+            "an unpinned answer never agreed with the kernel",
+        ),
+    ]
+    .iter()
+    .filter(|(bit, _)| bits & bit != 0)
+    .map(|(_, what)| *what)
+    .collect::<Vec<_>>()
+    .join("; ")
+}
+
+/// The forked child's work: no allocation, no panics, no locks; reports through `_exit`.
+fn child(cpus: &[u32], masks: &[Mask], expect_mm_cid: bool) -> ! {
+    let mut failed = 0;
+    // Unpinned first (the child runs wherever the kernel put it): some try must agree.
+    let mut agreed = false;
+    for _ in 0..10 {
+        let before = kernel_getcpu();
+        let cpu = thiscpu::current_cpu();
+        let here = thiscpu::getcpu();
+        let after = kernel_getcpu();
+        if before == after
+            && cpu == before.0
+            && here
+                == (CpuNode {
+                    cpu,
+                    node: before.1,
+                })
+        {
+            agreed = true;
+            break;
+        }
+    }
+    if !agreed {
+        failed |= CHILD_UNPINNED;
+    }
+    for (&cpu, mask) in cpus.iter().zip(masks) {
+        if set_affinity(0, mask).is_err() {
+            failed |= CHILD_PIN;
+            continue;
+        }
+        let (kernel_cpu, kernel_node) = kernel_getcpu();
+        if thiscpu::current_cpu() != cpu || kernel_cpu != cpu {
+            failed |= CHILD_CPU;
+        }
+        if thiscpu::getcpu()
+            != (CpuNode {
+                cpu,
+                node: kernel_node,
+            })
+        {
+            failed |= CHILD_GETCPU;
+        }
+        if thiscpu::current_node() != kernel_node {
+            failed |= CHILD_NODE;
+        }
+        if via::syscall()
+            != (CpuNode {
+                cpu,
+                node: kernel_node,
+            })
+        {
+            failed |= CHILD_SYSCALL;
+        }
+        // The child has one thread: the kernel hands it concurrency id 0, on any CPU.
+        if expect_mm_cid && thiscpu::mm_cid() != Some(0) {
+            failed |= CHILD_MM_CID;
+        }
+    }
+    // SAFETY: ends the child without running the parent's atexit handlers or destructors.
+    unsafe { libc::_exit(failed) }
+}
+
+fn fork_and_check(who: &str) {
+    let cpus = allowed_cpus();
+    let masks: Vec<Mask> = cpus.iter().map(|&cpu| Mask::of(&[cpu])).collect();
+    let expect_mm_cid = thiscpu::source().mm_cid;
+    // SAFETY: the child only makes system calls and reads memory prepared above; it neither
+    // allocates nor takes locks that another thread of the parent might hold.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        child(&cpus, &masks, expect_mm_cid);
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child just forked; `status` is a valid out-pointer.
+    let waited = unsafe { libc::waitpid(pid, &mut status, 0) };
+    assert_eq!(waited, pid, "waitpid: {}", std::io::Error::last_os_error());
+    assert!(
+        libc::WIFEXITED(status),
+        "{who}: the child did not exit normally (status {status:#x})"
+    );
+    let bits = libc::WEXITSTATUS(status);
+    assert_eq!(bits, 0, "{who}: {}", describe_child_failure(bits));
+}
+
+#[test]
+fn forked_child_answers_for_itself() {
+    let _serial = serial();
+    // From a thread that already uses thiscpu: the child inherits its registration.
+    let _ = thiscpu::current_cpu();
+    fork_and_check("child of a thread that used thiscpu");
+    // From a thread that never asked: the child starts unregistered (with thiscpu's own
+    // registration) and registers on its first call.
+    std::thread::spawn(|| fork_and_check("child of a thread that never used thiscpu"))
+        .join()
+        .expect("fork from a fresh thread");
+    // And the parent is unaffected.
+    check_thread("parent after fork");
+}

@@ -1,0 +1,205 @@
+//! Dense per-CPU memory: a stride allocator, as the kernel's percpu allocator and librseq's
+//! mempool lay per-CPU data out.
+//!
+//! Address space is reserved in *ranges*. A range holds one *row* of [`STRIDE`] bytes per
+//! possible CPU, plus one spare row, back to back: row `r` starts at `base + r * STRIDE`. A slot
+//! is an offset inside a row, the same offset in every row, so the copy of slot `s` for CPU `c`
+//! lives at `s + c * STRIDE`. One CPU's slots sit side by side (a `u64` counter costs 8 bytes per
+//! CPU), yet two CPUs never share a cache line, since their rows are `STRIDE` apart. Rows are
+//! reserved, not committed: the pages of a CPU that never touches its slots stay unbacked.
+//!
+//! The spare row (index `possible_cpus()`) holds, per slot, whatever the slot's owner keeps
+//! outside the per-CPU rows; `Counter` keeps there the word that threads without rseq add to.
+//!
+//! # Safety
+//! Maps memory with `mmap` and hands out raw addresses inside it; each block states why it holds.
+
+use crate::topology;
+use std::collections::HashMap;
+use std::ptr::NonNull;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+
+/// Bytes between the rows of two consecutive CPUs. 64 KiB: a range holds 8192 `u64` slots per
+/// CPU; the address space a range reserves (64 KiB per possible CPU) is never backed for CPUs
+/// that do not run the program, and at most one partly used range exists at a time.
+pub const STRIDE: usize = 64 * 1024;
+
+/// log2 of [`STRIDE`], so that a row's address is a shift and an add.
+pub(crate) const STRIDE_SHIFT: u32 = STRIDE.trailing_zeros();
+const _: () = assert!(1 << STRIDE_SHIFT == STRIDE);
+
+/// Largest alignment a slot may ask for: one page keeps every row aligned alike.
+pub const MAX_ALIGN: usize = 4096;
+
+/// Number of per-CPU rows: set once, before the first slot is handed out, and never changed.
+/// A CPU index below it addresses an existing row.
+static ROWS: AtomicU32 = AtomicU32::new(0);
+
+/// Rows for CPUs (the number of possible CPUs). 0 until the first slot is allocated, so an
+/// index check against it is always conservative.
+#[inline(always)]
+pub(crate) fn cpu_rows() -> u32 {
+    ROWS.load(Ordering::Relaxed)
+}
+
+struct Range {
+    base: NonNull<u8>,
+    used: usize,
+}
+
+// SAFETY: a range is an address range; which thread holds its record does not matter.
+unsafe impl Send for Range {}
+
+struct Arena {
+    ranges: Vec<Range>,
+    /// Freed slots by (size, align), reused first.
+    free: HashMap<(usize, usize), Vec<NonNull<u8>>>,
+    rows: usize,
+}
+
+// SAFETY: as for `Range`.
+unsafe impl Send for Arena {}
+
+static ARENA: Mutex<Option<Arena>> = Mutex::new(None);
+static SLOTS_IN_USE: AtomicUsize = AtomicUsize::new(0);
+static BYTES_IN_USE: AtomicUsize = AtomicUsize::new(0);
+
+/// What the dense allocator holds right now.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DenseStats {
+    /// Ranges reserved so far.
+    pub ranges: usize,
+    /// Address space reserved, all rows of all ranges, in bytes.
+    pub reserved_bytes: usize,
+    /// Slots handed out and not freed.
+    pub slots: usize,
+    /// Bytes those slots use in one row.
+    pub bytes_per_row: usize,
+    /// Rows per range: possible CPUs plus the spare row.
+    pub rows: usize,
+}
+
+/// The allocator's current holdings.
+///
+/// ```
+/// let counter = thiscpu::Counter::new();
+/// let stats = thiscpu::dense::stats();
+/// assert!(stats.slots >= 1 && stats.reserved_bytes >= stats.rows * thiscpu::dense::STRIDE);
+/// drop(counter);
+/// ```
+pub fn stats() -> DenseStats {
+    let arena = ARENA
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let (ranges, rows) = arena
+        .as_ref()
+        .map_or((0, 0), |arena| (arena.ranges.len(), arena.rows));
+    DenseStats {
+        ranges,
+        reserved_bytes: ranges * rows * STRIDE,
+        slots: SLOTS_IN_USE.load(Ordering::Relaxed),
+        bytes_per_row: BYTES_IN_USE.load(Ordering::Relaxed),
+        rows,
+    }
+}
+
+fn reserve_range(rows: usize) -> NonNull<u8> {
+    let length = rows * STRIDE;
+    // SAFETY: an anonymous private mapping at an address of the kernel's choice; MAP_NORESERVE
+    // commits nothing, pages are backed on first write (and read as zero before).
+    let address = unsafe {
+        libc::mmap(
+            core::ptr::null_mut(),
+            length,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if address == libc::MAP_FAILED {
+        std::alloc::handle_alloc_error(
+            std::alloc::Layout::from_size_align(length, MAX_ALIGN).expect("range layout"),
+        );
+    }
+    NonNull::new(address.cast()).expect("mmap returned null")
+}
+
+/// A slot: `size` bytes at the same offset in every row, zero in every row when handed out.
+/// Freed with [`free`].
+///
+/// Panics if `size` is 0 or above [`STRIDE`], or `align` is not a power of two up to
+/// [`MAX_ALIGN`].
+pub(crate) fn alloc(size: usize, align: usize) -> NonNull<u8> {
+    assert!(size > 0 && size <= STRIDE, "slot size {size} out of range");
+    assert!(
+        align.is_power_of_two() && align <= MAX_ALIGN,
+        "slot alignment {align} not supported"
+    );
+    let size = size.next_multiple_of(align);
+    let mut guard = ARENA
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let arena = guard.get_or_insert_with(|| {
+        let cpus = topology::possible_cpus();
+        ROWS.store(cpus as u32, Ordering::Relaxed);
+        Arena {
+            ranges: Vec::new(),
+            free: HashMap::new(),
+            rows: cpus + 1,
+        }
+    });
+    SLOTS_IN_USE.fetch_add(1, Ordering::Relaxed);
+    BYTES_IN_USE.fetch_add(size, Ordering::Relaxed);
+    if let Some(slot) = arena.free.get_mut(&(size, align)).and_then(Vec::pop) {
+        return slot;
+    }
+    let fits = |range: &Range| range.used.next_multiple_of(align) + size <= STRIDE;
+    if !arena.ranges.last().is_some_and(fits) {
+        let base = reserve_range(arena.rows);
+        arena.ranges.push(Range { base, used: 0 });
+    }
+    let range = arena.ranges.last_mut().expect("a range was just ensured");
+    let offset = range.used.next_multiple_of(align);
+    range.used = offset + size;
+    // SAFETY: `offset + size <= STRIDE`, inside row 0 of the range.
+    unsafe { range.base.add(offset) }
+}
+
+/// Address of row `row`'s copy of `slot`.
+///
+/// # Safety
+/// `slot` came from [`alloc`] and `row <= cpu_rows()` (the spare row is `cpu_rows()`).
+#[inline(always)]
+pub(crate) unsafe fn row(slot: NonNull<u8>, row: u32) -> *mut u8 {
+    // SAFETY: the range holds `cpu_rows() + 1` rows of STRIDE bytes.
+    unsafe { slot.as_ptr().add((row as usize) << STRIDE_SHIFT) }
+}
+
+/// Returns a slot for reuse, after zeroing it in every row where it is not already zero (rows
+/// never written stay untouched, so freeing does not back pages of CPUs that never ran).
+///
+/// # Safety
+/// `slot` came from [`alloc`] with the same `size` and `align`, is not freed twice, and nothing
+/// reads or writes any of its rows during or after this call (in particular, no restartable
+/// sequence addressed at it can still commit).
+pub(crate) unsafe fn free(slot: NonNull<u8>, size: usize, align: usize) {
+    let size = size.next_multiple_of(align);
+    for r in 0..=cpu_rows() {
+        // SAFETY: the caller owns every row of the slot now.
+        let bytes = unsafe { core::slice::from_raw_parts_mut(row(slot, r), size) };
+        if bytes.iter().any(|&byte| byte != 0) {
+            bytes.fill(0);
+        }
+    }
+    let mut guard = ARENA
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let arena = guard
+        .as_mut()
+        .expect("a slot was allocated, so the arena exists");
+    arena.free.entry((size, align)).or_default().push(slot);
+    SLOTS_IN_USE.fetch_sub(1, Ordering::Relaxed);
+    BYTES_IN_USE.fetch_sub(size, Ordering::Relaxed);
+}

@@ -1,25 +1,68 @@
-//! `Counter`: an exact per-CPU counter whose increment is one restartable sequence.
+//! `Counter`: an exact per-CPU counter whose increment is one restartable sequence, stored
+//! densely (8 bytes per CPU) by the stride allocator.
+//!
+//! # Safety
+//! A counter owns one dense slot (a `u64` in every row); its words are only written by
+//! restartable sequences positioned on the row's CPU (or concurrency id), by atomic adds when
+//! the process has no rseq at all, or, for the spare row, by atomic adds; each block says how.
 
 use crate::arch;
-use crate::ops::{self, BY_CPU, Outcome};
-use crate::percpu::{CachePadded, PerCpu};
-use crate::registration::{self, Registrar};
-use core::sync::atomic::{AtomicU64, Ordering};
+use crate::dense;
+use crate::ops::{self, BY_CPU, BY_MM_CID, Outcome};
+use crate::registration::{self, MM_CID_USABLE, Registrar};
+use core::marker::PhantomData;
+use core::ptr::NonNull;
+use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// What a [`Counter`]'s increments are spread by: the CPU ([`ByCpu`], the default) or the
+/// memory-map concurrency id ([`ByMmCid`]).
+pub trait Spread: sealed::Sealed + Send + Sync + 'static {
+    /// The rseq field the sections compare (`ops::BY_CPU` or `ops::BY_MM_CID`).
+    #[doc(hidden)]
+    const FIELD: usize;
+}
+
+/// Spread increments by CPU: one word per CPU that ran the program.
+#[derive(Debug)]
+pub struct ByCpu;
+
+/// Spread increments by `mm_cid` (Linux 6.3+): ids are dense, below the number of threads the
+/// process runs at once, so memory follows threads, not CPUs. Where the kernel has no `mm_cid`
+/// this spreads by CPU.
+#[derive(Debug)]
+pub struct ByMmCid;
+
+impl sealed::Sealed for ByCpu {}
+impl sealed::Sealed for ByMmCid {}
+impl Spread for ByCpu {
+    const FIELD: usize = BY_CPU;
+}
+impl Spread for ByMmCid {
+    const FIELD: usize = BY_MM_CID;
+}
 
 /// A counter that many threads increment at once without contention and without atomic
-/// read-modify-write instructions: each increment adds to the slot of the CPU the thread runs
-/// on, inside a restartable sequence, and readers sum the slots.
+/// read-modify-write instructions: each increment adds to the word of the CPU the thread runs
+/// on, inside a restartable sequence, and readers sum the words.
 ///
 /// - `add` is exact under preemption, migration, signals (it may be called from a signal
 ///   handler) and thread exit: an interrupted increment is retried, never lost or doubled.
 /// - Without rseq in the process (old kernel, valgrind, `THISCPU_RSEQ=off`) each `add` is an
-///   atomic add on the slot of the CPU the fallback reports: still exact, slower.
+///   atomic add on the word of the CPU the fallback reports: still exact, slower.
 /// - A thread that cannot use rseq while the rest of the process does (for example a thread
-///   made by a raw `clone`) adds atomically to a separate shared word, so plain and atomic
-///   updates never meet on one slot.
-/// - [`sum`](Counter::sum) reads each slot with one atomic load: never a torn value. It is
-///   exact once writers have stopped (and happened-before the read, e.g. by `join`); while they
-///   run it is a value the counter had at some point during the read, per slot.
+///   made by a raw `clone`) adds atomically to a separate word, so plain and atomic updates
+///   never meet on one word.
+/// - [`sum`](Counter::sum) reads each word with one atomic load: never a torn value. It is exact
+///   once writers have stopped (and happened-before the read, e.g. by `join`); while they run it
+///   is, per word, a value that word had during the read.
+///
+/// Size: the handle is one pointer; the data is 8 bytes per CPU that ever incremented it (plus
+/// 8 for threads without rseq), packed with other counters' words by [`crate::dense`].
 ///
 /// ```
 /// let requests = thiscpu::Counter::new();
@@ -30,22 +73,75 @@ use core::sync::atomic::{AtomicU64, Ordering};
 /// });
 /// assert_eq!(requests.sum(), 4000);
 /// ```
-pub struct Counter {
-    slots: PerCpu<AtomicU64>,
-    unregistered: CachePadded<AtomicU64>,
+pub struct Counter<S: Spread = ByCpu> {
+    slot: NonNull<u64>,
+    spread: PhantomData<S>,
 }
 
-impl Counter {
-    /// A counter at zero.
+// SAFETY: the counter's words are only accessed atomically or by restartable sequences, which
+// no two threads can run on the same word at once; the handle is a plain address.
+unsafe impl<S: Spread> Send for Counter<S> {}
+// SAFETY: as above: every method takes `&self` and is safe to call concurrently.
+unsafe impl<S: Spread> Sync for Counter<S> {}
+
+const WORD: usize = core::mem::size_of::<u64>();
+
+/// Per-word values already returned by `take`, for the counters that used it (keyed by slot
+/// address): a taker subtracts instead of writing the words that rseq sections write.
+static TAKEN: Mutex<Vec<(usize, Box<[u64]>)>> = Mutex::new(Vec::new());
+/// Whether any counter was ever taken from: until then readers skip the table (and its lock,
+/// which keeps `sum` usable in signal handlers in programs that never take).
+static ANY_TAKEN: AtomicBool = AtomicBool::new(false);
+
+impl Counter<ByCpu> {
+    /// A counter at zero, spread by CPU.
     ///
     /// ```
     /// assert_eq!(thiscpu::Counter::new().sum(), 0);
     /// ```
     pub fn new() -> Self {
+        Counter::allocate()
+    }
+}
+
+impl Counter<ByMmCid> {
+    /// A counter at zero, spread by memory-map concurrency id.
+    ///
+    /// ```
+    /// let c = thiscpu::Counter::by_mm_cid();
+    /// c.inc();
+    /// assert_eq!(c.sum(), 1);
+    /// ```
+    pub fn by_mm_cid() -> Self {
+        Counter::allocate()
+    }
+}
+
+impl<S: Spread> Counter<S> {
+    fn allocate() -> Self {
+        let slot = dense::alloc(WORD, WORD).cast();
         Counter {
-            slots: PerCpu::default(),
-            unregistered: CachePadded(AtomicU64::new(0)),
+            slot,
+            spread: PhantomData,
         }
+    }
+
+    #[inline(always)]
+    fn word(&self, row: u32) -> &AtomicU64 {
+        // SAFETY: callers pass `row <= dense::cpu_rows()`; the slot is a live, zeroed-at-birth,
+        // 8-byte aligned `u64` in every row, accessed only atomically or by sections.
+        unsafe { AtomicU64::from_ptr(dense::row(self.slot.cast(), row).cast()) }
+    }
+
+    /// Address of row `row`'s word (for tests and diagnostics, e.g. checking with `mincore`
+    /// which rows are resident). Rows are CPUs below `topology::possible_cpus()`, plus one.
+    ///
+    /// ```
+    /// let c = thiscpu::Counter::new();
+    /// assert_eq!(c.word_address(1) - c.word_address(0), thiscpu::dense::STRIDE);
+    /// ```
+    pub fn word_address(&self, row: u32) -> usize {
+        self.word(row.min(dense::cpu_rows())).as_ptr() as usize
     }
 
     /// Adds 1.
@@ -60,7 +156,7 @@ impl Counter {
         self.add(1);
     }
 
-    /// Adds `n` (wrapping at 2^64, like the slots' sum).
+    /// Adds `n` (wrapping at 2^64, like the sum).
     ///
     /// ```
     /// let c = thiscpu::Counter::new();
@@ -70,48 +166,79 @@ impl Counter {
     /// ```
     #[inline]
     pub fn add(&self, n: u64) {
+        if S::FIELD == BY_CPU || !MM_CID_USABLE.load(Ordering::Relaxed) {
+            self.add_by::<BY_CPU>(n);
+        } else {
+            self.add_by::<BY_MM_CID>(n);
+        }
+    }
+
+    #[inline(always)]
+    fn add_by<const FIELD: usize>(&self, n: u64) {
         let offset = arch::section_offset();
-        let cpu = arch::field_at::<BY_CPU>(offset) as u32;
-        // One unsigned comparison rejects both an unregistered area (cpu_id -1 or -2) and a
-        // CPU beyond the slots.
-        if let Some(slot) = self.slots.get(cpu as usize) {
-            // SAFETY: `offset` and `cpu` were just read from this thread's area; the slot is
-            // CPU `cpu`'s, written only by sections positioned on `cpu` (this one) or by atomic
-            // adds when the process has no rseq at all (never both, see `add_slow`).
-            let outcome = unsafe { arch::load_add_store::<BY_CPU>(offset, cpu, slot.as_ptr(), n) };
+        let cpu = arch::field_at::<BY_CPU>(offset);
+        let index = if FIELD == BY_CPU || cpu < 0 {
+            cpu
+        } else {
+            arch::field_at::<FIELD>(offset)
+        };
+        // One unsigned comparison rejects both an unregistered area (cpu_id -1 or -2) and an
+        // index beyond the rows.
+        let index = index as u32;
+        if index < dense::cpu_rows() {
+            // SAFETY: `offset` and `index` were just read from this thread's area, by FIELD; the
+            // word is row `index`'s, written only by sections positioned on that index with the
+            // same FIELD (process-wide: `MM_CID_USABLE` never changes once true) or, when the
+            // process has no rseq, by atomic adds (never both, see `add_slow`).
+            let outcome = unsafe {
+                arch::load_add_store::<FIELD>(offset, index, self.word(index).as_ptr(), n)
+            };
             if outcome == Outcome::Committed(()) {
                 return;
             }
             ops::note_abort();
         }
-        self.add_slow(n);
+        self.add_slow::<FIELD>(n);
     }
 
     #[cold]
     #[inline(never)]
-    fn add_slow(&self, n: u64) {
-        while let Some(at) = ops::position() {
-            let Some(slot) = self.slots.get(at.index() as usize) else {
+    fn add_slow<const FIELD: usize>(&self, n: u64) {
+        while let Some(cpu) = ops::position() {
+            let at = if FIELD == BY_CPU {
+                Some(cpu.index())
+            } else {
+                ops::mm_cid_position().map(|at| at.index())
+            };
+            let Some(index) = at.filter(|&index| index < dense::cpu_rows()) else {
                 break;
             };
-            // SAFETY: as in `add`.
-            match unsafe { ops::load_add_store(at, slot.as_ptr(), n) } {
+            let offset = arch::section_offset();
+            if arch::field_at::<BY_CPU>(offset) < 0 {
+                break;
+            }
+            // SAFETY: as in `add_by`; a migration since the reads above makes the section
+            // abort, since it compares FIELD again.
+            match unsafe {
+                arch::load_add_store::<FIELD>(offset, index, self.word(index).as_ptr(), n)
+            } {
                 Outcome::Committed(()) => return,
                 Outcome::Mismatch | Outcome::Aborted => ops::note_abort(),
             }
         }
         // No rseq for this thread. When nobody in the process uses rseq, every update of the
-        // slots is atomic, so the fallback CPU's slot spreads the load safely; otherwise rseq
-        // sections write the slots with plain adds, and this thread must stay off them.
+        // words is atomic, so the fallback CPU's word spreads the load safely; otherwise
+        // sections write the words with plain adds, and this thread must stay off them.
         if registration::process().registrar == Registrar::None {
-            let cpu = crate::current_cpu() as usize % self.slots.len();
-            self.slots[cpu].fetch_add(n, Ordering::Relaxed);
+            let cpu = crate::current_cpu() % dense::cpu_rows();
+            self.word(cpu).fetch_add(n, Ordering::Relaxed);
         } else {
-            self.unregistered.fetch_add(n, Ordering::Relaxed);
+            self.word(dense::cpu_rows()).fetch_add(n, Ordering::Relaxed);
         }
     }
 
-    /// The total: every slot read once with an atomic load, summed (wrapping).
+    /// The total: every word read once with an atomic load, summed (wrapping), minus what
+    /// [`take`](Counter::take) already returned.
     ///
     /// ```
     /// let c = thiscpu::Counter::new();
@@ -119,12 +246,14 @@ impl Counter {
     /// assert_eq!(c.sum(), 3);
     /// ```
     pub fn sum(&self) -> u64 {
-        self.per_cpu()
-            .map(|(_, value)| value)
-            .fold(self.unattributed(), u64::wrapping_add)
+        let raw = (0..=dense::cpu_rows())
+            .map(|row| self.word(row).load(Ordering::Relaxed))
+            .fold(0u64, u64::wrapping_add);
+        raw.wrapping_sub(self.taken_total())
     }
 
-    /// Each CPU's share: `(cpu, value)` for every possible CPU.
+    /// Each CPU's (or concurrency id's) share since the last take: `(index, value)` for every
+    /// possible CPU.
     ///
     /// ```
     /// let c = thiscpu::Counter::new();
@@ -132,25 +261,120 @@ impl Counter {
     /// assert_eq!(c.per_cpu().map(|(_, v)| v).sum::<u64>() + c.unattributed(), 1);
     /// ```
     pub fn per_cpu(&self) -> impl ExactSizeIterator<Item = (u32, u64)> + '_ {
-        self.slots
-            .iter()
-            .enumerate()
-            .map(|(cpu, slot)| (cpu as u32, slot.load(Ordering::Relaxed)))
+        let taken = self.taken_words();
+        (0..dense::cpu_rows()).map(move |row| {
+            let base = taken.as_ref().map_or(0, |taken| taken[row as usize]);
+            (
+                row,
+                self.word(row).load(Ordering::Relaxed).wrapping_sub(base),
+            )
+        })
     }
 
-    /// What threads without rseq added while the rest of the process used it (normally 0).
+    /// What threads without rseq added while the rest of the process used it (normally 0),
+    /// since the last take.
     pub fn unattributed(&self) -> u64 {
-        self.unregistered.load(Ordering::Relaxed)
+        let row = dense::cpu_rows();
+        let base = self.taken_words().map_or(0, |taken| taken[row as usize]);
+        self.word(row).load(Ordering::Relaxed).wrapping_sub(base)
+    }
+
+    /// Returns what was added since the previous `take` (or since creation) and starts counting
+    /// from zero again, while other threads keep adding: every increment is returned by exactly
+    /// one `take` (or still counted by [`sum`](Counter::sum)), none is lost or returned twice.
+    ///
+    /// Each word only grows (modulo 2^64) and is read once with an atomic load, so the taker
+    /// remembers what it has read per word and subtracts, instead of writing words that
+    /// restartable sequences on other CPUs write: no fence, no pause for the writers.
+    ///
+    /// ```
+    /// let c = thiscpu::Counter::new();
+    /// c.add(5);
+    /// assert_eq!(c.take(), 5);
+    /// c.add(2);
+    /// assert_eq!((c.sum(), c.take(), c.sum()), (2, 2, 0));
+    /// ```
+    pub fn take(&self) -> u64 {
+        let rows = dense::cpu_rows() as usize + 1;
+        let mut taken = TAKEN
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        ANY_TAKEN.store(true, Ordering::Relaxed);
+        let key = self.slot.as_ptr() as usize;
+        let position = match taken.iter().position(|(slot, _)| *slot == key) {
+            Some(position) => position,
+            None => {
+                taken.push((key, vec![0; rows].into_boxed_slice()));
+                taken.len() - 1
+            }
+        };
+        let bases = &mut taken[position].1;
+        let mut total = 0u64;
+        for (row, base) in bases.iter_mut().enumerate() {
+            let now = self.word(row as u32).load(Ordering::Relaxed);
+            total = total.wrapping_add(now.wrapping_sub(*base));
+            *base = now;
+        }
+        total
+    }
+
+    /// Sets the counter back to zero, concurrently with writers: what `take` would return is
+    /// discarded.
+    ///
+    /// ```
+    /// let c = thiscpu::Counter::new();
+    /// c.add(7);
+    /// c.reset();
+    /// assert_eq!(c.sum(), 0);
+    /// ```
+    pub fn reset(&self) {
+        let _ = self.take();
+    }
+
+    fn taken_words(&self) -> Option<Box<[u64]>> {
+        if !ANY_TAKEN.load(Ordering::Relaxed) {
+            return None;
+        }
+        let taken = TAKEN
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let key = self.slot.as_ptr() as usize;
+        taken
+            .iter()
+            .find(|(slot, _)| *slot == key)
+            .map(|(_, bases)| bases.clone())
+    }
+
+    fn taken_total(&self) -> u64 {
+        self.taken_words().map_or(0, |bases| {
+            bases.iter().fold(0, |sum, &b| sum.wrapping_add(b))
+        })
     }
 }
 
-impl Default for Counter {
+impl<S: Spread> Drop for Counter<S> {
+    fn drop(&mut self) {
+        if ANY_TAKEN.load(Ordering::Relaxed) {
+            let key = self.slot.as_ptr() as usize;
+            let mut taken = TAKEN
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner());
+            taken.retain(|(slot, _)| *slot != key);
+        }
+        // SAFETY: `drop` has the counter exclusively: no `add` (which borrows it) is running or
+        // can be interrupted mid-section, so no late increment can reach the slot; it is freed
+        // once, with the size and alignment it was allocated with.
+        unsafe { dense::free(self.slot.cast(), WORD, WORD) };
+    }
+}
+
+impl Default for Counter<ByCpu> {
     fn default() -> Self {
         Counter::new()
     }
 }
 
-impl core::fmt::Debug for Counter {
+impl<S: Spread> core::fmt::Debug for Counter<S> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("Counter").field("sum", &self.sum()).finish()
     }

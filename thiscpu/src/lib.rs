@@ -33,6 +33,8 @@ mod counter;
 #[allow(unsafe_code)]
 mod cpu;
 #[allow(unsafe_code)]
+pub mod dense;
+#[allow(unsafe_code)]
 pub mod ops;
 mod percpu;
 #[allow(unsafe_code)]
@@ -42,7 +44,7 @@ pub mod stress;
 #[allow(unsafe_code)]
 pub mod topology;
 
-pub use counter::Counter;
+pub use counter::{ByCpu, ByMmCid, Counter, Spread};
 pub use cpu::{CpuNode, CpuSource, Source, current_cpu, current_node, getcpu, mm_cid, source, via};
 pub use percpu::{CachePadded, PerCpu};
 pub use registration::{Registrar, Unavailable};

@@ -1,0 +1,23 @@
+//! A probe for the disassembly check in `.ci/check_fast_path.py`: `current_cpu()` compiled into
+//! a function of its own, under a fixed symbol name, so its machine code can be read back from
+//! the release binary. Run it to see it answer:
+//!
+//! ```text
+//! cargo run --release -p thiscpu --example fast_path_probe
+//! ```
+
+/// `thiscpu::current_cpu()` and nothing else, kept out of line so it survives as its own symbol.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub fn thiscpu_probe_current_cpu() -> u32 {
+    thiscpu::current_cpu()
+}
+
+fn main() {
+    let probe: fn() -> u32 = std::hint::black_box(thiscpu_probe_current_cpu);
+    let cpu = probe();
+    println!(
+        "thiscpu_probe_current_cpu() = {cpu} (answered by {})",
+        thiscpu::source().this_thread.name()
+    );
+}

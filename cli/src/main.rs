@@ -1,21 +1,223 @@
-fn main() {
-    let s = thiscpu::source();
-    println!("{s:?}");
-    println!(
-        "cpu {} getcpu {:?} node {} mm_cid {:?}",
-        thiscpu::current_cpu(),
-        thiscpu::getcpu(),
-        thiscpu::current_node(),
-        thiscpu::mm_cid()
-    );
-    std::thread::spawn(|| {
-        println!(
-            "thread: cpu {} {:?} {:?}",
-            thiscpu::current_cpu(),
-            thiscpu::getcpu(),
-            thiscpu::source().this_thread
-        )
+//! The `thiscpu` command: which CPU am I on, how fast can a program ask, and how do two runs
+//! compare. Argument parsing and dispatch only; the work is in the modules.
+
+mod bench;
+mod error;
+mod info;
+mod machine;
+mod report;
+
+use clap::{Parser, Subcommand};
+use error::Error;
+use std::path::PathBuf;
+
+const ABOUT: &str = "Which CPU and NUMA node am I running on, in about a nanosecond, via the \
+                     kernel's restartable sequences (rseq); and how that compares with every \
+                     other way Linux offers.";
+
+const EXAMPLES: &str = "\
+Examples:
+  thiscpu                          print the CPU and node this process runs on
+  thiscpu info                     machine, rseq state, available sources, CPUs and nodes
+  thiscpu bench getcpu             time every way to ask \"which CPU\" (about a minute)
+  thiscpu bench --quick --json out.json --svg charts/
+  thiscpu compare before.json after.json";
+
+#[derive(Debug, Parser)]
+#[command(name = "thiscpu", version, about = ABOUT, after_help = EXAMPLES)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Describe the machine, rseq's state, and which source answers "which CPU".
+    #[command(after_help = "\
+Shows the CPU model, kernel and glibc; who registered rseq (glibc or thiscpu), glibc's
+__rseq_size and __rseq_offset, the kernel's rseq feature size, whether node_id and mm_cid are
+usable; which sources work here (rseq, rdpid, rdtscp, vDSO, syscall) and which one answers;
+the possible and online CPUs with their NUMA nodes; and the current cpu, node and mm_cid.
+
+Example:
+  thiscpu info --json | jq .chosen")]
+    Info {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+
+    /// Measure benchmark families in interleaved, pinned rounds.
+    #[command(after_help = BENCH_HELP)]
+    Bench(BenchArgs),
+
+    /// Compare two `bench --json` reports: before, after, difference, percent change.
+    #[command(after_help = "\
+Matches results by (bench, case, threads) and prints, per family, both medians with their
+min-max ranges, the difference, and the percent change, marked better or worse (or 'within
+spread' where the two min-max ranges overlap). Results found in only one file are listed.
+
+Example:
+  thiscpu bench --json before.json && (rebuild) && thiscpu bench --json after.json
+  thiscpu compare before.json after.json")]
+    Compare {
+        /// The report measured first.
+        before: PathBuf,
+        /// The report measured second.
+        after: PathBuf,
+    },
+}
+
+const BENCH_HELP: &str = "\
+Families:
+  getcpu   ns per \"which CPU am I on\" call: the getcpu system call, the vDSO, glibc's
+           sched_getcpu, RDTSCP, RDPID, and thiscpu's current_cpu (inlined, and called through
+           an #[inline(never)] function as the arm64 seed timed get_cpu_id), getcpu (cpu and
+           node), mm_cid, and an empty loop as baseline. Prints the seeds' tables: 1e9 calls
+           before/after and getcpu latency.
+
+Every case runs in rounds interleaved with the other cases (A B C A B C ...), each round for
+the same fixed time, on worker threads pinned to one CPU each and started by a barrier. The
+tables give the median and the min-max over the rounds; ratios are ratios of medians.
+
+Examples:
+  thiscpu bench                          every family, about a minute
+  thiscpu bench getcpu --cases 'current_cpu*,vdso'
+  thiscpu bench --quick --json out.json --svg charts/
+  thiscpu bench --threads 1,2 --rounds 21 --seconds 120";
+
+#[derive(Debug, clap::Args)]
+struct BenchArgs {
+    /// Families to run (default: all).
+    #[arg(value_name = "FAMILY")]
+    families: Vec<String>,
+
+    /// A smoke run of about a second (3 short rounds).
+    #[arg(long)]
+    quick: bool,
+
+    /// Total time budget in seconds for the whole run [default: 60, or 1 with --quick].
+    #[arg(long, value_name = "N", value_parser = parse_seconds)]
+    seconds: Option<f64>,
+
+    /// Rounds per case [default: 11, or 3 with --quick].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    rounds: Option<u32>,
+
+    /// Thread counts, e.g. 1,2 or 1-4 or 1:8:2 [default: each family's own].
+    #[arg(long, value_name = "LIST", value_parser = parse_threads)]
+    threads: Option<ThreadList>,
+
+    /// Only cases whose name contains one of these comma-separated strings or matches one of
+    /// these globs (`*`, `?`).
+    #[arg(long, value_name = "FILTER", value_parser = bench::CaseFilter::parse)]
+    cases: Option<bench::CaseFilter>,
+
+    /// Write the results, with every round's value and the machine, as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    json: Option<PathBuf>,
+
+    /// Write one SVG chart per family into DIR (created if missing).
+    #[arg(long, value_name = "DIR")]
+    svg: Option<PathBuf>,
+}
+
+/// A parsed `--threads` list (a newtype, so that clap takes it as one value).
+#[derive(Clone, Debug)]
+struct ThreadList(Vec<usize>);
+
+fn parse_threads(text: &str) -> Result<ThreadList, String> {
+    bench::parse_threads(text).map(ThreadList)
+}
+
+fn parse_seconds(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(seconds) if seconds.is_finite() && seconds > 0.0 && seconds <= 86_400.0 => Ok(seconds),
+        Ok(_) => Err("expected a number of seconds above 0 and at most 86400".to_owned()),
+        Err(_) => Err("expected a number of seconds, e.g. 60 or 0.5".to_owned()),
+    }
+}
+
+fn bench_options(args: BenchArgs) -> Result<bench::Options, Error> {
+    let mut families = Vec::new();
+    for name in &args.families {
+        let family = bench::family(name).ok_or_else(|| {
+            let known: Vec<&str> = bench::FAMILIES.iter().map(|f| f.name).collect();
+            Error::input(format!(
+                "unknown benchmark family '{name}' (families: {})",
+                known.join(", ")
+            ))
+        })?;
+        if !families
+            .iter()
+            .any(|f: &&bench::Family| f.name == family.name)
+        {
+            families.push(family);
+        }
+    }
+    if families.is_empty() {
+        families = bench::FAMILIES.to_vec();
+    }
+    Ok(bench::Options {
+        families,
+        quick: args.quick,
+        seconds: args.seconds,
+        rounds: args.rounds,
+        threads: args.threads.map(|list| list.0),
+        cases: args.cases,
+        json: args.json,
+        svg: args.svg,
     })
-    .join()
-    .unwrap();
+}
+
+/// The bare command: one line, where this thread runs and who said so.
+fn where_am_i() -> Result<(), Error> {
+    let here = thiscpu::getcpu();
+    println!(
+        "cpu {} node {} (from {})",
+        here.cpu,
+        here.node,
+        thiscpu::source().this_thread.name()
+    );
+    Ok(())
+}
+
+fn main() {
+    // Die quietly on a closed pipe (`thiscpu info | head -1`) like other Unix tools, instead
+    // of failing a write.
+    // SAFETY: restoring the default disposition of SIGPIPE before any thread starts.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => {
+            use clap::error::ErrorKind;
+            if matches!(
+                error.kind(),
+                ErrorKind::DisplayHelp
+                    | ErrorKind::DisplayVersion
+                    | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) {
+                let _ = error.print();
+                std::process::exit(0);
+            }
+            // clap's first line names the problem; its tips and usage follow on others.
+            let rendered = error.render().to_string();
+            let first = rendered.lines().next().unwrap_or("invalid arguments");
+            let first = first.strip_prefix("error: ").unwrap_or(first);
+            eprintln!("thiscpu: {first} (see thiscpu --help)");
+            std::process::exit(error::BAD_INPUT);
+        }
+    };
+    let outcome = match cli.command {
+        None => where_am_i(),
+        Some(Command::Info { json }) => info::run(json),
+        Some(Command::Bench(args)) => bench_options(args).and_then(bench::run),
+        Some(Command::Compare { before, after }) => report::compare::run(&before, &after),
+    };
+    if let Err(error) = outcome {
+        eprintln!("thiscpu: {error}");
+        std::process::exit(error.status());
+    }
 }

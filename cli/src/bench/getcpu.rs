@@ -1,0 +1,250 @@
+//! `getcpu`: how long it takes to ask "which CPU am I on", by every way Linux offers.
+//!
+//! Each case is a loop of calls whose every result goes through `black_box`. The probe is
+//! inlined into the loop, as a caller of the library would have it, except in
+//! `current_cpu-noinline`, which calls an `#[inline(never)]` function the way the arm64
+//! `thread_info->cpu` patch (seed 000) timed its `get_cpu_id()`.
+
+use super::{Case, Family, Loop, Measured, Unit, cpu_has_flag};
+use crate::report::table::{self, fmt_ns, fmt_ratio};
+use std::hint::black_box;
+use thiscpu::CpuSource;
+
+/// The family.
+pub static FAMILY: Family = Family {
+    name: "getcpu",
+    about: "latency of one \"which CPU am I on\" call, by every source (ns/op)",
+    case_names: &[
+        "syscall",
+        "vdso-getcpu",
+        "glibc-sched_getcpu",
+        "rdtscp",
+        "rdpid",
+        "current_cpu",
+        "current_cpu-noinline",
+        "getcpu",
+        "mm_cid",
+        "empty-loop",
+    ],
+    default_threads: &[1],
+    baseline: Some("current_cpu"),
+    cases,
+    report,
+};
+
+/// Calls `probe` `ops` times, each result through `black_box`.
+#[inline(always)]
+fn repeat<T>(ops: u64, probe: impl Fn() -> T) {
+    for _ in 0..ops {
+        black_box(probe());
+    }
+}
+
+/// The seed's `get_cpu_id()`: a function call that returns the current CPU.
+#[inline(never)]
+fn get_cpu_id() -> u32 {
+    thiscpu::current_cpu()
+}
+
+fn syscall(ops: u64) {
+    repeat(ops, thiscpu::via::syscall)
+}
+
+fn vdso_getcpu(ops: u64) {
+    repeat(ops, thiscpu::via::vdso)
+}
+
+fn glibc_sched_getcpu(ops: u64) {
+    repeat(ops, thiscpu::via::sched_getcpu)
+}
+
+fn rdtscp(ops: u64) {
+    repeat(ops, thiscpu::via::rdtscp)
+}
+
+fn rdpid(ops: u64) {
+    repeat(ops, thiscpu::via::rdpid)
+}
+
+fn current_cpu(ops: u64) {
+    repeat(ops, thiscpu::current_cpu)
+}
+
+fn current_cpu_noinline(ops: u64) {
+    repeat(ops, get_cpu_id)
+}
+
+fn getcpu(ops: u64) {
+    repeat(ops, thiscpu::getcpu)
+}
+
+fn mm_cid(ops: u64) {
+    repeat(ops, thiscpu::mm_cid)
+}
+
+/// The loop alone: the same shape, a constant through `black_box` instead of a call.
+fn empty_loop(ops: u64) {
+    repeat(ops, || 0u32)
+}
+
+/// Why an x86 instruction is not usable here.
+fn instruction_missing(name: &str, flag: &str) -> String {
+    if !cfg!(target_arch = "x86_64") {
+        format!("{name} is an x86_64 instruction")
+    } else if !cpu_has_flag(flag) {
+        format!("CPU lacks {}", name.to_uppercase())
+    } else {
+        format!(
+            "{}'s answer disagrees with the kernel's CPU number (a hypervisor that does not \
+             keep IA32_TSC_AUX)",
+            name.to_uppercase()
+        )
+    }
+}
+
+fn cases() -> Vec<Case> {
+    let ns = Unit::NsPerOp;
+    let source = thiscpu::source();
+    let rseq = matches!(
+        source.this_thread,
+        CpuSource::RseqGlibc | CpuSource::RseqThiscpu
+    );
+    let answered_by = if rseq {
+        source.this_thread.name().to_owned()
+    } else {
+        format!("fallback {}", source.this_thread.name())
+    };
+    let mut cases = vec![Case::new(
+        "syscall",
+        "getcpu(2) system call",
+        ns,
+        Loop(syscall),
+    )];
+    cases.push(match thiscpu::via::vdso() {
+        Some(_) => Case::new("vdso-getcpu", "vDSO getcpu", ns, Loop(vdso_getcpu)),
+        None => Case::skipped("vdso-getcpu", ns, "the vDSO has no getcpu"),
+    });
+    cases.push(match thiscpu::via::sched_getcpu() {
+        Some(_) => Case::new(
+            "glibc-sched_getcpu",
+            "libc sched_getcpu()",
+            ns,
+            Loop(glibc_sched_getcpu),
+        ),
+        None => Case::skipped("glibc-sched_getcpu", ns, "sched_getcpu() fails here"),
+    });
+    cases.push(match thiscpu::via::rdtscp() {
+        Some(_) => Case::new("rdtscp", "RDTSCP, IA32_TSC_AUX", ns, Loop(rdtscp)),
+        None => Case::skipped("rdtscp", ns, instruction_missing("rdtscp", "rdtscp")),
+    });
+    cases.push(match thiscpu::via::rdpid() {
+        Some(_) => Case::new("rdpid", "RDPID, IA32_TSC_AUX", ns, Loop(rdpid)),
+        None => Case::skipped("rdpid", ns, instruction_missing("rdpid", "rdpid")),
+    });
+    cases.push(Case::new(
+        "current_cpu",
+        format!("thiscpu, inlined: {answered_by}"),
+        ns,
+        Loop(current_cpu),
+    ));
+    cases.push(Case::new(
+        "current_cpu-noinline",
+        "the above in an #[inline(never)] fn",
+        ns,
+        Loop(current_cpu_noinline),
+    ));
+    let getcpu_how = if source.node_id {
+        "thiscpu cpu+node, rseq section".to_owned()
+    } else if rseq {
+        "thiscpu cpu+node, node from /sys".to_owned()
+    } else {
+        format!("thiscpu cpu+node: {answered_by}")
+    };
+    cases.push(Case::new("getcpu", getcpu_how, ns, Loop(getcpu)));
+    cases.push(if source.mm_cid {
+        Case::new("mm_cid", "thiscpu concurrency id", ns, Loop(mm_cid))
+    } else if let Some(why) = source.unavailable {
+        Case::skipped(
+            "mm_cid",
+            ns,
+            format!(
+                "rseq not in use: {}",
+                crate::machine::describe_unavailable(why)
+            ),
+        )
+    } else {
+        Case::skipped(
+            "mm_cid",
+            ns,
+            "the kernel does not provide mm_cid (Linux 6.3+)",
+        )
+    });
+    cases.push(Case::new("empty-loop", "loop + black_box only", ns, Loop(empty_loop)));
+    cases
+}
+
+/// Median ns/op of `case` at the smallest thread count measured.
+fn median(results: &[Measured], case: &str) -> Option<f64> {
+    let threads = results.iter().map(|m| m.threads).min()?;
+    results
+        .iter()
+        .find(|m| m.case == case && m.threads == threads)
+        .map(|m| m.stats().median)
+}
+
+/// The seed-shaped tables and the ratios, from the single-thread (or fewest-thread) results.
+fn report(results: &[Measured]) -> String {
+    let mut out = String::new();
+    let noinline = median(results, "current_cpu-noinline");
+    if let Some(after) = noinline {
+        let befores: Vec<(&str, f64)> = [
+            ("syscall", "syscall"),
+            ("vDSO getcpu", "vdso-getcpu"),
+            ("glibc sched_getcpu", "glibc-sched_getcpu"),
+        ]
+        .into_iter()
+        .filter_map(|(label, case)| Some((label, median(results, case)?)))
+        .collect();
+        if !befores.is_empty() {
+            out.push_str(
+                "\n1e9 calls of a noinline get_cpu_id(), as seed 000 timed them \
+                 (time = median ns/op × 1e9)\n",
+            );
+            out.push_str(&table::seed_calls_table(&befores, ("thiscpu current_cpu", after)));
+            out.push('\n');
+        }
+    }
+
+    if let Some(after) = median(results, "getcpu") {
+        let vdso = median(results, "vdso-getcpu");
+        let syscall = median(results, "syscall");
+        out.push_str("\ngetcpu() latency, as seed 003 reported it (cpu and node together)\n");
+        out.push_str(&table::seed_latency_table(vdso, syscall, after));
+        out.push('\n');
+    }
+
+    let ratio = |ours: &str, theirs: &str| -> Option<String> {
+        let (a, b) = (median(results, ours)?, median(results, theirs)?);
+        Some(format!(
+            "  {ours:<12} vs {theirs:<19} {:>8}   ({} vs {})",
+            fmt_ratio(b / a),
+            fmt_ns(a),
+            fmt_ns(b)
+        ))
+    };
+    let lines: Vec<String> = [
+        ratio("current_cpu", "glibc-sched_getcpu"),
+        ratio("current_cpu", "vdso-getcpu"),
+        ratio("current_cpu", "syscall"),
+        ratio("getcpu", "vdso-getcpu"),
+        ratio("getcpu", "syscall"),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    if !lines.is_empty() {
+        out.push_str("\nspeed-up, ratio of medians (× faster):\n");
+        out.push_str(&lines.join("\n"));
+    }
+    out.trim_end().to_owned()
+}

@@ -1,0 +1,797 @@
+//! Benchmark families and the runner they share.
+//!
+//! A *family* (`getcpu`, ...) is one file in this folder that exports a [`Family`]; the
+//! [`families!`] line at the bottom of this file lists them. A family offers *cases*, each a
+//! [`Workload`] measured in one [`Unit`]. The runner measures every (case, thread count)
+//! pair in interleaved rounds (A B C A B C ...), each round for the same fixed time, with every
+//! worker thread pinned to its own CPU and all workers released together by a barrier. A round
+//! yields one number per pair; the report gives min, median and max over the rounds.
+
+use crate::error::{Error, Result};
+use crate::machine::{self, Machine};
+use crate::report;
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::Barrier;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+/// What a result counts, and which way is better.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Unit {
+    /// Nanoseconds per operation on one thread, averaged over the threads (lower is better).
+    NsPerOp,
+    /// Million operations per second, all threads together (higher is better).
+    #[expect(
+        dead_code,
+        reason = "the unit of the throughput families (counter, pool), not yet written"
+    )]
+    MopsPerSec,
+}
+
+impl Unit {
+    /// The unit as reports write it.
+    pub fn label(self) -> &'static str {
+        match self {
+            Unit::NsPerOp => "ns/op",
+            Unit::MopsPerSec => "Mops/s",
+        }
+    }
+
+    /// Whether a smaller number is an improvement.
+    pub fn lower_is_better(self) -> bool {
+        matches!(self, Unit::NsPerOp)
+    }
+}
+
+/// The work one case measures.
+///
+/// The runner calls `prepare` before each measurement, then `run` from every worker thread
+/// in chunks until the round's time is up, then `verify` with the number of operations all
+/// workers performed since `prepare` (warm-up included).
+pub trait Workload: Send + Sync {
+    /// Resets state before a measurement with `threads` workers.
+    fn prepare(&self, _threads: usize) {}
+
+    /// Performs `ops` operations on the calling thread, which is worker number `worker`.
+    fn run(&self, worker: usize, ops: u64);
+
+    /// Checks the state after a measurement; an error fails the whole run.
+    fn verify(&self, _ops: u64) -> std::result::Result<(), String> {
+        Ok(())
+    }
+}
+
+/// A stateless workload: a function that performs `ops` operations.
+#[derive(Debug)]
+pub struct Loop(pub fn(u64));
+
+impl Workload for Loop {
+    fn run(&self, _worker: usize, ops: u64) {
+        (self.0)(ops)
+    }
+}
+
+/// One case of a family: a name, a few words on what it calls, and its workload, or the reason
+/// this machine cannot run it.
+pub struct Case {
+    /// The case's name in reports (stable: JSON files are compared by it).
+    pub name: &'static str,
+    /// What the case calls, in a few words.
+    pub how: String,
+    /// The unit of its results.
+    pub unit: Unit,
+    /// The workload, or why the case is left out on this machine.
+    pub workload: std::result::Result<Box<dyn Workload>, String>,
+}
+
+impl Case {
+    /// A case this machine can run.
+    pub fn new(
+        name: &'static str,
+        how: impl Into<String>,
+        unit: Unit,
+        workload: impl Workload + 'static,
+    ) -> Case {
+        Case {
+            name,
+            how: how.into(),
+            unit,
+            workload: Ok(Box::new(workload)),
+        }
+    }
+
+    /// A case left out, and why.
+    pub fn skipped(name: &'static str, unit: Unit, reason: impl Into<String>) -> Case {
+        Case {
+            name,
+            how: String::new(),
+            unit,
+            workload: Err(reason.into()),
+        }
+    }
+}
+
+/// A benchmark family: one file in `bench/`, listed once in [`families!`].
+#[derive(Debug)]
+pub struct Family {
+    /// The name on the command line and in reports.
+    pub name: &'static str,
+    /// What the family measures, in one line.
+    pub about: &'static str,
+    /// Every case name the family knows, whether or not this machine can run it.
+    pub case_names: &'static [&'static str],
+    /// Thread counts measured when `--threads` is not given.
+    pub default_threads: &'static [usize],
+    /// The case the table's relative column divides by.
+    pub baseline: Option<&'static str>,
+    /// The cases, built for this machine.
+    pub cases: fn() -> Vec<Case>,
+    /// Lines printed after the family's table (seed-shaped tables, ratios); may be empty.
+    pub report: fn(&[Measured]) -> String,
+}
+
+/// All results of one (case, thread count) pair.
+#[derive(Clone, Debug)]
+pub struct Measured {
+    /// The family.
+    pub bench: &'static str,
+    /// The case.
+    pub case: &'static str,
+    /// What the case calls.
+    pub how: String,
+    /// Worker threads.
+    pub threads: usize,
+    /// The CPUs the workers were pinned to (empty where pinning failed).
+    pub cpus: Vec<u32>,
+    /// Unit of `rounds`.
+    pub unit: Unit,
+    /// One value per round, in round order.
+    pub rounds: Vec<f64>,
+    /// Operations performed in all timed rounds by all workers.
+    pub ops: u64,
+}
+
+impl Measured {
+    /// Min, median and max over the rounds.
+    pub fn stats(&self) -> Stats {
+        Stats::of(&self.rounds)
+    }
+}
+
+/// Min, median and max of a set of rounds.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Stats {
+    /// Smallest round.
+    pub min: f64,
+    /// Median round (the mean of the two middle ones for an even count).
+    pub median: f64,
+    /// Largest round.
+    pub max: f64,
+}
+
+impl Stats {
+    /// Statistics of `values`, all zero for none.
+    pub fn of(values: &[f64]) -> Stats {
+        let mut sorted = values.to_vec();
+        sorted.sort_by(f64::total_cmp);
+        let n = sorted.len();
+        if n == 0 {
+            return Stats {
+                min: 0.0,
+                median: 0.0,
+                max: 0.0,
+            };
+        }
+        let median = if n % 2 == 1 {
+            sorted[n / 2]
+        } else {
+            (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
+        };
+        Stats {
+            min: sorted[0],
+            median,
+            max: sorted[n - 1],
+        }
+    }
+}
+
+/// A case left out of a run, and why.
+#[derive(Clone, Debug)]
+pub struct Skipped {
+    /// The family.
+    pub bench: &'static str,
+    /// The case.
+    pub case: &'static str,
+    /// Why this machine cannot run it.
+    pub reason: String,
+}
+
+/// Which cases `--cases` selects: comma-separated patterns, each a substring of the case name
+/// or, when it holds `*` or `?`, a glob that must match the whole name. A pattern may also be
+/// written `family/case`.
+#[derive(Clone, Debug)]
+pub struct CaseFilter {
+    patterns: Vec<String>,
+}
+
+impl CaseFilter {
+    /// Parses `--cases`; fails on an empty pattern list.
+    pub fn parse(text: &str) -> std::result::Result<CaseFilter, String> {
+        let patterns: Vec<String> = text
+            .split(',')
+            .map(str::trim)
+            .filter(|p| !p.is_empty())
+            .map(str::to_owned)
+            .collect();
+        if patterns.is_empty() {
+            return Err("expected case names or patterns, e.g. current_cpu,vdso*".to_owned());
+        }
+        Ok(CaseFilter { patterns })
+    }
+
+    /// Whether `family/case` is selected.
+    pub fn matches(&self, family: &str, case: &str) -> bool {
+        let full = format!("{family}/{case}");
+        self.patterns.iter().any(|pattern| {
+            if pattern.contains(['*', '?']) {
+                glob(pattern, case) || glob(pattern, &full)
+            } else {
+                case.contains(pattern.as_str()) || full == *pattern
+            }
+        })
+    }
+}
+
+/// Matches `*` (any run) and `?` (any one character) against the whole of `text`.
+fn glob(pattern: &str, text: &str) -> bool {
+    let pattern: Vec<char> = pattern.chars().collect();
+    let text: Vec<char> = text.chars().collect();
+    let (mut p, mut t) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while t < text.len() {
+        if p < pattern.len() && (pattern[p] == '?' || pattern[p] == text[t]) {
+            p += 1;
+            t += 1;
+        } else if p < pattern.len() && pattern[p] == '*' {
+            star = Some((p, t));
+            p += 1;
+        } else if let Some((star_p, star_t)) = star {
+            p = star_p + 1;
+            t = star_t + 1;
+            star = Some((star_p, star_t + 1));
+        } else {
+            return false;
+        }
+    }
+    pattern[p..].iter().all(|&c| c == '*')
+}
+
+/// Parses a thread-count list: `1,2,4`, ranges `1-4`, or `start:end:step` (`1:8:2`).
+pub fn parse_threads(text: &str) -> std::result::Result<Vec<usize>, String> {
+    const MAX: usize = 1024;
+    let bad = || format!("expected thread counts like 1,2 or 1-4 or 1:8:2, got {text:?}");
+    let number = |s: &str| s.trim().parse::<usize>().map_err(|_| bad());
+    let mut counts = Vec::new();
+    for part in text.split(',').map(str::trim) {
+        if part.is_empty() {
+            return Err(bad());
+        }
+        let fields: Vec<&str> = part.split(':').collect();
+        let (first, last, step) = match fields.as_slice() {
+            [one] => match one.split_once('-') {
+                Some((first, last)) => (number(first)?, number(last)?, 1),
+                None => (number(one)?, number(one)?, 1),
+            },
+            [first, last] => (number(first)?, number(last)?, 1),
+            [first, last, step] => (number(first)?, number(last)?, number(step)?),
+            _ => return Err(bad()),
+        };
+        if first == 0 || last < first || step == 0 {
+            return Err(format!(
+                "thread counts start at 1 and ranges go upwards, got {text:?}"
+            ));
+        }
+        if last > MAX {
+            return Err(format!("at most {MAX} threads, got {last}"));
+        }
+        counts.extend((first..=last).step_by(step));
+    }
+    counts.dedup();
+    Ok(counts)
+}
+
+/// What `thiscpu bench` was asked to do.
+#[derive(Debug)]
+pub struct Options {
+    /// Families to run, in order (all when the user named none).
+    pub families: Vec<&'static Family>,
+    /// A few seconds in all, for smoke tests.
+    pub quick: bool,
+    /// Total time budget in seconds.
+    pub seconds: Option<f64>,
+    /// Rounds per (case, thread count).
+    pub rounds: Option<u32>,
+    /// Thread counts, instead of each family's default.
+    pub threads: Option<Vec<usize>>,
+    /// Which cases to run.
+    pub cases: Option<CaseFilter>,
+    /// Where to write the JSON report.
+    pub json: Option<PathBuf>,
+    /// Where to write one SVG chart per family.
+    pub svg: Option<PathBuf>,
+}
+
+/// Default total time: about a minute for a whole run.
+const DEFAULT_SECONDS: f64 = 60.0;
+/// Default rounds: odd, so that the median is one of them.
+const DEFAULT_ROUNDS: u32 = 11;
+const QUICK_SECONDS: f64 = 1.0;
+const QUICK_ROUNDS: u32 = 3;
+/// No round is shorter than this, whatever the budget.
+const MIN_ROUND: Duration = Duration::from_millis(2);
+
+/// How a run is laid out, as reports describe it.
+#[derive(Clone, Debug)]
+pub struct RunInfo {
+    /// Rounds per (case, thread count).
+    pub rounds: u32,
+    /// Length of one measurement.
+    pub round: Duration,
+    /// Total budget asked for, in seconds.
+    pub budget_seconds: f64,
+    /// Whether `--quick` was given.
+    pub quick: bool,
+    /// CPUs this process may run on, in the order workers are pinned to them.
+    pub cpus: Vec<u32>,
+}
+
+/// One family's plan: its runnable cases (after `--cases`), thread counts, and skipped cases.
+struct Plan {
+    family: &'static Family,
+    cases: Vec<(Case, Box<dyn Workload>)>,
+    threads: Vec<usize>,
+    skipped: Vec<Skipped>,
+}
+
+/// Runs `thiscpu bench`.
+pub fn run(options: Options) -> Result<()> {
+    let rounds = options.rounds.unwrap_or(if options.quick {
+        QUICK_ROUNDS
+    } else {
+        DEFAULT_ROUNDS
+    });
+    let budget = options.seconds.unwrap_or(if options.quick {
+        QUICK_SECONDS
+    } else {
+        DEFAULT_SECONDS
+    });
+
+    let plans = plan(&options)?;
+    let measurements: usize = plans
+        .iter()
+        .map(|plan| plan.cases.len() * plan.threads.len())
+        .sum::<usize>()
+        * rounds as usize;
+    if measurements == 0 {
+        return Err(Error::input("no case to run on this machine"));
+    }
+
+    // Open every output before measuring, so that a bad path fails in a moment, not after a
+    // minute of benchmarks.
+    let json_file = match &options.json {
+        Some(path) => Some((
+            path.clone(),
+            std::fs::File::create(path).map_err(|e| Error::write(path, e))?,
+        )),
+        None => None,
+    };
+    let svg_files = match &options.svg {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).map_err(|e| Error::write(dir, e))?;
+            let mut files = Vec::new();
+            for plan in &plans {
+                let path = dir.join(format!("{}.svg", plan.family.name));
+                let file = std::fs::File::create(&path).map_err(|e| Error::write(&path, e))?;
+                files.push((path, file));
+            }
+            files
+        }
+        None => Vec::new(),
+    };
+
+    let round = Duration::from_secs_f64(budget / measurements as f64).max(MIN_ROUND);
+    let info = RunInfo {
+        rounds,
+        round,
+        budget_seconds: budget,
+        quick: options.quick,
+        cpus: worker_cpus(),
+    };
+    let machine = Machine::describe();
+    println!("{}", report::table::run_header(&machine, &info));
+
+    let mut measured = Vec::new();
+    let mut skipped = Vec::new();
+    for plan in &plans {
+        let results = run_family(plan, &info)?;
+        println!();
+        println!(
+            "{}",
+            report::table::family(plan.family, &results, &plan.skipped)
+        );
+        let extra = (plan.family.report)(&results);
+        if !extra.is_empty() {
+            println!("{extra}");
+        }
+        measured.extend(results);
+        skipped.extend(plan.skipped.iter().cloned());
+    }
+
+    let document = report::json::Report::build(&machine, &info, &measured, &skipped);
+    if let Some((path, file)) = json_file {
+        report::json::write(&path, file, &document)?;
+        println!("\nwrote {}", path.display());
+    }
+    for ((path, file), plan) in svg_files.into_iter().zip(&plans) {
+        let results: Vec<&Measured> = measured
+            .iter()
+            .filter(|m| m.bench == plan.family.name)
+            .collect();
+        report::svg::write(&path, file, plan.family, &results, &machine, &info)?;
+        println!("wrote {}", path.display());
+    }
+    Ok(())
+}
+
+/// Builds each family's cases and applies `--cases` and `--threads`.
+fn plan(options: &Options) -> Result<Vec<Plan>> {
+    let mut plans = Vec::new();
+    for &family in &options.families {
+        let selected = |case: &str| {
+            options
+                .cases
+                .as_ref()
+                .is_none_or(|filter| filter.matches(family.name, case))
+        };
+        let mut cases = Vec::new();
+        let mut skipped = Vec::new();
+        for mut case in (family.cases)() {
+            if !selected(case.name) {
+                continue;
+            }
+            match std::mem::replace(&mut case.workload, Err(String::new())) {
+                Ok(workload) => cases.push((case, workload)),
+                Err(reason) => skipped.push(Skipped {
+                    bench: family.name,
+                    case: case.name,
+                    reason,
+                }),
+            }
+        }
+        if cases.is_empty() && skipped.is_empty() {
+            continue;
+        }
+        let threads = options
+            .threads
+            .clone()
+            .unwrap_or_else(|| family.default_threads.to_vec());
+        plans.push(Plan {
+            family,
+            cases,
+            threads,
+            skipped,
+        });
+    }
+    if plans.is_empty()
+        && let Some(filter) = &options.cases
+    {
+        let known: Vec<&str> = options
+            .families
+            .iter()
+            .flat_map(|family| family.case_names.iter().copied())
+            .collect();
+        return Err(Error::input(format!(
+            "no case matches --cases {} (cases: {})",
+            filter.patterns.join(","),
+            known.join(", ")
+        )));
+    }
+    Ok(plans)
+}
+
+/// Measures one family: every (case, thread count) pair, in interleaved rounds.
+fn run_family(plan: &Plan, info: &RunInfo) -> Result<Vec<Measured>> {
+    let chunk_target = if info.quick {
+        Duration::from_micros(50)
+    } else {
+        Duration::from_micros(200)
+    }
+    .min(info.round / 10);
+    let chunks: Vec<u64> = plan
+        .cases
+        .iter()
+        .map(|(_, workload)| calibrate(workload.as_ref(), info.cpus[0], chunk_target))
+        .collect();
+
+    let mut results: Vec<Measured> = Vec::new();
+    for (case, _) in &plan.cases {
+        for &threads in &plan.threads {
+            results.push(Measured {
+                bench: plan.family.name,
+                case: case.name,
+                how: case.how.clone(),
+                threads,
+                cpus: Vec::new(),
+                unit: case.unit,
+                rounds: Vec::with_capacity(info.rounds as usize),
+                ops: 0,
+            });
+        }
+    }
+
+    let progress = progress_bar(info.rounds as u64 * results.len() as u64, plan.family.name);
+    for _ in 0..info.rounds {
+        let mut slot = 0;
+        for ((case, workload), &chunk) in plan.cases.iter().zip(&chunks) {
+            for &threads in &plan.threads {
+                progress.set_message(format!("{} ×{threads}", case.name));
+                let sample = measure(workload.as_ref(), threads, &info.cpus, chunk, info.round)
+                    .map_err(|why| {
+                        Error::failed(format!("{}/{}: {why}", plan.family.name, case.name))
+                    })?;
+                let result = &mut results[slot];
+                result.rounds.push(sample.value(case.unit));
+                result.ops += sample.ops;
+                result.cpus = sample.cpus;
+                slot += 1;
+                progress.inc(1);
+            }
+        }
+    }
+    progress.finish_and_clear();
+    Ok(results)
+}
+
+/// A progress bar on standard error when it is a terminal, nothing otherwise.
+fn progress_bar(length: u64, family: &str) -> indicatif::ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::with_draw_target(
+        Some(length),
+        indicatif::ProgressDrawTarget::stderr(),
+    );
+    let style = indicatif::ProgressStyle::with_template(
+        "{prefix:>8} [{bar:30}] {pos}/{len} {msg:24} {elapsed}/{duration}",
+    )
+    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar())
+    .progress_chars("=> ");
+    bar.set_style(style);
+    bar.set_prefix(family.to_owned());
+    bar
+}
+
+/// What one measurement produced.
+struct Sample {
+    /// Per worker: operations in the timed part, and how long it took.
+    workers: Vec<(u64, Duration)>,
+    /// Timed operations of all workers.
+    ops: u64,
+    /// CPUs the workers were pinned to.
+    cpus: Vec<u32>,
+}
+
+impl Sample {
+    fn value(&self, unit: Unit) -> f64 {
+        match unit {
+            Unit::NsPerOp => {
+                let nanos: f64 = self.workers.iter().map(|(_, d)| d.as_nanos() as f64).sum();
+                nanos / self.ops.max(1) as f64
+            }
+            Unit::MopsPerSec => self
+                .workers
+                .iter()
+                .map(|&(ops, d)| ops as f64 / d.as_secs_f64().max(1e-9) / 1e6)
+                .sum(),
+        }
+    }
+}
+
+/// Finds how many operations take about `target`, on a thread pinned like worker 0.
+fn calibrate(workload: &dyn Workload, cpu: u32, target: Duration) -> u64 {
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                pin_to(cpu);
+                workload.prepare(1);
+                let mut ops = 1u64;
+                loop {
+                    let start = Instant::now();
+                    workload.run(0, ops);
+                    if start.elapsed() >= target || ops >= 1 << 40 {
+                        return ops;
+                    }
+                    ops *= 2;
+                }
+            })
+            .join()
+            .unwrap_or(1)
+    })
+}
+
+/// Runs `workload` on `threads` pinned workers, released together, for `duration`.
+fn measure(
+    workload: &dyn Workload,
+    threads: usize,
+    cpus: &[u32],
+    chunk: u64,
+    duration: Duration,
+) -> std::result::Result<Sample, String> {
+    workload.prepare(threads);
+    let start = Barrier::new(threads + 1);
+    let stop = AtomicBool::new(false);
+    let outcomes: Vec<Option<(u64, u64, Duration, bool)>> = std::thread::scope(|scope| {
+        let workers: Vec<_> = (0..threads)
+            .map(|worker| {
+                let (start, stop) = (&start, &stop);
+                let cpu = cpus[worker % cpus.len()];
+                scope.spawn(move || {
+                    let pinned = pin_to(cpu);
+                    // Warm up: first-use work (rseq registration, page faults) stays out of
+                    // the timed part.
+                    workload.run(worker, chunk);
+                    start.wait();
+                    let begin = Instant::now();
+                    let mut ops = 0u64;
+                    loop {
+                        workload.run(worker, chunk);
+                        ops += chunk;
+                        if stop.load(Ordering::Relaxed) {
+                            break;
+                        }
+                    }
+                    (chunk, ops, begin.elapsed(), pinned)
+                })
+            })
+            .collect();
+        start.wait();
+        std::thread::sleep(duration);
+        stop.store(true, Ordering::Relaxed);
+        workers.into_iter().map(|w| w.join().ok()).collect()
+    });
+    let mut sample = Sample {
+        workers: Vec::with_capacity(threads),
+        ops: 0,
+        cpus: Vec::with_capacity(threads),
+    };
+    let mut performed = 0u64;
+    for (worker, outcome) in outcomes.into_iter().enumerate() {
+        let (warm, ops, elapsed, pinned) =
+            outcome.ok_or_else(|| format!("worker {worker} panicked"))?;
+        performed += warm + ops;
+        sample.ops += ops;
+        sample.workers.push((ops, elapsed));
+        if pinned {
+            sample.cpus.push(cpus[worker % cpus.len()]);
+        }
+    }
+    workload.verify(performed)?;
+    Ok(sample)
+}
+
+/// CPUs this process may run on, highest first, so that a single worker avoids CPU 0, which
+/// takes most housekeeping interrupts.
+fn worker_cpus() -> Vec<u32> {
+    let mut cpus = allowed_cpus();
+    if cpus.is_empty() {
+        cpus = thiscpu::topology::online_cpus();
+    }
+    if cpus.is_empty() {
+        cpus.push(0);
+    }
+    cpus.sort_unstable_by(|a, b| b.cmp(a));
+    cpus
+}
+
+/// The calling thread's CPU affinity mask, as CPU ids.
+fn allowed_cpus() -> Vec<u32> {
+    // SAFETY: `cpu_set_t` is a plain bit array, valid when zeroed.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: the kernel writes at most `size_of::<cpu_set_t>()` bytes into `set`.
+    let ret = unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) };
+    if ret != 0 {
+        return Vec::new();
+    }
+    let bits = 8 * std::mem::size_of_val(&set);
+    (0..bits)
+        // SAFETY: `cpu` is below the set's size in bits.
+        .filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) })
+        .map(|cpu| cpu as u32)
+        .collect()
+}
+
+/// Pins the calling thread to `cpu`; returns whether it worked.
+fn pin_to(cpu: u32) -> bool {
+    // SAFETY: `cpu_set_t` is a plain bit array, valid when zeroed.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    if cpu as usize >= 8 * std::mem::size_of_val(&set) {
+        return false;
+    }
+    // SAFETY: `cpu` is below the set's size in bits (checked above).
+    unsafe { libc::CPU_SET(cpu as usize, &mut set) };
+    // SAFETY: `set` is a valid, initialized mask of the size passed.
+    unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) == 0 }
+}
+
+/// Whether the CPU has `flag` (re-exported for families that explain skipped cases).
+pub fn cpu_has_flag(flag: &str) -> bool {
+    machine::cpu_has_flag(flag)
+}
+
+/// Declares the families: each name is a module in this folder that exports `FAMILY`.
+/// Adding a family is one file and one name here.
+macro_rules! families {
+    ($($family:ident),* $(,)?) => {
+        $(pub mod $family;)*
+
+        /// Every benchmark family, in the order `thiscpu bench` runs them.
+        pub static FAMILIES: &[&Family] = &[$(&$family::FAMILY),*];
+    };
+}
+
+families![getcpu];
+
+/// The family called `name`.
+pub fn family(name: &str) -> Option<&'static Family> {
+    FAMILIES.iter().copied().find(|family| family.name == name)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn medians_of_odd_and_even_counts() {
+        let odd = Stats::of(&[3.0, 1.0, 2.0]);
+        assert_eq!((odd.min, odd.median, odd.max), (1.0, 2.0, 3.0));
+        assert_eq!(Stats::of(&[4.0, 1.0, 2.0, 3.0]).median, 2.5);
+    }
+
+    #[test]
+    fn case_filters_take_substrings_and_globs() {
+        let filter = CaseFilter::parse("vdso,current_cpu-*").unwrap();
+        assert!(filter.matches("getcpu", "vdso-getcpu"));
+        assert!(filter.matches("getcpu", "current_cpu-noinline"));
+        assert!(!filter.matches("getcpu", "current_cpu"));
+        assert!(!filter.matches("getcpu", "syscall"));
+        let filter = CaseFilter::parse("getcpu/getcpu").unwrap();
+        assert!(filter.matches("getcpu", "getcpu"));
+        assert!(glob("*", ""));
+        assert!(glob("r?p*d", "rdpid"));
+        assert!(!glob("r?p", "rdpid"));
+    }
+
+    #[test]
+    fn thread_lists() {
+        assert_eq!(parse_threads("1,2").unwrap(), vec![1, 2]);
+        assert_eq!(parse_threads("1-4").unwrap(), vec![1, 2, 3, 4]);
+        assert_eq!(parse_threads("1:8:3").unwrap(), vec![1, 4, 7]);
+        for bad in ["", "0", "a", "2-1", "1,,2", "1:2:0", "5000"] {
+            assert!(parse_threads(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn every_family_has_unique_case_names() {
+        for family in FAMILIES {
+            let mut names = family.case_names.to_vec();
+            names.sort_unstable();
+            names.dedup();
+            assert_eq!(names.len(), family.case_names.len(), "{}", family.name);
+            for case in (family.cases)() {
+                assert!(family.case_names.contains(&case.name), "{}", case.name);
+            }
+        }
+    }
+}

@@ -1,0 +1,285 @@
+//! `thiscpu info`: the machine, who registered rseq, which sources can say "which CPU", which
+//! one answers, the CPUs and their nodes, and where the calling thread runs now.
+
+use crate::error::{Error, Result};
+use crate::machine::{self, Machine, format_cpu_list};
+use serde::Serialize;
+use thiscpu::{CpuSource, topology};
+
+/// Everything `info --json` prints.
+#[derive(Debug, Serialize)]
+pub struct Info {
+    /// The machine, as every report describes it.
+    pub machine: Machine,
+    /// rseq in detail.
+    pub rseq: RseqDetail,
+    /// Every way to ask "which CPU am I on", and whether it works here.
+    pub sources: Vec<SourceState>,
+    /// What answers `current_cpu()` in this thread.
+    pub chosen: String,
+    /// What answers where rseq cannot.
+    pub fallback: String,
+    /// The CPUs.
+    pub cpus: Cpus,
+    /// Where the calling thread runs now.
+    pub now: Now,
+}
+
+/// rseq as the library found it, with glibc's and the kernel's numbers.
+#[derive(Debug, Serialize)]
+pub struct RseqDetail {
+    /// `"glibc"`, `"thiscpu"` or `"none"`.
+    pub registered_by: String,
+    /// Why rseq is not used, when it is not.
+    pub unavailable: Option<String>,
+    /// glibc's `__rseq_size`.
+    pub glibc_rseq_size: Option<u32>,
+    /// glibc's `__rseq_offset`.
+    pub glibc_rseq_offset: Option<isize>,
+    /// The kernel's `AT_RSEQ_FEATURE_SIZE`.
+    pub kernel_feature_size: u32,
+    /// Bytes of the area the kernel keeps current.
+    pub usable_size: u32,
+    /// Whether `node_id` is usable.
+    pub node_id: bool,
+    /// Whether `mm_cid` is usable.
+    pub mm_cid: bool,
+}
+
+/// One source and whether it works here.
+#[derive(Debug, Serialize)]
+pub struct SourceState {
+    /// `rseq`, `rdpid`, `rdtscp`, `vdso`, `syscall`.
+    pub name: &'static str,
+    /// Whether it answers on this machine.
+    pub available: bool,
+    /// Why not, when it does not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+/// The machine's CPUs.
+#[derive(Debug, Serialize)]
+pub struct Cpus {
+    /// Number of possible CPUs.
+    pub possible: usize,
+    /// The online CPUs.
+    pub online: Vec<u32>,
+    /// The NUMA node of each possible CPU, indexed by CPU.
+    pub node_of_cpu: Vec<Option<u32>>,
+}
+
+/// Where the calling thread runs.
+#[derive(Debug, Serialize)]
+pub struct Now {
+    /// `current_cpu()`.
+    pub cpu: u32,
+    /// `getcpu().node`.
+    pub node: u32,
+    /// `mm_cid()`.
+    pub mm_cid: Option<u32>,
+}
+
+/// Gathers everything.
+pub fn gather() -> Info {
+    let source = thiscpu::source();
+    let rseq_in_use = matches!(
+        source.this_thread,
+        CpuSource::RseqGlibc | CpuSource::RseqThiscpu
+    );
+    let instruction = |name: &'static str, works: bool| SourceState {
+        name,
+        available: works,
+        reason: (!works).then(|| {
+            if !cfg!(target_arch = "x86_64") {
+                "an x86_64 instruction".to_owned()
+            } else if !machine::cpu_has_flag(name) {
+                format!("CPU lacks {}", name.to_uppercase())
+            } else {
+                "its answer disagrees with the kernel's".to_owned()
+            }
+        }),
+    };
+    let vdso = thiscpu::via::vdso().is_some();
+    let sources = vec![
+        SourceState {
+            name: "rseq",
+            available: rseq_in_use,
+            reason: (!rseq_in_use).then(|| {
+                source
+                    .unavailable
+                    .map_or("not registered in this thread".to_owned(), |why| {
+                        machine::describe_unavailable(why)
+                    })
+            }),
+        },
+        instruction("rdpid", thiscpu::via::rdpid().is_some()),
+        instruction("rdtscp", thiscpu::via::rdtscp().is_some()),
+        SourceState {
+            name: "vdso",
+            available: vdso,
+            reason: (!vdso).then(|| "the vDSO has no getcpu".to_owned()),
+        },
+        SourceState {
+            name: "syscall",
+            available: true,
+            reason: None,
+        },
+    ];
+    let here = thiscpu::getcpu();
+    Info {
+        machine: Machine::describe(),
+        rseq: RseqDetail {
+            registered_by: source.registrar.name().to_owned(),
+            unavailable: source.unavailable.map(machine::describe_unavailable),
+            glibc_rseq_size: source.glibc_rseq_size,
+            glibc_rseq_offset: source.glibc_rseq_offset,
+            kernel_feature_size: source.kernel_feature_size,
+            usable_size: source.usable_size,
+            node_id: source.node_id,
+            mm_cid: source.mm_cid,
+        },
+        sources,
+        chosen: source.this_thread.name().to_owned(),
+        fallback: source.fallback.name().to_owned(),
+        cpus: Cpus {
+            possible: topology::possible_cpus(),
+            online: topology::online_cpus(),
+            node_of_cpu: (0..topology::possible_cpus() as u32)
+                .map(topology::node_of_cpu)
+                .collect(),
+        },
+        now: Now {
+            cpu: thiscpu::current_cpu(),
+            node: here.node,
+            mm_cid: thiscpu::mm_cid(),
+        },
+    }
+}
+
+/// Runs `thiscpu info`.
+pub fn run(json: bool) -> Result<()> {
+    let info = gather();
+    if json {
+        let text = serde_json::to_string_pretty(&info)
+            .map_err(|e| Error::failed(format!("cannot encode JSON: {e}")))?;
+        println!("{text}");
+    } else {
+        println!("{}", render(&info));
+    }
+    Ok(())
+}
+
+fn yes_no(flag: bool) -> &'static str {
+    if flag { "yes" } else { "no" }
+}
+
+/// The human-readable form.
+pub fn render(info: &Info) -> String {
+    let m = &info.machine;
+    let r = &info.rseq;
+    let mut lines: Vec<(&str, String)> = Vec::new();
+    lines.push((
+        "machine",
+        format!(
+            "{} · {} · Linux {} · {}",
+            m.cpu_model,
+            m.arch,
+            m.kernel,
+            m.glibc
+                .as_ref()
+                .map_or("no glibc".to_owned(), |v| format!("glibc {v}"))
+        ),
+    ));
+    let registrar = match &r.unavailable {
+        Some(why) => format!("not in use: {why}"),
+        None => format!("registered by {}", r.registered_by),
+    };
+    let glibc = match (r.glibc_rseq_size, r.glibc_rseq_offset) {
+        (Some(size), Some(offset)) => format!("glibc __rseq_size {size}, __rseq_offset {offset}"),
+        _ => "glibc exports no __rseq_size/__rseq_offset".to_owned(),
+    };
+    lines.push(("rseq", format!("{registrar} · {glibc}")));
+    lines.push((
+        "",
+        format!(
+            "kernel feature size {} · usable {} bytes · node_id {} · mm_cid {}",
+            r.kernel_feature_size,
+            r.usable_size,
+            yes_no(r.node_id),
+            yes_no(r.mm_cid)
+        ),
+    ));
+    let chosen_kind = info.chosen.split(' ').next().unwrap_or_default();
+    let sources: Vec<String> = info
+        .sources
+        .iter()
+        .map(|s| {
+            let mut text = format!("{} {}", s.name, if s.available { "✓" } else { "✗" });
+            if s.name == chosen_kind {
+                text.push_str(" (answers)");
+            } else if s.name == info.fallback {
+                text.push_str(" (fallback)");
+            }
+            text
+        })
+        .collect();
+    lines.push(("sources", sources.join(" · ")));
+    for s in info.sources.iter().filter(|s| !s.available) {
+        if let Some(reason) = &s.reason {
+            lines.push(("", format!("{}: {reason}", s.name)));
+        }
+    }
+    lines.push((
+        "answers",
+        format!(
+            "current_cpu() from {}; without rseq: {}",
+            info.chosen, info.fallback
+        ),
+    ));
+    lines.push((
+        "CPUs",
+        format!(
+            "possible {} · online {} · {}",
+            info.cpus.possible,
+            format_cpu_list(&info.cpus.online),
+            nodes(&info.cpus.node_of_cpu)
+        ),
+    ));
+    lines.push((
+        "now",
+        format!(
+            "cpu {} · node {} · mm_cid {}",
+            info.now.cpu,
+            info.now.node,
+            info.now
+                .mm_cid
+                .map_or("unavailable".to_owned(), |c| c.to_string())
+        ),
+    ));
+    lines
+        .iter()
+        .map(|(label, text)| format!("{label:<8} {text}"))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// `node 0: CPUs 0-1 · node 1: CPUs 2-3`.
+fn nodes(node_of_cpu: &[Option<u32>]) -> String {
+    let mut nodes: Vec<u32> = node_of_cpu.iter().flatten().copied().collect();
+    nodes.sort_unstable();
+    nodes.dedup();
+    nodes
+        .iter()
+        .map(|&node| {
+            let cpus: Vec<u32> = node_of_cpu
+                .iter()
+                .enumerate()
+                .filter(|(_, n)| **n == Some(node))
+                .map(|(cpu, _)| cpu as u32)
+                .collect();
+            format!("node {node}: CPUs {}", format_cpu_list(&cpus))
+        })
+        .collect::<Vec<_>>()
+        .join(" · ")
+}

@@ -1,0 +1,164 @@
+//! `thiscpu compare BEFORE.json AFTER.json`: the change of every (bench, case, threads)
+//! median between two reports, in the seeds' before / after / difference shape.
+
+use crate::error::Result;
+use crate::report::json::{self, Report, ResultRow};
+use crate::report::table::{self, align_right, fmt_num, fmt_percent, new_table};
+use std::path::Path;
+
+/// Reads both reports and prints the comparison.
+pub fn run(before: &Path, after: &Path) -> Result<()> {
+    let old = json::read(before)?;
+    let new = json::read(after)?;
+    println!(
+        "{}",
+        render(
+            &old,
+            &new,
+            &before.display().to_string(),
+            &after.display().to_string()
+        )
+    );
+    Ok(())
+}
+
+type Key<'a> = (&'a str, &'a str, u64);
+
+fn key(row: &ResultRow) -> Key<'_> {
+    (row.bench.as_str(), row.case.as_str(), row.threads)
+}
+
+fn label((bench, case, threads): Key<'_>) -> String {
+    format!("{bench}/{case} ×{threads}")
+}
+
+/// The comparison as text.
+pub fn render(before: &Report, after: &Report, before_name: &str, after_name: &str) -> String {
+    let mut out = String::new();
+    if before.machine.summary() == after.machine.summary() {
+        out.push_str(&format!(
+            "before: {before_name}\nafter:  {after_name}\nmachine: {}\n",
+            before.machine.summary()
+        ));
+    } else {
+        out.push_str(&format!(
+            "before: {before_name} — {}\nafter:  {after_name} — {}\n",
+            before.machine.summary(),
+            after.machine.summary()
+        ));
+    }
+
+    // Benches in order of first appearance, before's first.
+    let mut benches: Vec<&str> = Vec::new();
+    for row in before.results.iter().chain(&after.results) {
+        if !benches.contains(&row.bench.as_str()) {
+            benches.push(&row.bench);
+        }
+    }
+    let find = |report: &'_ Report, k: Key<'_>| -> Option<ResultRow> {
+        report.results.iter().find(|r| key(r) == k).cloned()
+    };
+
+    let mut only_before = Vec::new();
+    let mut only_after = Vec::new();
+    for bench in benches {
+        let mut keys: Vec<Key<'_>> = Vec::new();
+        for row in before.results.iter().chain(&after.results) {
+            let k = key(row);
+            if row.bench == bench && !keys.contains(&k) {
+                keys.push(k);
+            }
+        }
+        let mut table = new_table();
+        table.set_header(vec![
+            "case",
+            "threads",
+            "before",
+            "after",
+            "difference",
+            "change",
+        ]);
+        let mut rows = 0;
+        for k in keys {
+            let (old, new) = match (find(before, k), find(after, k)) {
+                (Some(old), Some(new)) => (old, new),
+                (Some(_), None) => {
+                    only_before.push(label(k));
+                    continue;
+                }
+                (None, Some(_)) => {
+                    only_after.push(label(k));
+                    continue;
+                }
+                (None, None) => continue,
+            };
+            rows += 1;
+            let cell = |row: &ResultRow| {
+                format!(
+                    "{} {} ({}–{})",
+                    fmt_num(row.median),
+                    row.unit,
+                    fmt_num(row.min),
+                    fmt_num(row.max)
+                )
+            };
+            let (difference, change) = if old.unit != new.unit {
+                (
+                    String::new(),
+                    format!("unit changed: {} → {}", old.unit, new.unit),
+                )
+            } else {
+                describe_change(&old, &new)
+            };
+            table.add_row(vec![
+                old.case.clone(),
+                old.threads.to_string(),
+                cell(&old),
+                cell(&new),
+                difference,
+                change,
+            ]);
+        }
+        if rows > 0 {
+            align_right(&mut table, &[1, 2, 3, 4]);
+            out.push_str(&format!("\n{bench}\n{}\n", table::render(&table)));
+        }
+    }
+    if !only_before.is_empty() {
+        out.push_str(&format!(
+            "\nonly in before ({before_name}): {}\n",
+            only_before.join(", ")
+        ));
+    }
+    if !only_after.is_empty() {
+        out.push_str(&format!(
+            "\nonly in after ({after_name}): {}\n",
+            only_after.join(", ")
+        ));
+    }
+    out.trim_end().to_owned()
+}
+
+/// The difference of the medians, and the percent change with a verdict: better, worse, or
+/// within the spread (the two min–max ranges overlap).
+fn describe_change(old: &ResultRow, new: &ResultRow) -> (String, String) {
+    let difference = new.median - old.median;
+    let sign = if difference > 0.0 { "+" } else { "" };
+    let difference_text = format!("{sign}{} {}", fmt_num(difference), new.unit);
+    if old.median == 0.0 {
+        return (difference_text, "n/a (before is 0)".to_owned());
+    }
+    let percent = 100.0 * difference / old.median;
+    let overlap = new.min <= old.max && old.min <= new.max;
+    let verdict = if overlap {
+        "within spread"
+    } else if (difference < 0.0) == old.lower_is_better() {
+        "better"
+    } else {
+        "worse"
+    };
+    (
+        difference_text,
+        format!("{} {verdict}", fmt_percent(percent)),
+    )
+}

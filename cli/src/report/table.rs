@@ -1,0 +1,261 @@
+//! Human-readable tables: the run header, one table per family, the seed-shaped tables.
+
+use crate::bench::{Family, Measured, RunInfo, Skipped, Unit};
+use crate::machine::{Machine, format_cpu_list};
+use comfy_table::{CellAlignment, ContentArrangement, Table};
+
+/// comfy-table's preset format: a line under the header and nothing else (no borders, no
+/// lines between rows or columns).
+const HEADER_LINE_ONLY: &str = "     ──            ";
+
+/// The seeds' ASCII boxes, with `+` where the header line meets a column.
+const SEED_BOXES: &str = "||--+=++|-+||++++++";
+
+/// A table in the house style: a line under the header, nothing else, cells padded by one
+/// space.
+pub fn new_table() -> Table {
+    let mut table = Table::new();
+    table
+        .load_preset(HEADER_LINE_ONLY)
+        .set_content_arrangement(ContentArrangement::Disabled);
+    table
+}
+
+/// The table as text, without the trailing spaces of its padded last column.
+pub fn render(table: &Table) -> String {
+    table
+        .lines()
+        .map(|line| line.trim_end().to_owned())
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// Right-aligns the given columns.
+pub fn align_right(table: &mut Table, columns: &[usize]) {
+    for &index in columns {
+        if let Some(column) = table.column_mut(index) {
+            column.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+}
+
+/// A duration in nanoseconds with three significant digits: `0.312`, `4.56`, `78.9`, `182`.
+pub fn fmt_num(value: f64) -> String {
+    let magnitude = value.abs();
+    if magnitude >= 100.0 || magnitude == 0.0 {
+        format!("{value:.0}")
+    } else if magnitude >= 10.0 {
+        format!("{value:.1}")
+    } else if magnitude >= 1.0 {
+        format!("{value:.2}")
+    } else {
+        format!("{value:.3}")
+    }
+}
+
+/// A duration in nanoseconds with its unit: `0.312 ns`.
+pub fn fmt_ns(value: f64) -> String {
+    format!("{} ns", fmt_num(value))
+}
+
+/// A ratio: `1.23×`, `12.3×`, `123×`.
+pub fn fmt_ratio(ratio: f64) -> String {
+    format!("{}×", fmt_num(ratio))
+}
+
+/// A signed percentage: `+3.1 %`, `-24.7 %`.
+pub fn fmt_percent(percent: f64) -> String {
+    if percent.abs() >= 10.0 {
+        format!("{percent:+.1} %")
+    } else {
+        format!("{percent:+.2} %")
+    }
+}
+
+/// The lines printed before any result: machine, rseq, how the run is laid out.
+pub fn run_header(machine: &Machine, info: &RunInfo) -> String {
+    let quick = if info.quick { " (--quick)" } else { "" };
+    let order: Vec<String> = info.cpus.iter().map(u32::to_string).collect();
+    format!(
+        "thiscpu bench · {}\n{}; current_cpu() answers from {}, fallback {}\n\
+         {} rounds of {:.3} s per case, interleaved{quick}; workers pinned to CPUs in the order {}",
+        machine.summary(),
+        machine.rseq.summary(),
+        machine.cpu_source,
+        machine.fallback,
+        info.rounds,
+        info.round.as_secs_f64(),
+        order.join(", "),
+    )
+}
+
+/// One family's results: a row per (case, thread count), then the cases left out.
+pub fn family(family: &Family, results: &[Measured], skipped: &[Skipped]) -> String {
+    let mut out = format!("{} — {}\n", family.name, family.about);
+    let thread_counts = {
+        let mut counts: Vec<usize> = results.iter().map(|m| m.threads).collect();
+        counts.sort_unstable();
+        counts.dedup();
+        counts
+    };
+    let several = thread_counts.len() > 1;
+    if !results.is_empty() {
+        let units = {
+            let mut units: Vec<Unit> = results.iter().map(|m| m.unit).collect();
+            units.dedup();
+            units
+        };
+        let unit = match units.as_slice() {
+            [one] => one.label(),
+            _ => "",
+        };
+        let baseline_median = |threads: usize| {
+            let name = family.baseline?;
+            results
+                .iter()
+                .find(|m| m.case == name && m.threads == threads)
+                .map(|m| m.stats().median)
+        };
+        let mut table = new_table();
+        let mut header = vec!["case".to_owned(), "what it calls".to_owned()];
+        if several {
+            header.push("threads".to_owned());
+        }
+        header.push(format!("median {unit}"));
+        header.push("min – max".to_owned());
+        header.push("CPUs".to_owned());
+        let baseline = family
+            .baseline
+            .filter(|name| results.iter().any(|m| m.case == *name));
+        if let Some(name) = baseline {
+            header.push(format!("÷ {name}"));
+        }
+        table.set_header(header);
+        for m in results {
+            let stats = m.stats();
+            let mut row = vec![m.case.to_owned(), m.how.clone()];
+            if several {
+                row.push(m.threads.to_string());
+            }
+            let suffix = if units.len() > 1 {
+                format!(" {}", m.unit.label())
+            } else {
+                String::new()
+            };
+            row.push(format!("{}{suffix}", fmt_num(stats.median)));
+            row.push(format!("{} – {}", fmt_num(stats.min), fmt_num(stats.max)));
+            row.push(format_cpu_list(&m.cpus));
+            if baseline.is_some() {
+                row.push(match baseline_median(m.threads) {
+                    Some(base) if base > 0.0 => fmt_ratio(stats.median / base),
+                    _ => String::new(),
+                });
+            }
+            table.add_row(row);
+        }
+        let first_number = if several { 3 } else { 2 };
+        align_right(
+            &mut table,
+            &[
+                first_number,
+                first_number + 1,
+                first_number + 2,
+                first_number + 3,
+            ],
+        );
+        out.push_str(&render(&table));
+        out.push('\n');
+    }
+    for skip in skipped {
+        out.push_str(&format!("  left out: {}: {}\n", skip.case, skip.reason));
+    }
+    out.trim_end().to_owned()
+}
+
+/// Seed 000's table: a number of calls and the time they take, before and after, with the
+/// decrease. Here one row per "before" source, each with its decrease to the "after" one.
+pub fn seed_calls_table(befores: &[(&str, f64)], after: (&str, f64)) -> String {
+    const CALLS: f64 = 1e9;
+    let nanos = |ns_per_call: f64| format!("{:.0} ns", ns_per_call * CALLS);
+    let mut table = Table::new();
+    table
+        .load_preset(SEED_BOXES)
+        .set_content_arrangement(ContentArrangement::Disabled)
+        .set_header(vec![
+            "",
+            "Number of Calls",
+            "Time taken",
+            "Difference (decrease)",
+        ]);
+    for &(label, before) in befores {
+        let decrease = (before - after.1) * CALLS;
+        table.add_row(vec![
+            format!("Before: {label}"),
+            format!("{CALLS:.0}"),
+            nanos(before),
+            format!(
+                "{decrease:.0} ns ({:.2}%)",
+                100.0 * (before - after.1) / before
+            ),
+        ]);
+    }
+    table.add_row(vec![
+        format!("After: {}", after.0),
+        format!("{CALLS:.0}"),
+        nanos(after.1),
+        String::new(),
+    ]);
+    align_right(&mut table, &[1, 2, 3]);
+    render(&table)
+}
+
+/// Seed 003's figures: getcpu latency before (vDSO, syscall) and after (rseq), on this
+/// machine beside the seed's own two machines.
+pub fn seed_latency_table(vdso: Option<f64>, syscall: Option<f64>, after: f64) -> String {
+    let cell = |value: Option<f64>| value.map_or_else(|| "–".to_owned(), fmt_ns);
+    let mut table = new_table();
+    table.set_header(vec![
+        "",
+        "before: vDSO getcpu",
+        "before: syscall",
+        "after: thiscpu getcpu",
+    ]);
+    table.add_row(vec![
+        "this machine".to_owned(),
+        cell(vdso),
+        cell(syscall),
+        fmt_ns(after),
+    ]);
+    table.add_row(vec!["seed 003, x86_64 (i7-8550U)", "10 ns", "–", "2 ns"]);
+    table.add_row(vec![
+        "seed 003, aarch64 (no vDSO getcpu)",
+        "–",
+        "130 ns",
+        "1 ns",
+    ]);
+    align_right(&mut table, &[1, 2, 3]);
+    render(&table)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn numbers_keep_three_significant_digits() {
+        assert_eq!(fmt_num(0.31234), "0.312");
+        assert_eq!(fmt_num(4.567), "4.57");
+        assert_eq!(fmt_num(78.91), "78.9");
+        assert_eq!(fmt_num(182.4), "182");
+        assert_eq!(fmt_percent(-24.74), "-24.7 %");
+        assert_eq!(fmt_percent(3.1), "+3.10 %");
+    }
+
+    #[test]
+    fn seed_table_reproduces_the_seed_arithmetic() {
+        // Seed 000: 1602888401 ns before, 1206212658 ns after, 396675743 ns (24.74%).
+        let table = seed_calls_table(&[("x", 1.602888401)], ("y", 1.206212658));
+        assert!(table.contains("396675743 ns (24.75%)"), "{table}");
+        assert!(table.contains("1602888401 ns"));
+    }
+}

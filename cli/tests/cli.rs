@@ -1,0 +1,399 @@
+//! End-to-end tests of the `thiscpu` command: reports against the schema, charts as XML,
+//! comparisons, help, and one-line errors with exit status 2 for bad input.
+//!
+//! Benchmarks run with `--quick` (about a second): these tests check shapes and plumbing,
+//! never timings.
+
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+/// Every case the getcpu family defines: each must be measured or listed as skipped.
+const GETCPU_CASES: &[&str] = &[
+    "syscall",
+    "vdso-getcpu",
+    "glibc-sched_getcpu",
+    "rdtscp",
+    "rdpid",
+    "current_cpu",
+    "current_cpu-noinline",
+    "getcpu",
+    "mm_cid",
+    "empty-loop",
+];
+
+fn thiscpu(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_thiscpu"))
+        .args(args)
+        .output()
+        .expect("run thiscpu")
+}
+
+fn text(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
+/// A fresh scratch folder for one test.
+fn scratch(name: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cli-{name}"));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("create scratch folder");
+    dir
+}
+
+fn data(name: &str) -> String {
+    format!("{}/tests/data/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+fn succeed(args: &[&str]) -> String {
+    let output = thiscpu(args);
+    assert!(
+        output.status.success(),
+        "thiscpu {args:?} failed: {}\n{}",
+        output.status,
+        text(&output.stderr)
+    );
+    text(&output.stdout)
+}
+
+fn schema_errors(instance: &Value) -> Vec<String> {
+    let schema_path = format!("{}/docs/bench-schema.json", env!("CARGO_MANIFEST_DIR"));
+    let schema: Value =
+        serde_json::from_str(&std::fs::read_to_string(schema_path).expect("read schema"))
+            .expect("schema is JSON");
+    let validator = jsonschema::validator_for(&schema).expect("schema is a valid JSON Schema");
+    validator
+        .iter_errors(instance)
+        .map(|error| format!("{} at {}", error, error.instance_path()))
+        .collect()
+}
+
+#[test]
+fn quick_bench_json_matches_the_schema_and_lists_every_case() {
+    let dir = scratch("bench-json");
+    let json = dir.join("getcpu.json");
+    let json = json.to_str().unwrap();
+    let stdout = succeed(&["bench", "--quick", "--json", json]);
+    assert!(stdout.contains("getcpu"), "{stdout}");
+
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let errors = schema_errors(&report);
+    assert!(
+        errors.is_empty(),
+        "report does not match the schema: {errors:#?}"
+    );
+
+    let results = report["results"].as_array().unwrap();
+    let skipped = report["skipped"].as_array().unwrap();
+    for case in GETCPU_CASES {
+        let measured = results
+            .iter()
+            .filter(|r| r["bench"] == "getcpu" && r["case"] == *case)
+            .count();
+        let left_out = skipped
+            .iter()
+            .filter(|s| s["bench"] == "getcpu" && s["case"] == *case)
+            .count();
+        assert_eq!(
+            measured + left_out,
+            1,
+            "{case}: measured {measured}, skipped {left_out}"
+        );
+        if left_out == 1 {
+            assert!(
+                stdout.contains(&format!("{case}: ")),
+                "reason for {case} not shown"
+            );
+        }
+    }
+    for result in results {
+        let rounds = result["rounds"].as_array().unwrap();
+        assert_eq!(rounds.len(), 3, "--quick runs 3 rounds");
+        let value = |key: &str| result[key].as_f64().unwrap();
+        assert!(value("min") <= value("median") && value("median") <= value("max"));
+        assert!(value("min") > 0.0, "{result}");
+        assert_eq!(result["threads"], 1);
+        assert_eq!(result["unit"], "ns/op");
+    }
+
+    // The machine block agrees with the library in this (same-environment) process.
+    let source = thiscpu::source();
+    let rseq = &report["machine"]["rseq"];
+    assert_eq!(rseq["registered_by"], source.registrar.name());
+    assert_eq!(rseq["feature_size"], source.kernel_feature_size);
+    assert_eq!(rseq["node_id"], source.node_id);
+    assert_eq!(rseq["mm_cid"], source.mm_cid);
+    assert_eq!(
+        report["machine"]["cpus_possible"],
+        thiscpu::topology::possible_cpus()
+    );
+
+    // A report compared with itself: every row present on both sides, nothing one-sided.
+    let comparison = succeed(&["compare", json, json]);
+    assert!(comparison.contains("current_cpu"), "{comparison}");
+    assert!(!comparison.contains("only in"), "{comparison}");
+}
+
+#[test]
+fn threads_and_case_filters_shape_the_run() {
+    let dir = scratch("bench-threads");
+    let json = dir.join("out.json");
+    let json = json.to_str().unwrap();
+    succeed(&[
+        "bench",
+        "getcpu",
+        "--quick",
+        "--cases",
+        "empty-loop,current_cpu-*",
+        "--threads",
+        "1,2",
+        "--rounds",
+        "2",
+        "--json",
+        json,
+    ]);
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    assert!(schema_errors(&report).is_empty());
+    let mut rows: Vec<(String, u64)> = report["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            assert_eq!(r["rounds"].as_array().unwrap().len(), 2);
+            (
+                r["case"].as_str().unwrap().to_owned(),
+                r["threads"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    rows.sort();
+    assert_eq!(
+        rows,
+        [
+            ("current_cpu-noinline".to_owned(), 1),
+            ("current_cpu-noinline".to_owned(), 2),
+            ("empty-loop".to_owned(), 1),
+            ("empty-loop".to_owned(), 2),
+        ]
+    );
+}
+
+#[test]
+fn svg_chart_is_well_formed_svg() {
+    let dir = scratch("bench-svg");
+    let charts = dir.join("charts");
+    succeed(&[
+        "bench",
+        "--quick",
+        "--cases",
+        "syscall,current_cp?,empty-loop",
+        "--svg",
+        charts.to_str().unwrap(),
+    ]);
+    let svg = std::fs::read_to_string(charts.join("getcpu.svg")).expect("getcpu.svg written");
+    let document = roxmltree::Document::parse(&svg).expect("the chart is well-formed XML");
+    let root = document.root_element();
+    assert_eq!(root.tag_name().name(), "svg");
+    assert_eq!(
+        root.tag_name().namespace(),
+        Some("http://www.w3.org/2000/svg")
+    );
+    assert!(root.attribute("viewBox").is_some());
+    let texts: Vec<String> = root
+        .descendants()
+        .filter(|n| n.has_tag_name("text"))
+        .filter_map(|n| n.text())
+        .map(|t| t.trim().to_owned())
+        .collect();
+    for case in ["syscall", "current_cpu", "empty-loop"] {
+        assert!(
+            texts.iter().any(|t| t == case),
+            "no label {case} in {texts:?}"
+        );
+    }
+    // One bar per case (the glob `current_cp?` names current_cpu alone), plus the background.
+    let rects = root
+        .descendants()
+        .filter(|n| n.has_tag_name("rect"))
+        .count();
+    assert_eq!(rects, 4);
+}
+
+#[test]
+fn compare_shows_changes_and_one_sided_cases() {
+    let stdout = succeed(&["compare", &data("before.json"), &data("after.json")]);
+    let line = |needle: &str| -> String {
+        stdout
+            .lines()
+            .find(|l| l.trim_start().starts_with(needle))
+            .unwrap_or_else(|| panic!("no line for {needle} in\n{stdout}"))
+            .to_owned()
+    };
+    let syscall = line("syscall");
+    assert!(syscall.contains("-100 ns/op"), "{syscall}");
+    assert!(syscall.contains("-50.0 % better"), "{syscall}");
+    let current = line("current_cpu");
+    assert!(current.contains("+4.00 % within spread"), "{current}");
+    let percpu = line("percpu");
+    assert!(percpu.contains("+20.0 % better"), "{percpu}");
+    assert!(
+        stdout.contains("only in before") && stdout.contains("getcpu/rdpid ×1"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("only in after") && stdout.contains("getcpu/mm_cid ×1"),
+        "{stdout}"
+    );
+    // Fixtures must themselves match the schema that compare reads.
+    for name in ["before.json", "after.json"] {
+        let report: Value =
+            serde_json::from_str(&std::fs::read_to_string(data(name)).unwrap()).unwrap();
+        assert!(schema_errors(&report).is_empty(), "{name}");
+    }
+}
+
+#[test]
+fn bad_input_is_one_line_and_exit_status_2() {
+    let dir = scratch("bad-input");
+    let not_json = dir.join("not.json");
+    std::fs::write(&not_json, "{ this is not json").unwrap();
+    let wrong_shape = dir.join("shape.json");
+    std::fs::write(&wrong_shape, r#"{"machine": {}, "results": 3}"#).unwrap();
+    let a_file = dir.join("plain-file");
+    std::fs::write(&a_file, "").unwrap();
+    let under_file = a_file.join("charts");
+    let missing = dir.join("missing.json");
+    let no_dir = dir.join("no/such/dir/out.json");
+
+    let cases: Vec<Vec<&str>> = vec![
+        vec!["frobnicate"],
+        vec!["bench", "--frobnicate"],
+        vec!["info", "--jsno"],
+        vec!["bench", "--seconds", "abc"],
+        vec!["bench", "--seconds", "0"],
+        vec!["bench", "--rounds", "many"],
+        vec!["bench", "--rounds", "0"],
+        vec!["bench", "--threads", "0"],
+        vec!["bench", "--threads", "1,x"],
+        vec!["bench", "nosuchfamily"],
+        vec!["bench", "--quick", "--cases", "nosuchcase"],
+        vec!["bench", "--quick", "--json", no_dir.to_str().unwrap()],
+        vec!["bench", "--quick", "--svg", under_file.to_str().unwrap()],
+        vec![
+            "compare",
+            missing.to_str().unwrap(),
+            missing.to_str().unwrap(),
+        ],
+        vec![
+            "compare",
+            not_json.to_str().unwrap(),
+            not_json.to_str().unwrap(),
+        ],
+        vec![
+            "compare",
+            wrong_shape.to_str().unwrap(),
+            wrong_shape.to_str().unwrap(),
+        ],
+        vec!["compare", not_json.to_str().unwrap()],
+    ];
+    for args in cases {
+        let output = thiscpu(&args);
+        let stderr = text(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?} printed:\n{stderr}");
+        assert!(stderr.starts_with("thiscpu: "), "{args:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(
+            output.stdout.is_empty(),
+            "{args:?} printed to stdout: {}",
+            text(&output.stdout)
+        );
+    }
+}
+
+#[test]
+fn errors_name_the_problem() {
+    let stderr = text(&thiscpu(&["bench", "--seconds", "abc"]).stderr);
+    assert!(
+        stderr.contains("--seconds") && stderr.contains("abc"),
+        "{stderr}"
+    );
+    let stderr = text(&thiscpu(&["bench", "nosuchfamily"]).stderr);
+    assert!(
+        stderr.contains("nosuchfamily") && stderr.contains("getcpu"),
+        "{stderr}"
+    );
+    let stderr = text(&thiscpu(&["compare", "/no/such/before.json", "x"]).stderr);
+    assert!(stderr.contains("/no/such/before.json"), "{stderr}");
+}
+
+#[test]
+fn info_json_agrees_with_the_library() {
+    let stdout = succeed(&["info", "--json"]);
+    let info: Value = serde_json::from_str(&stdout).expect("info --json is JSON");
+    let source = thiscpu::source();
+    assert_eq!(info["chosen"], source.this_thread.name());
+    assert_eq!(info["fallback"], source.fallback.name());
+    assert_eq!(info["rseq"]["registered_by"], source.registrar.name());
+    assert_eq!(
+        info["rseq"]["kernel_feature_size"],
+        source.kernel_feature_size
+    );
+    assert_eq!(info["rseq"]["usable_size"], source.usable_size);
+    assert_eq!(info["rseq"]["node_id"], source.node_id);
+    assert_eq!(info["rseq"]["mm_cid"], source.mm_cid);
+    assert_eq!(
+        info["machine"]["rseq"]["registered_by"],
+        source.registrar.name()
+    );
+    let names: Vec<&str> = info["sources"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["rseq", "rdpid", "rdtscp", "vdso", "syscall"]);
+    let possible = thiscpu::topology::possible_cpus();
+    assert_eq!(info["cpus"]["possible"], possible);
+    assert_eq!(
+        info["cpus"]["node_of_cpu"].as_array().unwrap().len(),
+        possible
+    );
+    assert!(info["now"]["cpu"].as_u64().unwrap() < possible as u64);
+
+    let human = succeed(&["info"]);
+    assert!(human.contains(source.this_thread.name()), "{human}");
+}
+
+#[test]
+fn help_explains_with_examples() {
+    for args in [
+        vec!["--help"],
+        vec!["bench", "--help"],
+        vec!["info", "--help"],
+        vec!["compare", "--help"],
+    ] {
+        let stdout = succeed(&args);
+        assert!(stdout.contains("Example"), "{args:?}:\n{stdout}");
+    }
+    let bench_help = succeed(&["bench", "--help"]);
+    for word in [
+        "--quick",
+        "--json",
+        "--svg",
+        "--threads",
+        "--cases",
+        "interleaved",
+    ] {
+        assert!(bench_help.contains(word), "{word} not in bench --help");
+    }
+}
+
+#[test]
+fn bare_command_says_where_it_runs() {
+    let stdout = succeed(&[]);
+    assert!(
+        stdout.starts_with("cpu ") && stdout.contains(" node "),
+        "{stdout}"
+    );
+}

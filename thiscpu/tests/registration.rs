@@ -169,6 +169,102 @@ fn short_lived_threads_leave_nothing_behind() {
     check_thread("test thread after the churn");
 }
 
+/// An rseq area of another library's, in the calling thread's TLS.
+#[repr(C, align(32))]
+struct ForeignArea([i32; 8]);
+
+thread_local! {
+    static FOREIGN: std::cell::UnsafeCell<ForeignArea> =
+        const { std::cell::UnsafeCell::new(ForeignArea([0, -1, 0, 0, 0, 0, 0, 0])) };
+}
+
+const FOREIGN_SIG: u32 = 0x5305_3053;
+
+/// Registers (`flags` 0) or unregisters (1) the calling thread's foreign area; the errno on
+/// failure.
+fn foreign_rseq(flags: i32) -> Result<(), i32> {
+    FOREIGN.with(|area| {
+        // SAFETY: the area is this thread's, 32 bytes, 32-byte aligned, initialised as the
+        // kernel requires, and lives until the thread exits.
+        let ret = unsafe { libc::syscall(libc::SYS_rseq, area.get(), 32u32, flags, FOREIGN_SIG) };
+        if ret == 0 {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
+        }
+    })
+}
+
+fn foreign_cpu_id() -> i32 {
+    // SAFETY: reads `cpu_id`, an aligned 32-bit field of this thread's area, as one load.
+    FOREIGN.with(|area| unsafe { (&raw const (*area.get()).0[1]).read_volatile() })
+}
+
+#[test]
+fn a_thread_someone_else_registered_is_answered_and_left_alone() {
+    let _serial = serial();
+    let source = thiscpu::source();
+    std::thread::spawn(move || {
+        let registered = foreign_rseq(0);
+        match source.registrar {
+            // thiscpu does not register before this thread's first call, so another library
+            // can; thiscpu must then answer through its fallback and leave that area alone.
+            Registrar::Thiscpu => assert_eq!(registered, Ok(()), "register the foreign area"),
+            // glibc registered this thread when it was created.
+            Registrar::Glibc => {
+                assert_eq!(
+                    registered,
+                    Err(libc::EINVAL),
+                    "glibc's area was not registered"
+                );
+                return;
+            }
+            Registrar::None => {
+                if registered.is_ok() {
+                    assert_eq!(foreign_rseq(1), Ok(()));
+                }
+                return;
+            }
+        }
+        let _restore = AffinityGuard::new();
+        for cpu in allowed_cpus() {
+            pin(cpu);
+            let node = topology::node_of_cpu(cpu).unwrap();
+            assert_eq!(thiscpu::current_cpu(), cpu, "current_cpu() on {cpu}");
+            assert_eq!(
+                thiscpu::getcpu(),
+                CpuNode { cpu, node },
+                "getcpu() on {cpu}"
+            );
+            assert_eq!(thiscpu::current_node(), node, "current_node() on {cpu}");
+            assert_eq!(
+                thiscpu::mm_cid(),
+                None,
+                "mm_cid() without thiscpu's own area"
+            );
+            // The kernel still updates the other library's area: its registration stands.
+            assert_eq!(foreign_cpu_id(), cpu as i32, "the foreign area on {cpu}");
+        }
+        let now = thiscpu::source();
+        assert_eq!(now.this_thread, now.fallback, "{now:?}");
+        // Per-CPU data stays exact from such a thread too (it cannot run sections).
+        let counter = thiscpu::Counter::new();
+        for _ in 0..1000 {
+            counter.inc();
+        }
+        assert_eq!(
+            counter.sum(),
+            1000,
+            "Counter from a thread without thiscpu's area"
+        );
+        // thiscpu did not unregister it either: the owner can.
+        assert_eq!(foreign_rseq(1), Ok(()), "unregister the foreign area");
+        assert_eq!(kernel_rseq_state(), KernelRseq::NotRegistered);
+    })
+    .join()
+    .expect("a thread registered by another library");
+}
+
 /// Failures a forked child reports through its exit status, one bit each.
 const CHILD_CPU: i32 = 1;
 const CHILD_GETCPU: i32 = 2;

@@ -84,13 +84,18 @@ Examples:
   thiscpu bench                          every family, about a minute
   thiscpu bench getcpu --cases 'current_cpu*,vdso'
   thiscpu bench --quick --json out.json --svg charts/
-  thiscpu bench --threads 1,2 --rounds 21 --seconds 120";
+  thiscpu bench --threads 1,2 --rounds 21 --seconds 120
+  thiscpu bench --list";
 
 #[derive(Debug, clap::Args)]
 struct BenchArgs {
     /// Families to run (default: all).
     #[arg(value_name = "FAMILY")]
     families: Vec<String>,
+
+    /// List the families and their cases, then exit.
+    #[arg(long)]
+    list: bool,
 
     /// A smoke run of about a second (3 short rounds).
     #[arg(long)]
@@ -213,6 +218,9 @@ fn main() {
     let outcome = match cli.command {
         None => where_am_i(),
         Some(Command::Info { json }) => info::run(json),
+        Some(Command::Bench(args)) if args.list => bench_options(args).map(|options| {
+            println!("{}", bench::list(&options.families));
+        }),
         Some(Command::Bench(args)) => bench_options(args).and_then(bench::run),
         Some(Command::Compare { before, after }) => report::compare::run(&before, &after),
     };

@@ -390,6 +390,19 @@ fn help_explains_with_examples() {
 }
 
 #[test]
+fn list_names_every_case() {
+    let stdout = succeed(&["bench", "--list"]);
+    for case in GETCPU_CASES {
+        assert!(
+            stdout
+                .lines()
+                .any(|l| l.split_whitespace().next() == Some(case)),
+            "{case} not listed:\n{stdout}"
+        );
+    }
+}
+
+#[test]
 fn bare_command_says_where_it_runs() {
     let stdout = succeed(&[]);
     assert!(

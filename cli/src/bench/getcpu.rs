@@ -5,8 +5,8 @@
 //! `current_cpu-noinline`, which calls an `#[inline(never)]` function the way the arm64
 //! `thread_info->cpu` patch (seed 000) timed its `get_cpu_id()`.
 
-use super::{Case, Family, Loop, Measured, Unit, cpu_has_flag};
-use crate::report::table::{self, fmt_ns, fmt_ratio};
+use super::{Case, Family, Loop, Measured, Stats, Unit, cpu_has_flag};
+use crate::report::table::{self, fmt_ns, fmt_num, fmt_ratio};
 use std::hint::black_box;
 use thiscpu::CpuSource;
 
@@ -183,13 +183,18 @@ fn cases() -> Vec<Case> {
     cases
 }
 
-/// Median ns/op of `case` at the smallest thread count measured.
-fn median(results: &[Measured], case: &str) -> Option<f64> {
+/// Statistics of `case` at the smallest thread count measured.
+fn stats(results: &[Measured], case: &str) -> Option<Stats> {
     let threads = results.iter().map(|m| m.threads).min()?;
     results
         .iter()
         .find(|m| m.case == case && m.threads == threads)
-        .map(|m| m.stats().median)
+        .map(Measured::stats)
+}
+
+/// Median ns/op of `case` at the smallest thread count measured.
+fn median(results: &[Measured], case: &str) -> Option<f64> {
+    stats(results, case).map(|s| s.median)
 }
 
 /// The seed-shaped tables and the ratios, from the single-thread (or fewest-thread) results.
@@ -210,7 +215,10 @@ fn report(results: &[Measured]) -> String {
                 "\n1e9 calls of a noinline get_cpu_id(), as seed 000 timed them \
                  (time = median ns/op × 1e9)\n",
             );
-            out.push_str(&table::seed_calls_table(&befores, ("thiscpu current_cpu", after)));
+            out.push_str(&table::seed_calls_table(
+                &befores,
+                ("thiscpu current_cpu (noinline)", after),
+            ));
             out.push('\n');
         }
     }
@@ -245,6 +253,19 @@ fn report(results: &[Measured]) -> String {
     if !lines.is_empty() {
         out.push_str("\nspeed-up, ratio of medians (× faster):\n");
         out.push_str(&lines.join("\n"));
+        out.push('\n');
+    }
+    if let (Some(inline), Some(empty)) = (stats(results, "current_cpu"), stats(results, "empty-loop"))
+        && inline.median <= empty.max
+    {
+        out.push_str(&format!(
+            "\nnote: current_cpu inlined ({}) is within the empty loop's range ({} – {}): its \
+             load overlaps the loop's own work,\n      so a loop cannot tell it apart; the \
+             noinline case adds a call and a return.\n",
+            fmt_ns(inline.median),
+            fmt_num(empty.min),
+            fmt_ns(empty.max)
+        ));
     }
     out.trim_end().to_owned()
 }

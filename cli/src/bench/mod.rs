@@ -6,6 +6,34 @@
 //! pair in interleaved rounds (A B C A B C ...), each round for the same fixed time, with every
 //! worker thread pinned to its own CPU and all workers released together by a barrier. A round
 //! yields one number per pair; the report gives min, median and max over the rounds.
+//!
+//! # Adding a family
+//! Write `bench/NAME.rs` exporting `pub static FAMILY: Family`, and add `NAME` to the
+//! [`families!`] line. Everything else (the command line, `--cases`, `--threads`, tables, JSON,
+//! SVG, `compare`) follows. A sketch:
+//!
+//! ```text
+//! use super::{Case, Family, Loop, Measured, Unit};
+//!
+//! pub static FAMILY: Family = Family {
+//!     name: "counter",
+//!     about: "increments per second of per-CPU counters",
+//!     case_names: &["percpu", "atomic"],
+//!     default_threads: &[1, 2],
+//!     baseline: Some("atomic"),
+//!     cases,
+//!     report: |_: &[Measured]| String::new(),
+//! };
+//!
+//! fn cases() -> Vec<Case> {
+//!     vec![Case::new("percpu", "thiscpu Counter::add", Unit::MopsPerSec, PercpuWorkload::new())]
+//! }
+//! ```
+//!
+//! A workload with state implements [`Workload`]: `prepare` resets it before each round,
+//! `run(worker, ops)` does `ops` operations, `verify(ops)` checks exactness afterwards (a
+//! counter's sum must equal the increments performed); an error from `verify` stops the run
+//! with exit status 1.
 
 use crate::error::{Error, Result};
 use crate::machine::{self, Machine};
@@ -741,6 +769,22 @@ macro_rules! families {
 }
 
 families![getcpu];
+
+/// The text of `thiscpu bench --list`: every family and case, and why a case is left out here.
+pub fn list(families: &[&'static Family]) -> String {
+    let mut out = String::new();
+    for family in families {
+        out.push_str(&format!("{} — {}\n", family.name, family.about));
+        for case in (family.cases)() {
+            let what = match &case.workload {
+                Ok(_) => case.how.clone(),
+                Err(reason) => format!("left out here: {reason}"),
+            };
+            out.push_str(&format!("  {:<22} {what}\n", case.name));
+        }
+    }
+    out.trim_end().to_owned()
+}
 
 /// The family called `name`.
 pub fn family(name: &str) -> Option<&'static Family> {

@@ -438,6 +438,16 @@ pub fn run(options: Options) -> Result<()> {
     };
     let machine = Machine::describe();
     println!("{}", report::table::run_header(&machine, &info));
+    let most_threads = plans.iter().flat_map(|plan| plan.threads.iter()).max();
+    if let Some(&threads) = most_threads
+        && threads > info.cpus.len()
+    {
+        println!(
+            "note: up to {threads} threads on {} CPU{}: some workers share a CPU",
+            info.cpus.len(),
+            if info.cpus.len() == 1 { "" } else { "s" }
+        );
+    }
 
     let mut measured = Vec::new();
     let mut skipped = Vec::new();

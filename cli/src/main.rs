@@ -7,7 +7,7 @@ mod info;
 mod machine;
 mod report;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use error::Error;
 use std::path::PathBuf;
 
@@ -48,7 +48,6 @@ Example:
     },
 
     /// Measure benchmark families in interleaved, pinned rounds.
-    #[command(after_help = BENCH_HELP)]
     Bench(BenchArgs),
 
     /// Compare two `bench --json` reports: before, after, difference, percent change.
@@ -68,24 +67,32 @@ Example:
     },
 }
 
-const BENCH_HELP: &str = "\
-Families:
-  getcpu   ns per \"which CPU am I on\" call: the getcpu system call, the vDSO, glibc's
-           sched_getcpu, RDTSCP, RDPID, and thiscpu's current_cpu (inlined, and called through
-           an #[inline(never)] function as the arm64 seed timed get_cpu_id), getcpu (cpu and
-           node), mm_cid, and an empty loop as baseline. Prints the seeds' tables: 1e9 calls
-           before/after and getcpu latency.
+/// `bench --help`'s closing text, with the families as registered.
+fn bench_help() -> String {
+    let families: Vec<String> = bench::FAMILIES
+        .iter()
+        .map(|family| format!("  {:<9}{}", family.name, family.about))
+        .collect();
+    format!(
+        "\
+Families (`--list` shows every case):
+{}
 
 Every case runs in rounds interleaved with the other cases (A B C A B C ...), each round for
 the same fixed time, on worker threads pinned to one CPU each and started by a barrier. The
-tables give the median and the min-max over the rounds; ratios are ratios of medians.
+tables give the median and the min-max over the rounds; ratios are ratios of medians. getcpu
+also prints the seeds' tables: 1e9 calls of a noinline get_cpu_id() before and after, and
+getcpu() latency before (vDSO, syscall) and after (rseq).
 
 Examples:
   thiscpu bench                          every family, about a minute
   thiscpu bench getcpu --cases 'current_cpu*,vdso'
   thiscpu bench --quick --json out.json --svg charts/
   thiscpu bench --threads 1,2 --rounds 21 --seconds 120
-  thiscpu bench --list";
+  thiscpu bench --list",
+        families.join("\n")
+    )
+}
 
 #[derive(Debug, clap::Args)]
 struct BenchArgs {
@@ -194,7 +201,11 @@ fn main() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
-    let cli = match Cli::try_parse() {
+    let command = Cli::command().mut_subcommand("bench", |bench| bench.after_help(bench_help()));
+    let parsed = command
+        .try_get_matches()
+        .and_then(|matches| Cli::from_arg_matches(&matches));
+    let cli = match parsed {
         Ok(cli) => cli,
         Err(error) => {
             use clap::error::ErrorKind;

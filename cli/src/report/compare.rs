@@ -73,8 +73,9 @@ pub fn render(before: &Report, after: &Report, before_name: &str, after_name: &s
         table.set_header(vec![
             "case",
             "threads",
-            "before",
-            "after",
+            "unit",
+            "before (min–max)",
+            "after (min–max)",
             "difference",
             "change",
         ]);
@@ -83,11 +84,11 @@ pub fn render(before: &Report, after: &Report, before_name: &str, after_name: &s
             let (old, new) = match (find(before, k), find(after, k)) {
                 (Some(old), Some(new)) => (old, new),
                 (Some(_), None) => {
-                    only_before.push(label(k));
+                    only_before.push(label(k) + &left_out(after, k));
                     continue;
                 }
                 (None, Some(_)) => {
-                    only_after.push(label(k));
+                    only_after.push(label(k) + &left_out(before, k));
                     continue;
                 }
                 (None, None) => continue,
@@ -95,24 +96,26 @@ pub fn render(before: &Report, after: &Report, before_name: &str, after_name: &s
             rows += 1;
             let cell = |row: &ResultRow| {
                 format!(
-                    "{} {} ({}–{})",
+                    "{} ({}–{})",
                     fmt_num(row.median),
-                    row.unit,
                     fmt_num(row.min),
                     fmt_num(row.max)
                 )
             };
+            let unit = if old.unit == new.unit {
+                old.unit.clone()
+            } else {
+                format!("{} → {}", old.unit, new.unit)
+            };
             let (difference, change) = if old.unit != new.unit {
-                (
-                    String::new(),
-                    format!("unit changed: {} → {}", old.unit, new.unit),
-                )
+                (String::new(), "unit changed".to_owned())
             } else {
                 describe_change(&old, &new)
             };
             table.add_row(vec![
                 old.case.clone(),
                 old.threads.to_string(),
+                unit,
                 cell(&old),
                 cell(&new),
                 difference,
@@ -120,7 +123,7 @@ pub fn render(before: &Report, after: &Report, before_name: &str, after_name: &s
             ]);
         }
         if rows > 0 {
-            align_right(&mut table, &[1, 2, 3, 4]);
+            align_right(&mut table, &[1, 3, 4, 5]);
             out.push_str(&format!("\n{bench}\n{}\n", table::render(&table)));
         }
     }
@@ -139,12 +142,21 @@ pub fn render(before: &Report, after: &Report, before_name: &str, after_name: &s
     out.trim_end().to_owned()
 }
 
+/// ` (left out there: REASON)` when `report` lists the case as skipped.
+fn left_out(report: &Report, (bench, case, _): Key<'_>) -> String {
+    report
+        .skipped
+        .iter()
+        .find(|s| s.bench == bench && s.case == case)
+        .map_or_else(String::new, |s| format!(" (left out there: {})", s.reason))
+}
+
 /// The difference of the medians, and the percent change with a verdict: better, worse, or
 /// within the spread (the two min–max ranges overlap).
 fn describe_change(old: &ResultRow, new: &ResultRow) -> (String, String) {
     let difference = new.median - old.median;
     let sign = if difference > 0.0 { "+" } else { "" };
-    let difference_text = format!("{sign}{} {}", fmt_num(difference), new.unit);
+    let difference_text = format!("{sign}{}", fmt_num(difference));
     if old.median == 0.0 {
         return (difference_text, "n/a (before is 0)".to_owned());
     }

@@ -6,6 +6,7 @@ mod error;
 mod info;
 mod machine;
 mod report;
+mod stress;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use error::Error;
@@ -65,6 +66,9 @@ Example:
         /// The report measured second.
         after: PathBuf,
     },
+
+    /// Check exactness under migration, signals and thread churn: a Counter, then a Pool.
+    Stress(stress::StressArgs),
 }
 
 /// `bench --help`'s closing text, with the families as registered.
@@ -194,6 +198,23 @@ fn where_am_i() -> Result<(), Error> {
     Ok(())
 }
 
+/// clap's message on one line: its first line names the problem, and when that line ends in a
+/// colon, the indented lines after it (the missing arguments) complete it; tips and usage,
+/// after a blank line, are left out.
+fn one_line(rendered: &str) -> String {
+    let mut lines = rendered.lines();
+    let first = lines.next().unwrap_or("invalid arguments");
+    let first = first.strip_prefix("error: ").unwrap_or(first);
+    if !first.ends_with(':') {
+        return first.to_owned();
+    }
+    let rest: Vec<&str> = lines
+        .take_while(|line| !line.trim().is_empty())
+        .map(str::trim)
+        .collect();
+    format!("{first} {}", rest.join(", "))
+}
+
 fn main() {
     // Die quietly on a closed pipe (`thiscpu info | head -1`) like other Unix tools, instead
     // of failing a write.
@@ -218,11 +239,10 @@ fn main() {
                 let _ = error.print();
                 std::process::exit(0);
             }
-            // clap's first line names the problem; its tips and usage follow on others.
-            let rendered = error.render().to_string();
-            let first = rendered.lines().next().unwrap_or("invalid arguments");
-            let first = first.strip_prefix("error: ").unwrap_or(first);
-            eprintln!("thiscpu: {first} (see thiscpu --help)");
+            eprintln!(
+                "thiscpu: {} (see thiscpu --help)",
+                one_line(&error.render().to_string())
+            );
             std::process::exit(error::BAD_INPUT);
         }
     };
@@ -234,6 +254,7 @@ fn main() {
         }),
         Some(Command::Bench(args)) => bench_options(args).and_then(bench::run),
         Some(Command::Compare { before, after }) => report::compare::run(&before, &after),
+        Some(Command::Stress(args)) => stress::run(args),
     };
     if let Err(error) = outcome {
         eprintln!("thiscpu: {error}");

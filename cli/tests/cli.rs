@@ -327,6 +327,8 @@ fn errors_name_the_problem() {
         stderr.contains("nosuchfamily") && stderr.contains("getcpu"),
         "{stderr}"
     );
+    let stderr = text(&thiscpu(&["compare", "before.json"]).stderr);
+    assert!(stderr.contains("<AFTER>"), "{stderr}");
     let stderr = text(&thiscpu(&["compare", "/no/such/before.json", "x"]).stderr);
     assert!(stderr.contains("/no/such/before.json"), "{stderr}");
 }

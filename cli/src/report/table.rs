@@ -78,12 +78,13 @@ pub fn run_header(machine: &Machine, info: &RunInfo) -> String {
     let order: Vec<String> = info.cpus.iter().map(u32::to_string).collect();
     format!(
         "thiscpu bench · {}\n{}; current_cpu() answers from {}, fallback {}\n\
-         {} rounds of {:.3} s per case, interleaved{quick}; workers pinned to CPUs in the order {}",
+         {} round{} of {:.3} s per case, interleaved{quick}; workers pinned to CPUs in the order {}",
         machine.summary(),
         machine.rseq.summary(),
         machine.cpu_source,
         machine.fallback,
         info.rounds,
+        if info.rounds == 1 { "" } else { "s" },
         info.round.as_secs_f64(),
         order.join(", "),
     )

@@ -129,6 +129,18 @@ struct Migrated {
     seq: AtomicU64,
     mask: AtomicU64,
     checked: AtomicU64,
+    /// Set when the worker ends (normally or by a failed assertion), so that the mover stops
+    /// before its thread id can name another thread.
+    ended: AtomicBool,
+}
+
+/// Marks a worker as ended when dropped, including while a failed assertion unwinds.
+struct EndGuard<'a>(&'a AtomicBool);
+
+impl Drop for EndGuard<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
 }
 
 #[test]
@@ -152,6 +164,7 @@ fn migrated_threads_only_see_cpus_they_may_run_on() {
             std::thread::spawn(move || {
                 let me = &states[w];
                 me.tid.store(gettid() as u32, Ordering::SeqCst);
+                let _ended = EndGuard(&me.ended);
                 ready.wait();
                 let mut reads = 0u64;
                 while !stop.load(Ordering::Relaxed) {
@@ -223,6 +236,9 @@ fn migrated_threads_only_see_cpus_they_may_run_on() {
         (1u64 << choices.len()) - 1
     };
     let moves = bounded(4000, Duration::from_secs(3), |_| {
+        if states.iter().any(|s| s.ended.load(Ordering::SeqCst)) {
+            return false; // a worker failed; its join below reports why
+        }
         let w = (rng.next() % workers as u64) as usize;
         let me = &states[w];
         let mut bits = rng.next() & full;
@@ -236,11 +252,14 @@ fn migrated_threads_only_see_cpus_they_may_run_on() {
             .collect();
         me.seq.fetch_add(1, Ordering::SeqCst);
         me.mask.store(bits, Ordering::SeqCst);
-        set_affinity(
-            me.tid.load(Ordering::SeqCst) as libc::pid_t,
-            &Mask::of(&cpus),
-        )
-        .unwrap_or_else(|e| panic!("moving worker {w} to {cpus:?}: {e}"));
+        let tid = me.tid.load(Ordering::SeqCst) as libc::pid_t;
+        if let Err(e) = set_affinity(tid, &Mask::of(&cpus)) {
+            assert!(
+                me.ended.load(Ordering::SeqCst),
+                "moving worker {w} to {cpus:?}: {e}"
+            );
+            return false;
+        }
         me.seq.fetch_add(1, Ordering::SeqCst);
         std::thread::yield_now();
         true

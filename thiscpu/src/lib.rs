@@ -1,13 +1,28 @@
 //! thiscpu: which CPU (and NUMA node) am I running on, in about a nanosecond, and per-CPU data
 //! that many threads update without atomic instructions.
 //!
+//! ```
+//! let here = thiscpu::getcpu();
+//! println!("cpu {} on node {} (via {})", here.cpu, here.node, thiscpu::source().this_thread.name());
+//!
+//! let requests = thiscpu::Counter::new();
+//! std::thread::scope(|s| {
+//!     for _ in 0..4 {
+//!         s.spawn(|| (0..1000).for_each(|_| requests.inc()));
+//!     }
+//! });
+//! assert_eq!(requests.sum(), 4000);
+//! ```
+//!
+//! # Restartable sequences
 //! Linux keeps, for every thread that registers one, a small *restartable sequences* (rseq)
-//! area whose `cpu_id` field the kernel rewrites whenever the thread comes back to user space
-//! on a CPU. Reading the current CPU is then a single load, as the kernel does for itself on
-//! arm64 (`thread_info->cpu`). A *restartable sequence* is a short run of instructions that the
-//! kernel promises to abort (jump to a handler) if the thread is preempted, migrated or
-//! signalled in the middle: per-CPU data can be updated with plain loads and stores, no `lock`
-//! prefix, and no other thread can interleave on that CPU.
+//! area (`rseq(2)`, since Linux 4.18) whose `cpu_id` field the kernel rewrites whenever the
+//! thread comes back to user space on a CPU. Reading the current CPU is then a single load, as
+//! the kernel does for itself on arm64 (`thread_info->cpu`). A *restartable sequence* is a short
+//! run of instructions that the kernel promises to abort (jump to a handler) if the thread is
+//! preempted, migrated or signalled in the middle: per-CPU data can be updated with plain loads
+//! and stores, no `lock` prefix, and no other thread can interleave on that CPU. An aborted
+//! sequence has stored nothing and is simply retried, so the updates stay exact.
 //!
 //! # Where the answer comes from
 //! 1. glibc 2.35+ registers an rseq area for every thread; thiscpu reads that one.
@@ -17,10 +32,50 @@
 //!    fallback chosen once per process answers: `rdpid` where the CPU has it, then the vDSO's
 //!    `getcpu`, then the system call. [`source()`] says which.
 //!
-//! ```
-//! let here = thiscpu::getcpu();
-//! println!("cpu {} on node {} (via {})", here.cpu, here.node, thiscpu::source().this_thread.name());
-//! ```
+//! Every type keeps working down this chain: without rseq, [`Counter`] adds atomically to the
+//! word of the CPU the fallback reports. Exact, but no faster than an atomic.
+//!
+//! # What is inside
+//! - [`current_cpu`], [`getcpu`], [`current_node`], [`mm_cid`]: where this thread runs.
+//! - [`Counter`]: an exact per-CPU counter whose `add` is one restartable sequence.
+//! - [`PerCpu`] and [`CachePadded`]: one value per possible CPU, each on its own cache lines.
+//! - [`ops`]: the raw restartable operations (add, compare-and-store, list pop and push) for
+//!   building other per-CPU structures; [`dense`]: the allocator that packs per-CPU words.
+//! - [`topology`]: possible and online CPUs, and their NUMA nodes, from `/sys`.
+//! - [`stress`]: the self-test behind `thiscpu stress`.
+//! - `metrics` (feature `metrics`): a backend for the `metrics` facade whose counters are
+//!   per-CPU, so that `metrics::counter!(..).increment(1)` makes no atomic read-modify-write.
+//!
+//! # When not to use thiscpu
+//! - **Little contention.** A counter that one thread, or a few threads now and then, update is
+//!   well served by an `AtomicU64`: an uncontended atomic add costs a few nanoseconds and
+//!   reading it is one load. Per-CPU data pays on the read side instead (a [`Counter::sum`]
+//!   visits one word per CPU that ever wrote it) and in memory (8 bytes per CPU per counter).
+//!   It wins when many CPUs write the same thing often and reads are rare.
+//! - **Reads that need a linearizable snapshot.** A sum over per-CPU words is a value the
+//!   counter passed through while it was read, not its value at one instant, and two counters
+//!   read one after the other are not consistent with each other. Unique ids, sequence
+//!   numbers, a limit that must never be exceeded, or a compare-and-set on the total need one
+//!   shared atomic (or a lock).
+//! - **Heavy CPU hot-plug.** Per-CPU data is sized for the CPUs that are *possible* at start.
+//!   A CPU taken offline keeps what was stored on its slot (still summed, but cached objects
+//!   on it are out of reach until it comes back), and a process that brings CPUs on and off all
+//!   the time gains nothing from locality it keeps losing.
+//! - **Not Linux, not x86_64 or aarch64.** rseq is a Linux system call; other targets do not
+//!   build. On Linux before 4.18, or where rseq is missing (some sandboxes, valgrind,
+//!   qemu-user), everything falls back to atomics or system calls: correct, but slower than
+//!   using atomics directly.
+//! - **Code that must not use rseq.** A seccomp policy that forbids `rseq(2)` makes thiscpu
+//!   fall back, as above. A process where another library manages rseq registration on its own
+//!   terms, or checkpoint/restore tools that do not carry rseq state, are better served by plain
+//!   atomics.
+//! - **Per-task rather than per-CPU data.** State that belongs to a thread or an async task
+//!   (and may be batched before it is published) is better kept there; the CPU a task runs on
+//!   says nothing about which task's data it touches.
+//!
+//! # Features
+//! - `metrics` (off by default): the `metrics` module, which depends on the `metrics` crate.
+//!   Without it, thiscpu depends on `libc` alone.
 
 #![deny(unsafe_code)]
 
@@ -34,6 +89,8 @@ mod counter;
 mod cpu;
 #[allow(unsafe_code)]
 pub mod dense;
+#[cfg(feature = "metrics")]
+pub mod metrics;
 #[allow(unsafe_code)]
 pub mod ops;
 mod percpu;

@@ -1,0 +1,671 @@
+//! A backend for the [`metrics`] facade (feature `metrics`): counters that
+//! `metrics::counter!(...).increment(n)` updates with one restartable sequence on the current
+//! CPU's slot, instead of an atomic add on one shared word.
+//!
+//! - [`PerCpuCounter`]: a [`Counter`] that implements
+//!   [`metrics::CounterFn`], for `metrics::Counter::from_arc`.
+//! - [`PerCpuRecorder`]: a [`metrics::Recorder`] that gives every counter key a
+//!   `PerCpuCounter`, every gauge an atomic `f64`, every histogram a per-CPU count, sum, minimum
+//!   and maximum; [`PerCpuRecorder::snapshot`] reads them all back. Install it once and every
+//!   `metrics::counter!` in the program (and its libraries) becomes per-CPU.
+//!
+//! ```
+//! let recorder = thiscpu::metrics::PerCpuRecorder::new();
+//! metrics::with_local_recorder(&recorder, || {
+//!     std::thread::scope(|s| {
+//!         for _ in 0..4 {
+//!             s.spawn(|| {
+//!                 // A recorder installed with `install` is seen by every thread; a local one
+//!                 // only by the thread that set it.
+//!                 metrics::with_local_recorder(&recorder, || {
+//!                     for _ in 0..1000 {
+//!                         metrics::counter!("requests", "route" => "/").increment(1);
+//!                     }
+//!                 })
+//!             });
+//!         }
+//!     });
+//!     metrics::gauge!("queue_depth").set(3.0);
+//!     metrics::histogram!("latency_seconds").record(0.25);
+//! });
+//! let snapshot = recorder.snapshot();
+//! let key = metrics::Key::from_parts("requests", vec![metrics::Label::new("route", "/")]);
+//! assert_eq!(snapshot.counter(key), Some(4000));
+//! assert_eq!(snapshot.gauge("queue_depth"), Some(3.0));
+//! assert_eq!(snapshot.histogram("latency_seconds").map(|h| h.count), Some(1));
+//! ```
+//!
+//! # What it costs
+//! `counter!(...)` looks its key up on every call. Shared by all threads, that lookup would
+//! take a lock and clone one reference count, two atomic writes on lines that every CPU
+//! bounces: the contention that per-CPU counters exist to avoid. So each thread keeps its own
+//! handle per key (up to [`THREAD_CACHE_KEYS`] keys per recorder), and a registration in a
+//! thread that has seen the key before touches only that thread's memory. Holding the
+//! `metrics::Counter` that `counter!` returns and calling `increment` on it skips the lookup
+//! altogether and is faster still.
+//!
+//! Each counter key takes a [`Counter`]'s memory (8 bytes per CPU that
+//! incremented it), and each thread that registered the key a 256-byte handle. Keys made from
+//! unbounded label values (user ids, paths) multiply both.
+
+use crate::{CachePadded, Counter, PerCpu};
+use metrics::{
+    CounterFn, Gauge, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder, SetRecorderError,
+    SharedString, Unit,
+};
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
+
+/// A per-CPU `metrics` counter: [`increment`](CounterFn::increment) is one
+/// [`Counter::add`], a restartable sequence on the current CPU's slot;
+/// [`absolute`](CounterFn::absolute) raises the value to at least its argument.
+///
+/// The value is `increments + offset`, where `increments` is the exact per-CPU sum of every
+/// `increment` and `offset` a separate word that only `absolute` raises (with `fetch_max`).
+/// What holds, also while threads call both concurrently (values below 2^64):
+/// - **No increment is lost**: every `increment(n)` that returned has added `n` to the value,
+///   whatever `absolute` calls ran before, during or after it.
+/// - **Monotonic**: the value never decreases; one thread's successive
+///   [`value`](PerCpuCounter::value) reads never go down, nor does a read that happens after
+///   another (by a join, a lock, a channel) return less.
+/// - **`absolute(v)` reaches `v`**: once it returns, `value()` is at least `v`.
+/// - **`absolute(v)` adds no more than needed**: it raises the offset to `v - s`, where `s` is a
+///   sum of the increments it reads, at least every increment that returned before it started.
+///   An increment that runs concurrently with it may end up counted on top of `v` rather than
+///   under it, so the value can exceed `max(previous, v)` by increments that raced with the
+///   call; it never exceeds it by more.
+///
+/// Reads are not linearizable snapshots: [`value`](PerCpuCounter::value) reads the offset and
+/// then every CPU's slot, one at a time.
+///
+/// ```
+/// use metrics::CounterFn;
+/// use std::sync::Arc;
+///
+/// let requests = Arc::new(thiscpu::metrics::PerCpuCounter::new());
+/// let handle = metrics::Counter::from_arc(requests.clone());
+/// handle.increment(5);
+/// handle.absolute(100); // catch up with an external count
+/// handle.increment(1);
+/// handle.absolute(50); // older, smaller: no effect
+/// assert_eq!(requests.value(), 101);
+/// assert_eq!(requests.increments(), 6);
+/// ```
+pub struct PerCpuCounter {
+    increments: Counter,
+    offset: AtomicU64,
+}
+
+impl PerCpuCounter {
+    /// A counter at zero.
+    ///
+    /// ```
+    /// assert_eq!(thiscpu::metrics::PerCpuCounter::new().value(), 0);
+    /// ```
+    pub fn new() -> Self {
+        PerCpuCounter {
+            increments: Counter::new(),
+            offset: AtomicU64::new(0),
+        }
+    }
+
+    /// The counter's value: the sum of all increments plus what `absolute` added.
+    ///
+    /// ```
+    /// use metrics::CounterFn;
+    /// let c = thiscpu::metrics::PerCpuCounter::new();
+    /// c.increment(2);
+    /// c.absolute(10);
+    /// assert_eq!(c.value(), 10);
+    /// ```
+    pub fn value(&self) -> u64 {
+        // Offset first, then the slots: both only grow, so each read is at least what any read
+        // that happened before it saw (coherence of every word read), which is all that the
+        // monotonicity above needs; relaxed loads give that.
+        let offset = self.offset.load(Ordering::Relaxed);
+        offset.wrapping_add(self.increments.sum())
+    }
+
+    /// The sum of the increments alone, without what `absolute` added.
+    ///
+    /// ```
+    /// use metrics::CounterFn;
+    /// let c = thiscpu::metrics::PerCpuCounter::new();
+    /// c.increment(2);
+    /// c.absolute(10);
+    /// assert_eq!(c.increments(), 2);
+    /// ```
+    pub fn increments(&self) -> u64 {
+        self.increments.sum()
+    }
+}
+
+impl CounterFn for PerCpuCounter {
+    #[inline]
+    fn increment(&self, value: u64) {
+        self.increments.add(value);
+    }
+
+    fn absolute(&self, value: u64) {
+        // `counted` is at least the sum of the increments that returned before this call
+        // started (each slot only grows, and is read after them), and at most the sum now. So
+        // the value is `increments_now + offset >= counted + (value - counted) = value` once
+        // the `fetch_max` below is done, and the offset grows by no more than what `value`
+        // lacked when the sum was read.
+        let counted = self.increments.sum();
+        let needed = value.saturating_sub(counted);
+        if needed > self.offset.load(Ordering::Relaxed) {
+            self.offset.fetch_max(needed, Ordering::Relaxed);
+        }
+    }
+}
+
+impl Default for PerCpuCounter {
+    fn default() -> Self {
+        PerCpuCounter::new()
+    }
+}
+
+impl core::fmt::Debug for PerCpuCounter {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("PerCpuCounter")
+            .field("value", &self.value())
+            .finish()
+    }
+}
+
+/// The most counter keys for which one thread keeps its own handle, per recorder. Keys past
+/// the limit still work; each `counter!` on them goes through the shared table.
+pub const THREAD_CACHE_KEYS: usize = 1024;
+
+/// A [`metrics::Recorder`] backed by thiscpu: counters are [`PerCpuCounter`]s, gauges atomic
+/// `f64`s, histograms per-CPU summaries (count, sum, minimum, maximum).
+///
+/// Clones share the same metrics, so one clone can be installed (which moves it into the
+/// facade for good) while another reads [`snapshot`](PerCpuRecorder::snapshot)s.
+///
+/// - Counters keep every increment exactly (see [`PerCpuCounter`] for `absolute`).
+/// - Gauges follow `metrics`' own `AtomicU64` gauge: `set` stores, `increment` and `decrement`
+///   are compare-and-swap loops on the `f64`'s bits.
+/// - Histograms keep a count, sum, minimum and maximum, exact and without quantiles: each
+///   `record` updates the summary of the current CPU under a lock that threads on other CPUs
+///   do not touch; snapshots merge them. For quantiles or buckets, use an exporter's
+///   recorder for histograms (for example through `metrics-util`'s router layer).
+/// - Descriptions (`describe_counter!` and the like) are kept, the first one per name and
+///   kind, and returned with every snapshot.
+/// - Metadata (target, level) is ignored: every metric is recorded.
+///
+/// ```
+/// let recorder = thiscpu::metrics::PerCpuRecorder::new();
+/// // In a program: `recorder.install().expect("no other recorder")`, once, at start.
+/// metrics::with_local_recorder(&recorder, || {
+///     metrics::describe_counter!("bytes_sent", metrics::Unit::Bytes, "Bytes written to clients");
+///     metrics::counter!("bytes_sent").increment(512);
+///     metrics::counter!("bytes_sent").increment(512);
+/// });
+/// let snapshot = recorder.snapshot();
+/// assert_eq!(snapshot.counter("bytes_sent"), Some(1024));
+/// assert_eq!(snapshot.descriptions[0].unit, Some(metrics::Unit::Bytes));
+/// ```
+#[derive(Clone)]
+pub struct PerCpuRecorder {
+    shared: Arc<Shared>,
+}
+
+type KeyMap<T> = HashMap<Key, T, BuildHasherDefault<KeyHasher>>;
+
+struct Shared {
+    /// Tells this recorder's entries apart in the per-thread caches; never reused.
+    id: u64,
+    counters: RwLock<KeyMap<Arc<PerCpuCounter>>>,
+    gauges: RwLock<KeyMap<Arc<AtomicU64>>>,
+    histograms: RwLock<KeyMap<Arc<PerCpuSummary>>>,
+    descriptions: Mutex<Vec<Description>>,
+}
+
+impl PerCpuRecorder {
+    /// A recorder with no metrics yet.
+    ///
+    /// ```
+    /// let recorder = thiscpu::metrics::PerCpuRecorder::new();
+    /// assert!(recorder.snapshot().counters.is_empty());
+    /// ```
+    pub fn new() -> Self {
+        static NEXT_ID: AtomicU64 = AtomicU64::new(0);
+        PerCpuRecorder {
+            shared: Arc::new(Shared {
+                id: NEXT_ID.fetch_add(1, Ordering::Relaxed),
+                counters: RwLock::default(),
+                gauges: RwLock::default(),
+                histograms: RwLock::default(),
+                descriptions: Mutex::default(),
+            }),
+        }
+    }
+
+    /// Installs a clone of this recorder as the process's global `metrics` recorder, so that
+    /// every `metrics::counter!` (and gauge, histogram) in every thread records here. Keep
+    /// `self` to take snapshots.
+    ///
+    /// # Errors
+    /// When a global recorder is already installed (there can be only one per process); the
+    /// error holds the clone that was not installed.
+    ///
+    /// ```
+    /// let recorder = thiscpu::metrics::PerCpuRecorder::new();
+    /// recorder.install().expect("the first recorder of this process");
+    /// std::thread::spawn(|| metrics::counter!("jobs").increment(1)).join().unwrap();
+    /// assert_eq!(recorder.snapshot().counter("jobs"), Some(1));
+    /// assert!(thiscpu::metrics::PerCpuRecorder::new().install().is_err());
+    /// ```
+    pub fn install(&self) -> Result<(), SetRecorderError<PerCpuRecorder>> {
+        metrics::set_global_recorder(self.clone())
+    }
+
+    /// Every metric's current value, sorted by key, with the descriptions.
+    ///
+    /// Each value is read on its own (a counter as [`PerCpuCounter::value`]), while writers may
+    /// run: the snapshot is exact for metrics that nobody updated during the call, and never
+    /// shows a counter below a value that an earlier snapshot showed.
+    ///
+    /// ```
+    /// let recorder = thiscpu::metrics::PerCpuRecorder::new();
+    /// metrics::with_local_recorder(&recorder, || {
+    ///     metrics::counter!("b").increment(2);
+    ///     metrics::counter!("a").increment(1);
+    /// });
+    /// let snapshot = recorder.snapshot();
+    /// let names: Vec<&str> = snapshot.counters.iter().map(|(key, _)| key.name()).collect();
+    /// assert_eq!(names, ["a", "b"]);
+    /// ```
+    pub fn snapshot(&self) -> Snapshot {
+        fn sorted<T, V>(map: &RwLock<KeyMap<T>>, read: impl Fn(&T) -> V) -> Vec<(Key, V)> {
+            let map = map.read().unwrap_or_else(PoisonError::into_inner);
+            let mut entries: Vec<(Key, V)> =
+                map.iter().map(|(key, v)| (key.clone(), read(v))).collect();
+            drop(map);
+            entries.sort_by(|a, b| a.0.cmp(&b.0));
+            entries
+        }
+        let shared = &self.shared;
+        Snapshot {
+            counters: sorted(&shared.counters, |c| c.value()),
+            gauges: sorted(&shared.gauges, |g| {
+                f64::from_bits(g.load(Ordering::Relaxed))
+            }),
+            histograms: sorted(&shared.histograms, |h| h.summary()),
+            descriptions: shared
+                .descriptions
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .clone(),
+        }
+    }
+
+    /// The shared counter of `key`, made on first use.
+    fn shared_counter(&self, key: &Key) -> Arc<PerCpuCounter> {
+        get_or_insert(&self.shared.counters, key, PerCpuCounter::new)
+    }
+
+    /// This thread's handle on the counter of `key`, or `None` when the thread cannot keep one
+    /// (its cache is full, or the thread is exiting).
+    fn thread_counter(&self, key: &Key) -> Option<Arc<ThreadCounter>> {
+        THREAD_COUNTERS
+            .try_with(|cache| {
+                let mut cache = cache.try_borrow_mut().ok()?;
+                let id = self.shared.id;
+                let at = match cache.iter().position(|entry| entry.recorder_id == id) {
+                    Some(at) => at,
+                    None => {
+                        // Forget recorders that are gone before adding one.
+                        cache.retain(|entry| entry.recorder.strong_count() > 0);
+                        cache.push(ThreadEntry {
+                            recorder_id: id,
+                            recorder: Arc::downgrade(&self.shared),
+                            counters: KeyMap::default(),
+                        });
+                        cache.len() - 1
+                    }
+                };
+                let counters = &mut cache[at].counters;
+                if let Some(handle) = counters.get(key) {
+                    return Some(handle.clone());
+                }
+                if counters.len() >= THREAD_CACHE_KEYS {
+                    return None;
+                }
+                let handle = Arc::new(ThreadCounter(CachePadded(self.shared_counter(key))));
+                counters.insert(key.clone(), handle.clone());
+                Some(handle)
+            })
+            .ok()
+            .flatten()
+    }
+}
+
+/// Looks `key` up under the read lock, and inserts `make()` under the write lock if absent.
+fn get_or_insert<T>(map: &RwLock<KeyMap<Arc<T>>>, key: &Key, make: fn() -> T) -> Arc<T> {
+    if let Some(found) = map.read().unwrap_or_else(PoisonError::into_inner).get(key) {
+        return found.clone();
+    }
+    map.write()
+        .unwrap_or_else(PoisonError::into_inner)
+        .entry(key.clone())
+        .or_insert_with(|| Arc::new(make()))
+        .clone()
+}
+
+impl Default for PerCpuRecorder {
+    fn default() -> Self {
+        PerCpuRecorder::new()
+    }
+}
+
+impl core::fmt::Debug for PerCpuRecorder {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        fn len<T>(map: &RwLock<KeyMap<T>>) -> usize {
+            map.read().unwrap_or_else(PoisonError::into_inner).len()
+        }
+        f.debug_struct("PerCpuRecorder")
+            .field("counters", &len(&self.shared.counters))
+            .field("gauges", &len(&self.shared.gauges))
+            .field("histograms", &len(&self.shared.histograms))
+            .finish()
+    }
+}
+
+impl Recorder for PerCpuRecorder {
+    fn describe_counter(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
+        self.describe(MetricKind::Counter, key, unit, description);
+    }
+
+    fn describe_gauge(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
+        self.describe(MetricKind::Gauge, key, unit, description);
+    }
+
+    fn describe_histogram(&self, key: KeyName, unit: Option<Unit>, description: SharedString) {
+        self.describe(MetricKind::Histogram, key, unit, description);
+    }
+
+    fn register_counter(&self, key: &Key, _metadata: &Metadata<'_>) -> metrics::Counter {
+        match self.thread_counter(key) {
+            Some(handle) => metrics::Counter::from_arc(handle),
+            None => metrics::Counter::from_arc(self.shared_counter(key)),
+        }
+    }
+
+    fn register_gauge(&self, key: &Key, _metadata: &Metadata<'_>) -> Gauge {
+        Gauge::from_arc(get_or_insert(&self.shared.gauges, key, || {
+            AtomicU64::new(0.0f64.to_bits())
+        }))
+    }
+
+    fn register_histogram(&self, key: &Key, _metadata: &Metadata<'_>) -> Histogram {
+        Histogram::from_arc(get_or_insert(
+            &self.shared.histograms,
+            key,
+            PerCpuSummary::new,
+        ))
+    }
+}
+
+impl PerCpuRecorder {
+    fn describe(&self, kind: MetricKind, name: KeyName, unit: Option<Unit>, text: SharedString) {
+        let mut descriptions = self
+            .shared
+            .descriptions
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        if !descriptions
+            .iter()
+            .any(|d| d.kind == kind && d.name == name)
+        {
+            descriptions.push(Description {
+                kind,
+                name,
+                unit,
+                text,
+            });
+        }
+    }
+}
+
+/// One thread's handle on a shared counter: cloning it (what every `counter!` does) writes
+/// only this handle's reference count, alone on its cache lines, instead of the shared one.
+struct ThreadCounter(CachePadded<Arc<PerCpuCounter>>);
+
+impl CounterFn for ThreadCounter {
+    #[inline]
+    fn increment(&self, value: u64) {
+        self.0.increment(value);
+    }
+
+    fn absolute(&self, value: u64) {
+        self.0.absolute(value);
+    }
+}
+
+struct ThreadEntry {
+    recorder_id: u64,
+    recorder: Weak<Shared>,
+    counters: KeyMap<Arc<ThreadCounter>>,
+}
+
+thread_local! {
+    static THREAD_COUNTERS: RefCell<Vec<ThreadEntry>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Hashes a [`Key`], which feeds its precomputed hash as one `u64`; any other input is folded
+/// in FNV-1a style so the hasher stays correct whatever it is given.
+#[derive(Default)]
+struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        // FNV-1a 64-bit offset basis and prime.
+        let mut hash = self.0 ^ 0xcbf2_9ce4_8422_2325;
+        for &byte in bytes {
+            hash = (hash ^ u64::from(byte)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        self.0 = hash;
+    }
+
+    fn write_u64(&mut self, value: u64) {
+        self.0 = (self.0.rotate_left(5) ^ value).wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ value;
+    }
+}
+
+/// A histogram's summary: count, sum, minimum and maximum of the recorded values.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Summary {
+    /// Number of values recorded.
+    pub count: u64,
+    /// Their sum.
+    pub sum: f64,
+    /// The smallest (`+inf` when none was recorded).
+    pub min: f64,
+    /// The largest (`-inf` when none was recorded).
+    pub max: f64,
+}
+
+impl Summary {
+    const EMPTY: Summary = Summary {
+        count: 0,
+        sum: 0.0,
+        min: f64::INFINITY,
+        max: f64::NEG_INFINITY,
+    };
+
+    /// The mean, or `None` when no value was recorded.
+    ///
+    /// ```
+    /// let recorder = thiscpu::metrics::PerCpuRecorder::new();
+    /// metrics::with_local_recorder(&recorder, || {
+    ///     metrics::histogram!("size").record(1.0);
+    ///     metrics::histogram!("size").record(3.0);
+    /// });
+    /// assert_eq!(recorder.snapshot().histogram("size").unwrap().mean(), Some(2.0));
+    /// ```
+    pub fn mean(&self) -> Option<f64> {
+        (self.count > 0).then(|| self.sum / self.count as f64)
+    }
+
+    fn add(&mut self, value: f64, count: u64) {
+        self.count += count;
+        self.sum += value * count as f64;
+        self.min = self.min.min(value);
+        self.max = self.max.max(value);
+    }
+
+    fn merge(mut self, other: &Summary) -> Summary {
+        self.count += other.count;
+        self.sum += other.sum;
+        self.min = self.min.min(other.min);
+        self.max = self.max.max(other.max);
+        self
+    }
+}
+
+/// A histogram as one summary per CPU, each under its own lock.
+struct PerCpuSummary {
+    slots: PerCpu<Mutex<Summary>>,
+}
+
+impl PerCpuSummary {
+    fn new() -> Self {
+        PerCpuSummary {
+            slots: PerCpu::new(|_| Mutex::new(Summary::EMPTY)),
+        }
+    }
+
+    fn summary(&self) -> Summary {
+        self.slots.iter().fold(Summary::EMPTY, |total, slot| {
+            total.merge(&slot.lock().unwrap_or_else(PoisonError::into_inner))
+        })
+    }
+}
+
+impl HistogramFn for PerCpuSummary {
+    fn record(&self, value: f64) {
+        self.record_many(value, 1);
+    }
+
+    fn record_many(&self, value: f64, count: usize) {
+        // The slot is only a place to spread the locks: the lock, not the CPU, makes the
+        // update exclusive, so a migration right after `current()` is harmless.
+        self.slots
+            .current()
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .add(value, count as u64);
+    }
+}
+
+/// Which kind of metric a [`Description`] is about.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum MetricKind {
+    /// A counter.
+    Counter,
+    /// A gauge.
+    Gauge,
+    /// A histogram.
+    Histogram,
+}
+
+/// What a `describe_counter!` (`describe_gauge!`, `describe_histogram!`) said about a metric.
+///
+/// ```
+/// let recorder = thiscpu::metrics::PerCpuRecorder::new();
+/// metrics::with_local_recorder(&recorder, || {
+///     metrics::describe_gauge!("workers", "Worker threads running");
+/// });
+/// let snapshot = recorder.snapshot();
+/// let described = &snapshot.descriptions[0];
+/// assert_eq!(described.kind, thiscpu::metrics::MetricKind::Gauge);
+/// assert_eq!(described.name.as_str(), "workers");
+/// assert_eq!(&*described.text, "Worker threads running");
+/// ```
+#[derive(Clone, Debug, PartialEq)]
+pub struct Description {
+    /// The kind of metric described.
+    pub kind: MetricKind,
+    /// The metric's name (every label set of that name shares the description).
+    pub name: KeyName,
+    /// Its unit, if given.
+    pub unit: Option<Unit>,
+    /// The description.
+    pub text: SharedString,
+}
+
+/// Every metric of a [`PerCpuRecorder`] at one time, sorted by key.
+///
+/// ```
+/// let recorder = thiscpu::metrics::PerCpuRecorder::new();
+/// metrics::with_local_recorder(&recorder, || metrics::counter!("hits", "cache" => "l1").increment(7));
+/// let snapshot = recorder.snapshot();
+/// let (key, value) = &snapshot.counters[0];
+/// assert_eq!((key.name(), *value), ("hits", 7));
+/// assert_eq!(snapshot.counter(("hits", vec![metrics::Label::new("cache", "l1")])), Some(7));
+/// assert_eq!(snapshot.counter("hits"), None); // that key has labels
+/// ```
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// Counters and their values.
+    pub counters: Vec<(Key, u64)>,
+    /// Gauges and their values.
+    pub gauges: Vec<(Key, f64)>,
+    /// Histograms and their summaries.
+    pub histograms: Vec<(Key, Summary)>,
+    /// Descriptions, in the order they were first given.
+    pub descriptions: Vec<Description>,
+}
+
+impl Snapshot {
+    /// The value of the counter with exactly this key (name and labels), if it was registered.
+    /// A bare name means the key without labels.
+    ///
+    /// ```
+    /// let recorder = thiscpu::metrics::PerCpuRecorder::new();
+    /// metrics::with_local_recorder(&recorder, || metrics::counter!("jobs").increment(2));
+    /// assert_eq!(recorder.snapshot().counter("jobs"), Some(2));
+    /// ```
+    pub fn counter(&self, key: impl Into<Key>) -> Option<u64> {
+        find(&self.counters, &key.into()).copied()
+    }
+
+    /// The value of the gauge with exactly this key, if it was registered.
+    ///
+    /// ```
+    /// let recorder = thiscpu::metrics::PerCpuRecorder::new();
+    /// metrics::with_local_recorder(&recorder, || metrics::gauge!("load").set(0.5));
+    /// assert_eq!(recorder.snapshot().gauge("load"), Some(0.5));
+    /// ```
+    pub fn gauge(&self, key: impl Into<Key>) -> Option<f64> {
+        find(&self.gauges, &key.into()).copied()
+    }
+
+    /// The summary of the histogram with exactly this key, if it was registered.
+    ///
+    /// ```
+    /// let recorder = thiscpu::metrics::PerCpuRecorder::new();
+    /// metrics::with_local_recorder(&recorder, || metrics::histogram!("rtt").record(2.0));
+    /// assert_eq!(recorder.snapshot().histogram("rtt").map(|h| h.max), Some(2.0));
+    /// ```
+    pub fn histogram(&self, key: impl Into<Key>) -> Option<Summary> {
+        find(&self.histograms, &key.into()).copied()
+    }
+}
+
+fn find<'a, V>(entries: &'a [(Key, V)], key: &Key) -> Option<&'a V> {
+    entries
+        .binary_search_by(|(k, _)| k.cmp(key))
+        .ok()
+        .map(|at| &entries[at].1)
+}

@@ -1,0 +1,18 @@
+//! Runs the examples that check their own results, in this process: each example's `main`
+//! asserts exact totals and panics otherwise.
+
+#[path = "../examples/request_counter.rs"]
+mod request_counter;
+
+#[path = "../examples/per_cpu_stats.rs"]
+mod per_cpu_stats;
+
+#[test]
+fn request_counter_counts_every_request() {
+    request_counter::main();
+}
+
+#[test]
+fn per_cpu_stats_reports_exact_totals() {
+    per_cpu_stats::main();
+}

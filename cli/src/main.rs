@@ -116,7 +116,7 @@ struct BenchArgs {
     #[arg(long, value_name = "N", value_parser = parse_seconds)]
     seconds: Option<f64>,
 
-    /// Rounds per case [default: 11, or 3 with --quick].
+    /// Rounds per case [default: 21, or 3 with --quick].
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=10_000))]
     rounds: Option<u32>,
 

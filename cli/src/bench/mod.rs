@@ -353,7 +353,7 @@ pub struct Options {
 /// Default total time: about a minute for a whole run.
 const DEFAULT_SECONDS: f64 = 60.0;
 /// Default rounds: odd, so that the median is one of them.
-const DEFAULT_ROUNDS: u32 = 11;
+const DEFAULT_ROUNDS: u32 = 21;
 const QUICK_SECONDS: f64 = 1.0;
 const QUICK_ROUNDS: u32 = 3;
 /// No round is shorter than this, whatever the budget.

@@ -1,0 +1,144 @@
+//! `thiscpu stress`: the library's exactness self-tests, run for as long as asked, with what
+//! they did and whether anything was lost.
+//!
+//! Runs `thiscpu::stress::run_counter`: a `Counter` incremented by workers that another thread
+//! migrates between CPUs at random and storms with signals whose handlers increment the same
+//! counter, while short-lived threads come and go. Exit status 0 when every increment was
+//! counted exactly once, 1 otherwise.
+
+use crate::error::{Error, Result};
+use serde_json::{Value, json};
+use std::time::Duration;
+use thiscpu::stress::{StressConfig, StressReport, run_counter};
+
+/// `thiscpu stress`'s options.
+#[derive(Debug, clap::Args)]
+pub struct StressArgs {
+    /// How long the stress runs, in seconds (fractions allowed).
+    #[arg(long, value_name = "N", default_value = "5", value_parser = crate::parse_seconds)]
+    seconds: f64,
+
+    /// Long-lived worker threads [default: 4 per online CPU].
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    threads: Option<u32>,
+
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs the stress and reports; an inexact result is an error with exit status 1.
+pub fn run(args: StressArgs) -> Result<()> {
+    let mut config = StressConfig {
+        duration: Duration::from_secs_f64(args.seconds),
+        ..StressConfig::default()
+    };
+    if let Some(threads) = args.threads {
+        config.threads = threads as usize;
+    }
+    let counter =
+        run_counter(&config).map_err(|e| Error::failed(format!("counter stress: {e}")))?;
+
+    let source = thiscpu::source();
+    let lost = counter.lost.unsigned_abs();
+    let exact = counter.exact();
+    if args.json {
+        let report = json!({
+            "exact": exact,
+            "lost": lost,
+            "seconds": args.seconds,
+            "source": {
+                "registrar": source.registrar.name(),
+                "this_thread": source.this_thread.name(),
+                "fallback": source.fallback.name(),
+                "mm_cid": source.mm_cid,
+            },
+            "counter": counter_json(&counter),
+        });
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&report).map_err(|e| Error::failed(e.to_string()))?
+        );
+    } else {
+        println!(
+            "thiscpu stress · rseq registered by {}; this thread answers from {}, fallback {}; \
+             mm_cid {}",
+            source.registrar.name(),
+            source.this_thread.name(),
+            source.fallback.name(),
+            if source.mm_cid {
+                "usable"
+            } else {
+                "not usable"
+            },
+        );
+        println!("\n{}", counter_text(&counter));
+        println!(
+            "\n{}",
+            if exact {
+                "exact: nothing lost, nothing doubled"
+            } else {
+                "NOT exact: see above"
+            }
+        );
+    }
+    if exact {
+        Ok(())
+    } else {
+        Err(Error::failed(format!(
+            "the counter is not exact: {} of {} increments lost",
+            counter.lost, counter.operations
+        )))
+    }
+}
+
+fn counter_json(r: &StressReport) -> Value {
+    json!({
+        "exact": r.exact(),
+        "operations": r.operations,
+        "counted": r.counted,
+        "lost": lost_json(r.lost),
+        "aborts": r.aborts,
+        "migrations": r.migrations,
+        "signals_sent": r.signals,
+        "signals_handled": r.signal_increments,
+        "threads_created": r.threads_created,
+        "workers": r.workers,
+        "elapsed_seconds": r.elapsed.as_secs_f64(),
+    })
+}
+
+/// A count that is normally small: a JSON integer when it fits, else its decimal text.
+fn lost_json(lost: i128) -> Value {
+    i64::try_from(lost).map_or_else(|_| Value::from(lost.to_string()), Value::from)
+}
+
+/// `label  value` lines, values aligned.
+fn lines(title: &str, rows: &[(&str, String)]) -> String {
+    let width = rows.iter().map(|(label, _)| label.len()).max().unwrap_or(0);
+    let mut out = title.to_owned();
+    for (label, value) in rows {
+        out.push_str(&format!("\n  {label:<width$}  {value}"));
+    }
+    out
+}
+
+fn counter_text(r: &StressReport) -> String {
+    lines(
+        &format!(
+            "counter: {} workers for {:.2} s, migrated, signalled, with thread churn",
+            r.workers,
+            r.elapsed.as_secs_f64()
+        ),
+        &[
+            ("operations", r.operations.to_string()),
+            ("counted", r.counted.to_string()),
+            ("lost", r.lost.to_string()),
+            ("aborts (retried)", r.aborts.to_string()),
+            ("migrations", r.migrations.to_string()),
+            ("signals sent", r.signals.to_string()),
+            ("signals handled", r.signal_increments.to_string()),
+            ("threads created", r.threads_created.to_string()),
+        ],
+    )
+}

@@ -50,11 +50,9 @@ pub enum Unit {
     /// Nanoseconds per operation on one thread, averaged over the threads (lower is better).
     NsPerOp,
     /// Million operations per second, all threads together (higher is better).
-    #[expect(
-        dead_code,
-        reason = "the unit of the throughput families (counter, pool), not yet written"
-    )]
     MopsPerSec,
+    /// Bytes per counter, a size the workload measured itself (lower is better).
+    BytesPerCounter,
 }
 
 impl Unit {
@@ -63,12 +61,13 @@ impl Unit {
         match self {
             Unit::NsPerOp => "ns/op",
             Unit::MopsPerSec => "Mops/s",
+            Unit::BytesPerCounter => "B/counter",
         }
     }
 
     /// Whether a smaller number is an improvement.
     pub fn lower_is_better(self) -> bool {
-        matches!(self, Unit::NsPerOp)
+        matches!(self, Unit::NsPerOp | Unit::BytesPerCounter)
     }
 }
 
@@ -87,6 +86,12 @@ pub trait Workload: Send + Sync {
     /// Checks the state after a measurement; an error fails the whole run.
     fn verify(&self, _ops: u64) -> std::result::Result<(), String> {
         Ok(())
+    }
+
+    /// A value the workload measured itself during the last measurement (a size, say),
+    /// reported instead of one derived from the timing.
+    fn reading(&self) -> Option<f64> {
+        None
     }
 }
 
@@ -618,10 +623,15 @@ struct Sample {
     ops: u64,
     /// CPUs the workers were pinned to.
     cpus: Vec<u32>,
+    /// What the workload measured itself, if anything.
+    reading: Option<f64>,
 }
 
 impl Sample {
     fn value(&self, unit: Unit) -> f64 {
+        if let Some(value) = self.reading {
+            return value;
+        }
         match unit {
             Unit::NsPerOp => {
                 let nanos: f64 = self.workers.iter().map(|(_, d)| d.as_nanos() as f64).sum();
@@ -632,6 +642,8 @@ impl Sample {
                 .iter()
                 .map(|&(ops, d)| ops as f64 / d.as_secs_f64().max(1e-9) / 1e6)
                 .sum(),
+            // A size comes from `reading`; without one nothing was measured.
+            Unit::BytesPerCounter => 0.0,
         }
     }
 }
@@ -702,6 +714,7 @@ fn measure(
         workers: Vec::with_capacity(threads),
         ops: 0,
         cpus: Vec::with_capacity(threads),
+        reading: None,
     };
     let mut performed = 0u64;
     for (worker, outcome) in outcomes.into_iter().enumerate() {
@@ -715,6 +728,7 @@ fn measure(
         }
     }
     workload.verify(performed)?;
+    sample.reading = workload.reading();
     Ok(sample)
 }
 
@@ -778,7 +792,7 @@ macro_rules! families {
     };
 }
 
-families![getcpu];
+families![getcpu, counter, bpf, memory];
 
 /// The text of `thiscpu bench --list`: every family and case, and why a case is left out here.
 pub fn list(families: &[&'static Family]) -> String {

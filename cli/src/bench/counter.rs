@@ -1,0 +1,400 @@
+//! `counter`: one counter incremented by every worker thread, in each shape a Rust program
+//! might give it: a shared atomic, cache-padded per-CPU atomics (the BPF `glob-arr-inc` shape),
+//! per-thread slots (a LongAdder-style crate, the `thread_local` crate), a plain thread-local
+//! (the floor: no sharing at all), and thiscpu's `Counter`, whose increment is one restartable
+//! sequence with a plain `add`, spread by CPU or by `mm_cid`.
+//!
+//! Every increment is a side effect the optimizer must keep (an atomic read-modify-write, a
+//! volatile store or an `asm!` block), and every case checks after each round that the counter
+//! counted exactly the increments made: a lost or doubled update fails the run. The return value
+//! of `fetch_add` is not routed through `black_box`: that would add a store per operation that
+//! `Counter::inc` (which returns nothing) does not pay.
+
+use super::{Case, Family, Measured, Stats, Unit, Workload};
+use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render};
+use contatori::counters::Observable;
+use std::cell::Cell;
+use std::hint::black_box;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use thiscpu::{ByMmCid, CachePadded, Counter, PerCpu};
+
+/// Every case, in the order they run.
+const CASES: &[&str] = &[
+    "atomic-global",
+    "percpu-atomic",
+    "thread-slot-atomic",
+    "thread_local",
+    "tls-plain",
+    "thiscpu-counter",
+    "thiscpu-counter-mm_cid",
+];
+
+/// The family.
+pub static FAMILY: Family = Family {
+    name: "counter",
+    about: "increments of one shared counter by 1 thread and by one thread per CPU \
+            (Mops/s, all threads together)",
+    case_names: CASES,
+    default_threads: &[1, 2],
+    baseline: Some("atomic-global"),
+    cases,
+    report,
+};
+
+/// A way to count: the hot loop of increments, and how a reader totals the counter.
+pub(super) trait Shape: Send + Sync + 'static {
+    /// Makes `ops` increments on the calling thread.
+    fn increments(&self, ops: u64);
+
+    /// The counter's total as a reader sees it (exact once the writers stopped).
+    fn total(&self) -> u64;
+}
+
+/// A shape as a workload: the total is read before each round, and after it the difference
+/// must equal the increments made.
+pub(super) struct Exact<S> {
+    shape: S,
+    start: AtomicU64,
+}
+
+impl<S: Shape> Exact<S> {
+    pub(super) fn new(shape: S) -> Self {
+        Exact {
+            shape,
+            start: AtomicU64::new(0),
+        }
+    }
+}
+
+impl<S: Shape> Workload for Exact<S> {
+    fn prepare(&self, _threads: usize) {
+        self.start.store(self.shape.total(), Relaxed);
+    }
+
+    fn run(&self, _worker: usize, ops: u64) {
+        self.shape.increments(ops);
+    }
+
+    fn verify(&self, ops: u64) -> Result<(), String> {
+        let counted = black_box(self.shape.total()).wrapping_sub(self.start.load(Relaxed));
+        if counted == ops {
+            Ok(())
+        } else {
+            Err(format!(
+                "the counter is not exact: {ops} increments made, {counted} counted \
+                 ({} lost)",
+                i128::from(ops) - i128::from(counted)
+            ))
+        }
+    }
+}
+
+/// One `AtomicU64` that every thread `fetch_add`s: the cache line moves between CPUs.
+struct AtomicGlobal(CachePadded<AtomicU64>);
+
+impl Shape for AtomicGlobal {
+    fn increments(&self, ops: u64) {
+        let counter = black_box(&self.0);
+        for _ in 0..ops {
+            counter.fetch_add(1, Relaxed);
+        }
+    }
+
+    fn total(&self) -> u64 {
+        self.0.load(Relaxed)
+    }
+}
+
+/// A padded `AtomicU64` per CPU, chosen by `current_cpu()` and `fetch_add`ed: atomic because
+/// the thread may migrate between reading its CPU and adding.
+struct PercpuAtomic(PerCpu<AtomicU64>);
+
+impl Shape for PercpuAtomic {
+    fn increments(&self, ops: u64) {
+        let slots = black_box(&self.0);
+        for _ in 0..ops {
+            slots.current().fetch_add(1, Relaxed);
+        }
+    }
+
+    fn total(&self) -> u64 {
+        self.0.iter().map(|slot| slot.load(Relaxed)).sum()
+    }
+}
+
+/// contatori's `Unsigned`: 128 padded atomics, each thread given one slot round-robin when it
+/// first counts (a LongAdder without the re-hashing on contention).
+struct ThreadSlot(Box<contatori::counters::unsigned::Unsigned>);
+
+impl Shape for ThreadSlot {
+    fn increments(&self, ops: u64) {
+        let counter = black_box(&*self.0);
+        for _ in 0..ops {
+            counter.add(1);
+        }
+    }
+
+    fn total(&self) -> u64 {
+        self.0.value().as_u64()
+    }
+}
+
+/// The `thread_local` crate: an `AtomicU64` per thread, found by thread id on every increment,
+/// written only by its thread (a load and a store), summed by the reader.
+struct ThreadLocalCrate(thread_local::ThreadLocal<AtomicU64>);
+
+impl Shape for ThreadLocalCrate {
+    fn increments(&self, ops: u64) {
+        let slots = black_box(&self.0);
+        for _ in 0..ops {
+            let mine = slots.get_or_default();
+            mine.store(mine.load(Relaxed).wrapping_add(1), Relaxed);
+        }
+    }
+
+    fn total(&self) -> u64 {
+        self.0
+            .iter()
+            .map(|slot| slot.load(Relaxed))
+            .fold(0, u64::wrapping_add)
+    }
+}
+
+thread_local! {
+    /// The floor's counter: a plain `u64` in static TLS.
+    static PLAIN: Cell<u64> = const { Cell::new(0) };
+}
+
+/// A volatile increment of a plain thread-local `u64`: no sharing, no atomic, no CPU lookup.
+/// No other thread can read it, so each call adds what its thread counted to `flushed`, which
+/// the exactness check reads.
+struct TlsPlain {
+    flushed: AtomicU64,
+}
+
+impl Shape for TlsPlain {
+    fn increments(&self, ops: u64) {
+        let before = PLAIN.with(Cell::get);
+        for _ in 0..ops {
+            PLAIN.with(|cell| {
+                let value = cell.as_ptr();
+                // SAFETY: `value` points to this thread's own cell, alive while `with` runs;
+                // nothing else reads or writes it meanwhile (no reference to it escapes).
+                unsafe { value.write_volatile(value.read_volatile().wrapping_add(1)) };
+            });
+        }
+        let after = PLAIN.with(Cell::get);
+        self.flushed
+            .fetch_add(after.wrapping_sub(before), Relaxed);
+    }
+
+    fn total(&self) -> u64 {
+        self.flushed.load(Relaxed)
+    }
+}
+
+/// `thiscpu::Counter::inc`: one restartable sequence, a plain `add` to this CPU's word.
+struct ThiscpuCounter(Counter);
+
+impl Shape for ThiscpuCounter {
+    fn increments(&self, ops: u64) {
+        let counter = black_box(&self.0);
+        for _ in 0..ops {
+            counter.inc();
+        }
+    }
+
+    fn total(&self) -> u64 {
+        self.0.sum()
+    }
+}
+
+/// `thiscpu::Counter::by_mm_cid().inc()`: the same, on the word of the thread's concurrency id.
+struct ThiscpuMmCid(Counter<ByMmCid>);
+
+impl Shape for ThiscpuMmCid {
+    fn increments(&self, ops: u64) {
+        let counter = black_box(&self.0);
+        for _ in 0..ops {
+            counter.inc();
+        }
+    }
+
+    fn total(&self) -> u64 {
+        self.0.sum()
+    }
+}
+
+fn cases() -> Vec<Case> {
+    let mops = Unit::MopsPerSec;
+    let source = thiscpu::source();
+    let mm_cid_how = if source.mm_cid {
+        "thiscpu Counter::by_mm_cid().inc()"
+    } else {
+        "Counter::by_mm_cid().inc(); no mm_cid here: spreads by CPU"
+    };
+    vec![
+        Case::new(
+            "atomic-global",
+            "one AtomicU64, fetch_add",
+            mops,
+            Exact::new(AtomicGlobal(CachePadded(AtomicU64::new(0)))),
+        ),
+        Case::new(
+            "percpu-atomic",
+            "PerCpu<AtomicU64> by current_cpu(), fetch_add",
+            mops,
+            Exact::new(PercpuAtomic(PerCpu::default())),
+        ),
+        Case::new(
+            "thread-slot-atomic",
+            "contatori Unsigned: per-thread slot, fetch_add",
+            mops,
+            Exact::new(ThreadSlot(Box::new(
+                contatori::counters::unsigned::Unsigned::new(),
+            ))),
+        ),
+        Case::new(
+            "thread_local",
+            "thread_local::ThreadLocal<AtomicU64>, load+store",
+            mops,
+            Exact::new(ThreadLocalCrate(thread_local::ThreadLocal::new())),
+        ),
+        Case::new(
+            "tls-plain",
+            "thread_local! Cell<u64>, volatile +1 (floor)",
+            mops,
+            Exact::new(TlsPlain {
+                flushed: AtomicU64::new(0),
+            }),
+        ),
+        Case::new(
+            "thiscpu-counter",
+            "thiscpu Counter::inc(), by CPU",
+            mops,
+            Exact::new(ThiscpuCounter(Counter::new())),
+        ),
+        Case::new(
+            "thiscpu-counter-mm_cid",
+            mm_cid_how,
+            mops,
+            Exact::new(ThiscpuMmCid(Counter::by_mm_cid())),
+        ),
+    ]
+}
+
+/// Per-round values of one (case, threads) result, mapped through `f`.
+fn mapped(result: &Measured, f: impl Fn(f64) -> f64) -> Stats {
+    let values: Vec<f64> = result.rounds.iter().map(|&v| f(v)).collect();
+    Stats::of(&values)
+}
+
+fn find<'a>(results: &'a [Measured], case: &str, threads: usize) -> Option<&'a Measured> {
+    results
+        .iter()
+        .find(|m| m.case == case && m.threads == threads)
+}
+
+/// Median Mops/s of one thread of `case` run with `threads` threads.
+fn per_thread(results: &[Measured], case: &str, threads: usize) -> Option<f64> {
+    let result = find(results, case, threads)?;
+    Some(mapped(result, |total| total / threads as f64).median)
+}
+
+/// `met` or `NOT met`.
+fn verdict(met: bool) -> &'static str {
+    if met { "met" } else { "NOT met" }
+}
+
+/// Per-thread throughput and ns per increment beside the totals, then the targets.
+fn report(results: &[Measured]) -> String {
+    let mut out = String::new();
+    let mut table = new_table();
+    table.set_header(vec![
+        "case",
+        "threads",
+        "Mops/s per thread",
+        "min – max",
+        "ns/op per thread",
+        "min – max",
+    ]);
+    for m in results {
+        let threads = m.threads as f64;
+        let each = mapped(m, |total| total / threads);
+        let ns = mapped(m, |total| 1e3 * threads / total.max(1e-12));
+        table.add_row(vec![
+            m.case.to_owned(),
+            m.threads.to_string(),
+            fmt_num(each.median),
+            format!("{} – {}", fmt_num(each.min), fmt_num(each.max)),
+            fmt_num(ns.median),
+            format!("{} – {}", fmt_num(ns.min), fmt_num(ns.max)),
+        ]);
+    }
+    align_right(&mut table, &[1, 2, 3, 4, 5]);
+    out.push_str("\nper thread (median over rounds of total ÷ threads):\n");
+    out.push_str(&render(&table));
+    out.push('\n');
+
+    let fewest = results.iter().map(|m| m.threads).min();
+    let most = results.iter().map(|m| m.threads).max();
+    let mut lines = Vec::new();
+    if let Some(one) = fewest {
+        if let Some(ours) = per_thread(results, "thiscpu-counter", one) {
+            let ns = 1e3 / ours;
+            lines.push(format!(
+                "  Counter::inc, {one} thread{}: {} ns/op (target ≤ 1.0 ns): {}",
+                if one == 1 { "" } else { "s" },
+                fmt_num(ns),
+                verdict(ns <= 1.0)
+            ));
+        }
+        if let (Some(ours), Some(theirs)) = (
+            per_thread(results, "thiscpu-counter", one),
+            per_thread(results, "percpu-atomic", one),
+        ) {
+            let ratio = ours / theirs;
+            lines.push(format!(
+                "  thiscpu-counter vs percpu-atomic, {one} thread{}: {} faster \
+                 (target ≥ 2×): {}",
+                if one == 1 { "" } else { "s" },
+                fmt_ratio(ratio),
+                verdict(ratio >= 2.0)
+            ));
+        }
+    }
+    if let Some(n) = most.filter(|&n| Some(n) != fewest) {
+        if let (Some(ours), Some(theirs)) = (
+            per_thread(results, "thiscpu-counter", n),
+            per_thread(results, "atomic-global", n),
+        ) {
+            let ratio = ours / theirs;
+            lines.push(format!(
+                "  thiscpu-counter vs atomic-global per thread, {n} threads: {} \
+                 (target ≥ 8×): {}",
+                fmt_ratio(ratio),
+                verdict(ratio >= 8.0)
+            ));
+        }
+        let mut others = Vec::new();
+        for &case in CASES {
+            if let (Some(ours), Some(theirs)) = (
+                per_thread(results, case, n),
+                per_thread(results, "atomic-global", n),
+            ) {
+                others.push(format!("{case} {}", fmt_ratio(ours / theirs)));
+            }
+        }
+        if !others.is_empty() {
+            lines.push(format!(
+                "  per-thread throughput ÷ atomic-global's, {n} threads: {}",
+                others.join(", ")
+            ));
+        }
+    }
+    if !lines.is_empty() {
+        out.push_str("\ntargets (ratios of medians):\n");
+        out.push_str(&lines.join("\n"));
+    }
+    out.trim_end().to_owned()
+}

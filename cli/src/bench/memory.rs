@@ -1,0 +1,455 @@
+//! `memory`: what a counter costs in memory, dense (`thiscpu::Counter`, 8 bytes per CPU in the
+//! stride allocator's rows) against padded (`PerCpu<AtomicU64>`, 128 bytes per possible CPU),
+//! and how long creating one takes.
+//!
+//! A measurement creates a batch of counters, then one thread, pinned in turn to each of the
+//! CPUs the round uses (its thread count: the first CPUs of the order the runner pins workers
+//! in), increments every counter once. Before creation and after the increments it reads:
+//!
+//! - the address space: `VmSize` in `/proc/self/status`, and for the dense layout the bytes
+//!   `thiscpu::dense::stats()` says its ranges reserve;
+//! - the resident memory: `Rss` in `/proc/self/smaps_rollup` (summed from the page tables, so
+//!   exact; `VmRSS` is the kernel's cached per-CPU count and lags), or `VmRSS` where the former
+//!   is missing.
+//!
+//! The differences divided by the batch size are the results, in bytes per counter. Batches
+//! are never freed: a freed dense slot (or heap block) would be handed to the next batch, whose
+//! growth would then read zero. The vector that holds a batch's handles is filled before the
+//! first reading, so only the counters' own memory is counted. After the second reading every
+//! counter must hold exactly one increment per CPU used, or the run fails.
+//!
+//! The padded layout is measured on a tenth as many counters (each costs 128 bytes per
+//! possible CPU) and reported per counter like the dense one.
+
+use super::{Case, Family, Measured, Unit, Workload};
+use crate::report::table::{align_right, fmt_num, new_table, render};
+use std::hint::black_box;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::Instant;
+use thiscpu::{Counter, PerCpu};
+
+/// Counters per dense batch.
+const DENSE_BATCH: usize = 100_000;
+/// Counters per padded batch.
+const PADDED_BATCH: usize = DENSE_BATCH / 10;
+
+/// The family.
+pub static FAMILY: Family = Family {
+    name: "memory",
+    about: "bytes per counter, dense (thiscpu::Counter) against padded (PerCpu<AtomicU64>), \
+            after an increment from each CPU used; ns per creation",
+    case_names: &[
+        "dense/reserved",
+        "dense/address-space",
+        "dense/resident",
+        "dense/create",
+        "padded/address-space",
+        "padded/resident",
+        "padded/create",
+    ],
+    default_threads: &[1, 2],
+    baseline: None,
+    cases,
+    report,
+};
+
+/// The two layouts compared.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Layout {
+    Dense,
+    Padded,
+}
+
+/// Which figure of a measurement a case reports.
+#[derive(Clone, Copy, Debug)]
+enum Figure {
+    /// Growth of `dense::stats().reserved_bytes`, per counter.
+    Reserved,
+    /// Growth of `VmSize`, per counter.
+    AddressSpace,
+    /// Growth of the resident set, per counter.
+    Resident,
+    /// Nanoseconds per creation.
+    Create,
+}
+
+/// One measurement, per counter.
+#[derive(Clone, Copy, Debug)]
+struct Figures {
+    reserved: f64,
+    address_space: f64,
+    resident: f64,
+    create_ns: f64,
+}
+
+impl Figures {
+    fn pick(&self, figure: Figure) -> f64 {
+        match figure {
+            Figure::Reserved => self.reserved,
+            Figure::AddressSpace => self.address_space,
+            Figure::Resident => self.resident,
+            Figure::Create => self.create_ns,
+        }
+    }
+}
+
+/// What the process holds at one moment, in bytes.
+#[derive(Clone, Copy, Debug)]
+struct Snapshot {
+    vm_size: u64,
+    resident: u64,
+    reserved: u64,
+}
+
+/// A `kB` field of a `/proc` file such as `VmSize:     1234 kB`, in bytes.
+fn kb_field(text: &str, field: &str) -> Option<u64> {
+    text.lines().find_map(|line| {
+        let rest = line.strip_prefix(field)?.strip_prefix(':')?;
+        let kb: u64 = rest.trim().strip_suffix("kB")?.trim().parse().ok()?;
+        Some(kb * 1024)
+    })
+}
+
+impl Snapshot {
+    fn take() -> Result<Snapshot, String> {
+        let status = std::fs::read_to_string("/proc/self/status")
+            .map_err(|e| format!("cannot read /proc/self/status: {e}"))?;
+        let vm_size =
+            kb_field(&status, "VmSize").ok_or("no VmSize in /proc/self/status".to_owned())?;
+        let resident = std::fs::read_to_string("/proc/self/smaps_rollup")
+            .ok()
+            .and_then(|rollup| kb_field(&rollup, "Rss"))
+            .or_else(|| kb_field(&status, "VmRSS"))
+            .ok_or("no Rss in /proc/self/smaps_rollup nor VmRSS in /proc/self/status")?;
+        Ok(Snapshot {
+            vm_size,
+            resident,
+            reserved: thiscpu::dense::stats().reserved_bytes as u64,
+        })
+    }
+}
+
+/// The calling thread's affinity, restored when dropped.
+struct Affinity(libc::cpu_set_t);
+
+impl Affinity {
+    fn save() -> Result<Affinity, String> {
+        // SAFETY: `cpu_set_t` is a plain bit array, valid when zeroed.
+        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        // SAFETY: the kernel writes at most `size_of_val(&set)` bytes into `set`.
+        if unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) } != 0 {
+            return Err(format!(
+                "sched_getaffinity: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        Ok(Affinity(set))
+    }
+}
+
+impl Drop for Affinity {
+    fn drop(&mut self) {
+        // SAFETY: `self.0` is the valid mask read by `save`.
+        unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&self.0), &self.0) };
+    }
+}
+
+/// Runs `touch` on the calling thread pinned to each CPU of `cpus` in turn, then restores the
+/// thread's affinity.
+fn on_each_cpu(cpus: &[u32], mut touch: impl FnMut()) -> Result<(), String> {
+    let _restore = Affinity::save()?;
+    for &cpu in cpus {
+        if !super::pin_to(cpu) {
+            return Err(format!("cannot pin to CPU {cpu}"));
+        }
+        // sched_setaffinity moves the thread before returning; the loop only guards against
+        // a kernel that would not.
+        for _ in 0..1000 {
+            if thiscpu::current_cpu() == cpu {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        touch();
+    }
+    Ok(())
+}
+
+/// The CPUs a measurement with `threads` threads uses: the first ones the runner would pin
+/// workers to, each once.
+fn cpus_for(threads: usize) -> Vec<u32> {
+    let mut cpus = super::worker_cpus();
+    cpus.truncate(threads.max(1));
+    cpus
+}
+
+/// Per-counter figures from two snapshots around a batch of `batch` counters.
+fn per_counter(before: Snapshot, after: Snapshot, batch: usize, create_ns: f64) -> Figures {
+    let per = |a: u64, b: u64| a.saturating_sub(b) as f64 / batch as f64;
+    Figures {
+        reserved: per(after.reserved, before.reserved),
+        address_space: per(after.vm_size, before.vm_size),
+        resident: per(after.resident, before.resident),
+        create_ns,
+    }
+}
+
+/// Creates `DENSE_BATCH` counters, increments each once from every CPU of `cpus`, checks and
+/// keeps them.
+fn measure_dense(cpus: &[u32]) -> Result<Figures, String> {
+    let mut batch: Vec<Option<Counter>> = Vec::with_capacity(DENSE_BATCH);
+    batch.resize_with(DENSE_BATCH, || None);
+    let before = Snapshot::take()?;
+    let start = Instant::now();
+    for slot in &mut batch {
+        *slot = Some(Counter::new());
+    }
+    let create_ns = start.elapsed().as_nanos() as f64 / DENSE_BATCH as f64;
+    on_each_cpu(cpus, || {
+        for counter in batch.iter().flatten() {
+            black_box(counter).inc();
+        }
+    })?;
+    let after = Snapshot::take()?;
+    let expected = cpus.len() as u64;
+    if let Some((index, sum)) = batch
+        .iter()
+        .flatten()
+        .map(Counter::sum)
+        .enumerate()
+        .find(|&(_, sum)| sum != expected)
+    {
+        return Err(format!(
+            "counter {index} holds {sum} after {expected} increments"
+        ));
+    }
+    // Kept until the process exits: freed slots would serve the next batch.
+    std::mem::forget(batch);
+    Ok(per_counter(before, after, DENSE_BATCH, create_ns))
+}
+
+/// As `measure_dense`, for `PADDED_BATCH` `PerCpu<AtomicU64>`s incremented with `fetch_add`.
+fn measure_padded(cpus: &[u32]) -> Result<Figures, String> {
+    let mut batch: Vec<Option<PerCpu<AtomicU64>>> = Vec::with_capacity(PADDED_BATCH);
+    batch.resize_with(PADDED_BATCH, || None);
+    let before = Snapshot::take()?;
+    let start = Instant::now();
+    for slot in &mut batch {
+        *slot = Some(PerCpu::default());
+    }
+    let create_ns = start.elapsed().as_nanos() as f64 / PADDED_BATCH as f64;
+    on_each_cpu(cpus, || {
+        for counter in batch.iter().flatten() {
+            black_box(counter).current().fetch_add(1, Relaxed);
+        }
+    })?;
+    let after = Snapshot::take()?;
+    let expected = cpus.len() as u64;
+    if let Some((index, sum)) = batch
+        .iter()
+        .flatten()
+        .map(|slots| slots.iter().map(|slot| slot.load(Relaxed)).sum::<u64>())
+        .enumerate()
+        .find(|&(_, sum)| sum != expected)
+    {
+        return Err(format!(
+            "padded counter {index} holds {sum} after {expected} increments"
+        ));
+    }
+    std::mem::forget(batch);
+    Ok(per_counter(before, after, PADDED_BATCH, create_ns))
+}
+
+/// One case: a layout, the figure it reports, and the last measurement.
+struct MemoryCase {
+    layout: Layout,
+    figure: Figure,
+    last: Mutex<Option<Result<Figures, String>>>,
+}
+
+impl Workload for MemoryCase {
+    /// Measures, before the runner's workers start (their stacks would count otherwise).
+    fn prepare(&self, threads: usize) {
+        let cpus = cpus_for(threads);
+        let figures = match self.layout {
+            Layout::Dense => measure_dense(&cpus),
+            Layout::Padded => measure_padded(&cpus),
+        };
+        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(figures);
+    }
+
+    /// Nothing to time: an empty loop, so that the runner's calibration ends.
+    fn run(&self, _worker: usize, ops: u64) {
+        for op in 0..ops {
+            black_box(op);
+        }
+    }
+
+    fn verify(&self, _ops: u64) -> Result<(), String> {
+        match &*self.last.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(Ok(_)) => Ok(()),
+            Some(Err(why)) => Err(why.clone()),
+            None => Err("nothing was measured".to_owned()),
+        }
+    }
+
+    fn reading(&self) -> Option<f64> {
+        let last = self.last.lock().unwrap_or_else(|p| p.into_inner());
+        last.as_ref()?.as_ref().ok().map(|f| f.pick(self.figure))
+    }
+}
+
+fn case(name: &'static str, how: &str, layout: Layout, figure: Figure) -> Case {
+    let unit = match figure {
+        Figure::Create => Unit::NsPerOp,
+        _ => Unit::BytesPerCounter,
+    };
+    Case::new(
+        name,
+        how,
+        unit,
+        MemoryCase {
+            layout,
+            figure,
+            last: Mutex::new(None),
+        },
+    )
+}
+
+fn cases() -> Vec<Case> {
+    use Figure::*;
+    use Layout::*;
+    vec![
+        case(
+            "dense/reserved",
+            "dense::stats() reserved bytes growth",
+            Dense,
+            Reserved,
+        ),
+        case("dense/address-space", "VmSize growth", Dense, AddressSpace),
+        case("dense/resident", "Rss growth", Dense, Resident),
+        case("dense/create", "Counter::new()", Dense, Create),
+        case("padded/address-space", "VmSize growth", Padded, AddressSpace),
+        case("padded/resident", "Rss growth", Padded, Resident),
+        case(
+            "padded/create",
+            "PerCpu::<AtomicU64>::default()",
+            Padded,
+            Create,
+        ),
+    ]
+}
+
+/// Bytes per counter, at most 4 significant digits.
+fn bytes(value: f64) -> String {
+    if value >= 1000.0 {
+        format!("{value:.0}")
+    } else {
+        fmt_num(value)
+    }
+}
+
+/// The measured figures side by side, against the targets and a 256-CPU machine.
+fn report(results: &[Measured]) -> String {
+    let median = |case: &str, threads: usize| {
+        results
+            .iter()
+            .find(|m| m.case == case && m.threads == threads)
+            .map(|m| m.stats().median)
+    };
+    let mut thread_counts: Vec<usize> = results.iter().map(|m| m.threads).collect();
+    thread_counts.sort_unstable();
+    thread_counts.dedup();
+    let possible = thiscpu::topology::possible_cpus();
+    let rows = possible + 1;
+    let cell = |value: Option<f64>| value.map_or_else(|| "–".to_owned(), bytes);
+
+    let mut table = new_table();
+    table.set_header(vec![
+        "layout",
+        "CPUs that ran",
+        "reserved",
+        "address space",
+        "per possible CPU",
+        "resident",
+        "per CPU that ran",
+        "create ns",
+    ]);
+    for layout in ["dense", "padded"] {
+        for &threads in &thread_counts {
+            let ran = cpus_for(threads).len();
+            let space = median(&format!("{layout}/address-space"), threads);
+            let resident = median(&format!("{layout}/resident"), threads);
+            table.add_row(vec![
+                layout.to_owned(),
+                ran.to_string(),
+                cell(median(&format!("{layout}/reserved"), threads)),
+                cell(space),
+                cell(space.map(|s| s / possible as f64)),
+                cell(resident),
+                cell(resident.map(|r| r / ran as f64)),
+                cell(median(&format!("{layout}/create"), threads)),
+            ]);
+        }
+    }
+    align_right(&mut table, &[1, 2, 3, 4, 5, 6, 7]);
+    let mut out = format!(
+        "\nbytes per counter (medians), {possible} possible CPU{}; dense batches of {DENSE_BATCH}, \
+         padded of {PADDED_BATCH}:\n{}\n",
+        if possible == 1 { "" } else { "s" },
+        render(&table)
+    );
+
+    // Targets, from the run with the most CPUs.
+    let mut lines = Vec::new();
+    if let Some(&threads) = thread_counts.last() {
+        let ran = cpus_for(threads).len();
+        if let Some(resident) = median("dense/resident", threads) {
+            let each = resident / ran as f64;
+            lines.push(format!(
+                "  dense resident: {} B per counter per CPU that ran ({ran}) (target ≤ 8 B plus \
+                 a small constant): {}",
+                bytes(each),
+                if each <= 8.5 { "met" } else { "NOT met" }
+            ));
+        }
+        if let Some(reserved) = median("dense/reserved", threads) {
+            let each = reserved / possible as f64;
+            let expected = 8.0 * rows as f64 / possible as f64;
+            lines.push(format!(
+                "  dense address space: {} B per counter per possible CPU (target ≤ 8 B): {}; \
+                 a range has {rows} rows for {possible} possible CPUs (one spare row), so \
+                 {} B is expected here; the rest comes from where a batch starts and ends in \
+                 partly used 64 KiB ranges",
+                bytes(each),
+                if each <= 8.0 { "met" } else { "NOT met" },
+                bytes(expected)
+            ));
+        }
+    }
+    if !lines.is_empty() {
+        out.push_str("\ntargets:\n");
+        out.push_str(&lines.join("\n"));
+        out.push('\n');
+    }
+
+    // The same counters on a 256-CPU machine, by arithmetic.
+    const CPUS: f64 = 256.0;
+    let padded = CPUS * 128.0;
+    let dense_space = (CPUS + 1.0) * 8.0;
+    out.push_str(&format!(
+        "\non a 256-CPU machine (arithmetic), per counter:\n\
+         \x20 padded: {padded:.0} B of address space, all resident (PerCpu::new writes every slot)\n\
+         \x20 dense:  {dense_space:.0} B of address space (257 rows × 8 B) plus at most one partly used \
+         range per process (257 × 64 KiB = 16 MiB); resident 8 B × CPUs that ran \
+         (16 B for 2, {:.0} B for all 256)\n\
+         \x20 100,000 counters: padded {:.2} GB; dense {:.0} MB of address space, resident \
+         {:.1} MB for 2 CPUs",
+        8.0 * CPUS,
+        padded * 1e5 / 1e9,
+        dense_space * 1e5 / 1e6,
+        16.0 * 1e5 / 1e6,
+    ));
+    out.trim_end().to_owned()
+}

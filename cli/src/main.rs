@@ -6,6 +6,7 @@ mod error;
 mod info;
 mod machine;
 mod report;
+mod stress;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use error::Error;
@@ -65,6 +66,9 @@ Example:
         /// The report measured second.
         after: PathBuf,
     },
+
+    /// Check that a Counter stays exact under migration, signals and thread churn.
+    Stress(stress::StressArgs),
 }
 
 /// `bench --help`'s closing text, with the families as registered.
@@ -250,6 +254,7 @@ fn main() {
         }),
         Some(Command::Bench(args)) => bench_options(args).and_then(bench::run),
         Some(Command::Compare { before, after }) => report::compare::run(&before, &after),
+        Some(Command::Stress(args)) => stress::run(args),
     };
     if let Err(error) = outcome {
         eprintln!("thiscpu: {error}");

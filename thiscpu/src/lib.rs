@@ -89,11 +89,16 @@ mod counter;
 mod cpu;
 #[allow(unsafe_code)]
 pub mod dense;
+#[allow(unsafe_code)]
+pub mod fence;
+pub mod mask;
 #[cfg(feature = "metrics")]
 pub mod metrics;
 #[allow(unsafe_code)]
 pub mod ops;
 mod percpu;
+#[allow(unsafe_code)]
+pub mod pool;
 #[allow(unsafe_code)]
 mod registration;
 #[allow(unsafe_code)]
@@ -103,5 +108,7 @@ pub mod topology;
 
 pub use counter::{ByCpu, ByMmCid, Counter, Spread};
 pub use cpu::{CpuNode, CpuSource, Source, current_cpu, current_node, getcpu, mm_cid, source, via};
+pub use mask::CpuMask;
 pub use percpu::{CachePadded, PerCpu};
+pub use pool::{Pool, Pooled};
 pub use registration::{Registrar, Unavailable};

@@ -494,3 +494,150 @@ pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>
     }
     Outcome::Committed(())
 }
+
+// Guarded array stacks (the pool's per-CPU caches, `crate::pool`). Each CPU's stack is a
+// `pool::StackHead` (a `count` word and a `stopped` word on one cache line) and an array of
+// `capacity` object pointers. Both sections below follow the frame above, and then, first
+// thing after the CPU check, load `stopped` and leave through the `stopped` exit if it is not
+// zero: a drainer on another CPU sets it, fences this CPU with membarrier (which aborts every
+// section already past this check), and only then reads and resets the stack. The count is the
+// single committed word; the slot written by a push lies beyond the committed count until the
+// commit, so an abort leaves only an invisible stale slot.
+//
+// Memory ordering, for the aarch64 port: on x86_64 loads are not reordered with other loads
+// and stores are released in order, so plain `mov`s suffice. On aarch64:
+// - the load of `stopped` must be a load-acquire (`ldar`): a drainer writes `count = 0` and
+//   then clears `stopped` with a store-release, and a section that sees the flag clear must
+//   not have read `count` or a slot before it (a control dependency does not order loads);
+// - the push's committing store of `count` must be a store-release (`stlr`): the slot store
+//   and the pushed object's contents must be visible to a drainer on another CPU before the
+//   count that covers them (the membarrier IPI also orders them; the release keeps the section
+//   correct on its own, as librseq's RELEASE variants do);
+// - the pop's commit needs no release: only this CPU reads the count back, and a drainer is
+//   ordered after it by the membarrier IPI's full barrier.
+
+use crate::pool::{StackHead, StackOutcome};
+
+/// Guarded push: `if head.stopped != 0 leave(Stopped); n = head.count; if n >= capacity
+/// leave(Refused); slots[n] = item; commit head.count = n + 1`.
+///
+/// # Safety
+/// `offset` and `index` were read from this thread's area (`index` from `FIELD`); `head` and
+/// `slots` (valid for `capacity` pointer-sized words) are CPU `index`'s stack, whose `count`
+/// and slots only sections indexed by `index` write, or a drainer after a fence of that CPU
+/// while `stopped` is set.
+#[inline(always)]
+pub(crate) unsafe fn stack_push<const FIELD: usize>(
+    offset: isize,
+    index: u32,
+    head: *const StackHead,
+    slots: *mut usize,
+    capacity: u64,
+    item: usize,
+) -> StackOutcome {
+    // SAFETY: the caller's contract; the section follows the frame described above; its two
+    // early exits are listed as exit points; the slot store lands beyond the committed count
+    // (n < capacity is checked first), so an aborted push leaves nothing visible.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{stopped}"),
+            rseq_exit_point!("2", "{refused}"),
+            "lea {cs}, [rip + 3b]",
+            "mov qword ptr fs:[{off} + {rseq_cs}], {cs}",
+            "2:",
+            "cmp dword ptr fs:[{off} + {field}], {index:e}",
+            "jne 5f",
+            "cmp qword ptr [{head} + {stopped_at}], 0",
+            "jne {stopped}",
+            inject!(3),
+            "mov {n}, qword ptr [{head} + {count_at}]",
+            "cmp {n}, {capacity}",
+            "jae {refused}",
+            "mov qword ptr [{slots} + 8 * {n}], {item}",
+            inject!(1),
+            "add {n}, 1",
+            "mov qword ptr [{head} + {count_at}], {n}",
+            "4:",
+            rseq_abort!("5", "jmp {abort}");
+            off = in(reg) offset,
+            index = in(reg) index,
+            head = in(reg) head,
+            slots = in(reg) slots,
+            capacity = in(reg) capacity,
+            item = in(reg) item,
+            n = out(reg) _,
+            cs = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS,
+            field = const FIELD,
+            stopped_at = const StackHead::STOPPED,
+            count_at = const StackHead::COUNT,
+            stopped = label { return StackOutcome::Stopped; },
+            refused = label { return StackOutcome::Refused; },
+            abort = label { return StackOutcome::Aborted; },
+            options(nostack),
+        );
+    }
+    StackOutcome::Committed
+}
+
+/// Guarded pop: `if head.stopped != 0 leave(Stopped); n = head.count; if n == 0
+/// leave(Refused); *out = slots[n - 1]; commit head.count = n - 1`.
+///
+/// # Safety
+/// As for `stack_push`; `out` is valid for a pointer-sized write (read by the caller only after
+/// a commit).
+#[inline(always)]
+pub(crate) unsafe fn stack_pop<const FIELD: usize>(
+    offset: isize,
+    index: u32,
+    head: *const StackHead,
+    slots: *const usize,
+    out: *mut usize,
+) -> StackOutcome {
+    // SAFETY: the caller's contract; the section follows the frame described above; its two
+    // early exits are listed as exit points; the store to `out` before the commit is harmless
+    // if the section aborts.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{stopped}"),
+            rseq_exit_point!("2", "{refused}"),
+            "lea {cs}, [rip + 3b]",
+            "mov qword ptr fs:[{off} + {rseq_cs}], {cs}",
+            "2:",
+            "cmp dword ptr fs:[{off} + {field}], {index:e}",
+            "jne 5f",
+            "cmp qword ptr [{head} + {stopped_at}], 0",
+            "jne {stopped}",
+            inject!(3),
+            "mov {n}, qword ptr [{head} + {count_at}]",
+            "test {n}, {n}",
+            "jz {refused}",
+            "sub {n}, 1",
+            "mov {item}, qword ptr [{slots} + 8 * {n}]",
+            "mov qword ptr [{out}], {item}",
+            inject!(2),
+            "mov qword ptr [{head} + {count_at}], {n}",
+            "4:",
+            rseq_abort!("5", "jmp {abort}");
+            off = in(reg) offset,
+            index = in(reg) index,
+            head = in(reg) head,
+            slots = in(reg) slots,
+            out = in(reg) out,
+            n = out(reg) _,
+            item = out(reg) _,
+            cs = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS,
+            field = const FIELD,
+            stopped_at = const StackHead::STOPPED,
+            count_at = const StackHead::COUNT,
+            stopped = label { return StackOutcome::Stopped; },
+            refused = label { return StackOutcome::Refused; },
+            abort = label { return StackOutcome::Aborted; },
+            options(nostack),
+        );
+    }
+    StackOutcome::Committed
+}

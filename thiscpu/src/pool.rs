@@ -1,0 +1,903 @@
+//! `Pool<T>`: an object pool with a bounded cache per CPU, in the manner of tcmalloc's per-CPU
+//! caches. `get` and `put` pop and push on the current CPU's cache inside a restartable
+//! sequence (no atomic instruction, no lock); a full cache spills half of itself to a shared
+//! list, an empty one refills from it, and another thread can drain any CPU's cache while that
+//! CPU keeps using the pool.
+//!
+//! # The per-CPU caches
+//! Each CPU has a stack: a `count` word and a `stopped` word on one cache line, and an array of
+//! `capacity` object pointers on lines of its own. A push is one restartable sequence: check
+//! `stopped`, load `count`, leave if the stack is full, store the pointer into the slot beyond
+//! `count`, and commit `count + 1`. A pop loads the pointer below `count` and commits
+//! `count - 1`. The count is the only committed word, so it is exact: an aborted push leaves a
+//! pointer in a slot that no count covers, an aborted pop changes nothing.
+//!
+//! # Draining another CPU's cache
+//! [`Pool::drain_cpu`] takes CPU `c`'s cached objects back to the shared list while threads
+//! on `c` go on:
+//! 1. the drainer sets `c`'s `stopped` flag (only drainers write it, atomically; drains of one
+//!    pool are serialized);
+//! 2. it fences CPU `c` with `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ)` targeted at
+//!    `c` ([`crate::fence`]): every section on `c` that started before the flag was visible is
+//!    aborted or already committed, and every later one sees the flag and leaves;
+//! 3. `c`'s count and slots are now the drainer's alone: it takes the objects and stores 0
+//!    into the count;
+//! 4. it clears the flag with a release store; sections on `c` resume with an empty stack.
+//!
+//! Meanwhile a `get` or `put` that finds the flag set uses the shared list.
+//!
+//! **Fallback** where membarrier is refused (kernels before 5.10, seccomp, or
+//! `THISCPU_MEMBARRIER=off`): the drainer pins itself to CPU `c` (`sched_setaffinity`), pops
+//! the stack there with the same restartable sequences as any thread on `c` (exact by
+//! construction), and restores its affinity. If it may not run on `c` (a cpuset without `c`,
+//! `c` offline) or has no rseq itself, the drain returns [`DrainError::Unavailable`] and the
+//! cache stays as it was.
+//!
+//! # Without rseq
+//! When the process has no rseq at all (old kernel, valgrind, `THISCPU_RSEQ=off`), each CPU's
+//! cache is a `Mutex<Vec>` picked by the fallback's CPU number: still exact, slower. A thread
+//! without rseq in a process that uses it (a thread made by a raw `clone`) uses the shared
+//! list, so no word is ever written both by plain stores in sections and by atomic
+//! instructions.
+//!
+//! # Safety
+//! The module runs the guarded stack sections of `crate::arch` on the caller's CPU, moves
+//! objects in and out of the caches as raw pointers from `Box::into_raw`, and pins the calling
+//! thread with `sched_setaffinity` in the drain fallback; each block states why it holds.
+
+use crate::arch;
+use crate::fence::{self, FenceUnavailable};
+use crate::mask::CpuMask;
+use crate::ops::{self, BY_CPU};
+use crate::percpu::CachePadded;
+use crate::registration::{self, Registrar};
+use crate::topology;
+use core::mem::{ManuallyDrop, offset_of, size_of};
+use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+/// The head of one CPU's stack: what the sections of `arch` address by the offsets below.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub(crate) struct StackHead {
+    /// Objects in the stack. Written by committing sections on this CPU (plain stores), or by a
+    /// drainer while `stopped` is set and the CPU has been fenced.
+    count: AtomicU64,
+    /// Non-zero while a drainer owns the stack. Written only by drainers, atomically; sections
+    /// read it.
+    stopped: AtomicU64,
+}
+
+impl StackHead {
+    /// Byte offset of `count`, used inside `asm!`.
+    pub(crate) const COUNT: usize = 0;
+    /// Byte offset of `stopped`, used inside `asm!`.
+    pub(crate) const STOPPED: usize = 8;
+}
+
+const _: () = {
+    assert!(offset_of!(StackHead, count) == StackHead::COUNT);
+    assert!(offset_of!(StackHead, stopped) == StackHead::STOPPED);
+    assert!(size_of::<AtomicU64>() == 8 && size_of::<AtomicUsize>() == 8);
+};
+
+/// How a guarded stack section ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StackOutcome {
+    /// The count was stored.
+    Committed,
+    /// The stack was full (push) or empty (pop): nothing stored.
+    Refused,
+    /// A drainer owns the stack: nothing stored.
+    Stopped,
+    /// The kernel aborted the section, or the thread was not on the CPU any more.
+    Aborted,
+}
+
+/// Slots per 128-byte chunk.
+const CHUNK: usize = 16;
+type Chunk = CachePadded<[AtomicUsize; CHUNK]>;
+const _: () = assert!(size_of::<Chunk>() == CHUNK * size_of::<AtomicUsize>());
+
+/// Every CPU's stack: heads on lines of their own, and `stride` slots per CPU on lines of
+/// their own.
+struct Stacks {
+    heads: Box<[CachePadded<StackHead>]>,
+    chunks: Box<[Chunk]>,
+    chunks_per_cpu: usize,
+}
+
+impl Stacks {
+    fn new(cpus: usize, capacity: usize) -> Stacks {
+        let chunks_per_cpu = capacity.div_ceil(CHUNK);
+        Stacks {
+            heads: (0..cpus).map(|_| CachePadded::default()).collect(),
+            chunks: (0..cpus * chunks_per_cpu)
+                .map(|_| CachePadded([const { AtomicUsize::new(0) }; CHUNK]))
+                .collect(),
+            chunks_per_cpu,
+        }
+    }
+
+    /// CPU `cpu`'s slots (`cpu` below the number of heads).
+    fn slots(&self, cpu: usize) -> &[AtomicUsize] {
+        let chunks = &self.chunks[cpu * self.chunks_per_cpu..(cpu + 1) * self.chunks_per_cpu];
+        // SAFETY: a chunk is an array of CHUNK `AtomicUsize` with no padding (asserted above),
+        // and the chunks of a boxed slice are contiguous, so `chunks` covers exactly
+        // `len * CHUNK` consecutive `AtomicUsize`s of one allocation, borrowed from `self`.
+        unsafe {
+            core::slice::from_raw_parts(chunks.as_ptr().cast::<AtomicUsize>(), chunks.len() * CHUNK)
+        }
+    }
+}
+
+/// A list of objects behind a lock: the shared list, and each CPU's cache without rseq.
+type Locked<T> = CachePadded<Mutex<Vec<Box<T>>>>;
+
+/// The per-CPU caches: restartable stacks, or locked vectors when the process has no rseq.
+enum Caches<T> {
+    Rseq(Stacks),
+    Locked(Box<[Locked<T>]>),
+}
+
+/// The calling thread's rseq area offset and CPU, or `None` if this thread has no rseq.
+#[inline]
+fn here() -> Option<(isize, u32)> {
+    let offset = arch::section_offset();
+    let cpu = arch::field_at::<BY_CPU>(offset);
+    if cpu >= 0 {
+        return Some((offset, cpu as u32));
+    }
+    here_slow()
+}
+
+#[cold]
+#[inline(never)]
+fn here_slow() -> Option<(isize, u32)> {
+    // Registers this thread's own area when thiscpu owns rseq in the process.
+    ops::position()?;
+    let offset = arch::section_offset();
+    let cpu = arch::field_at::<BY_CPU>(offset);
+    (cpu >= 0).then_some((offset, cpu as u32))
+}
+
+fn lock<V>(mutex: &Mutex<V>) -> MutexGuard<'_, V> {
+    // A panic while the lock was held (in `Vec` growth) leaves the vector consistent.
+    mutex
+        .lock()
+        .unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// How [`Pool::drain_cpu`] reached the cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DrainMethod {
+    /// The `stopped` flag and a membarrier fence of the CPU.
+    Fence,
+    /// The drainer moved itself to the CPU and popped there (membarrier refused).
+    Migrate,
+    /// The process has no rseq: the cache is a locked vector.
+    Lock,
+}
+
+/// What a drain moved.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Drained {
+    /// Objects moved from the CPU's cache to the shared list.
+    pub objects: usize,
+    /// How the cache was reached.
+    pub method: DrainMethod,
+}
+
+/// Why a drain did nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DrainError {
+    /// The CPU is beyond the pool's caches (not a possible CPU).
+    NoSuchCpu(u32),
+    /// membarrier is refused here, and the fallback could not run on the CPU (not in this
+    /// thread's allowed CPUs, offline, or this thread has no rseq).
+    Unavailable(FenceUnavailable),
+}
+
+impl core::fmt::Display for DrainError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            DrainError::NoSuchCpu(cpu) => write!(f, "CPU {cpu} is not a possible CPU"),
+            DrainError::Unavailable(why) => write!(
+                f,
+                "cannot drain another CPU's cache: {why}, and this thread cannot run there"
+            ),
+        }
+    }
+}
+
+impl std::error::Error for DrainError {}
+
+/// Default objects cached per CPU.
+pub const DEFAULT_CAPACITY: usize = 64;
+
+/// An object pool with a bounded cache per CPU.
+///
+/// - [`get`](Pool::get) returns a [`Pooled`] guard that puts the object back when dropped;
+///   objects come back in the state they were left in. When the CPU's cache and the shared
+///   list are both empty, the pool makes a new object with the function given to
+///   [`new`](Pool::new).
+/// - `get` and `put` on the current CPU's cache are restartable sequences: no lock, no atomic
+///   read-modify-write. Every object is in exactly one place at a time (a cache, the shared
+///   list, or one guard): none is lost and none is handed out twice, under preemption,
+///   migration, signals, thread exit and concurrent drains.
+/// - Not async-signal-safe: the slow paths take a lock.
+///
+/// ```
+/// let buffers = thiscpu::Pool::new(|| Vec::<u8>::with_capacity(4096));
+/// std::thread::scope(|s| {
+///     for _ in 0..4 {
+///         s.spawn(|| {
+///             for i in 0..1000u32 {
+///                 let mut buffer = buffers.get();
+///                 buffer.clear();
+///                 buffer.extend_from_slice(&i.to_le_bytes());
+///             } // back to this CPU's cache
+///         });
+///     }
+/// });
+/// assert!(buffers.created() <= 4 * 2, "objects are reused: {}", buffers.created());
+/// ```
+pub struct Pool<T> {
+    caches: Caches<T>,
+    capacity: usize,
+    batch: usize,
+    touched: CpuMask,
+    shared: Locked<T>,
+    drains: Mutex<()>,
+    created: AtomicU64,
+    make: Box<dyn Fn() -> T + Send + Sync>,
+}
+
+impl<T: Default + 'static> Default for Pool<T> {
+    fn default() -> Self {
+        Pool::new(T::default)
+    }
+}
+
+impl<T> Pool<T> {
+    /// A pool that makes objects with `make`, caching up to [`DEFAULT_CAPACITY`] per CPU.
+    ///
+    /// ```
+    /// let pool = thiscpu::Pool::new(|| String::with_capacity(64));
+    /// assert_eq!(pool.get().capacity(), 64);
+    /// ```
+    pub fn new(make: impl Fn() -> T + Send + Sync + 'static) -> Self {
+        Pool::with_capacity(DEFAULT_CAPACITY, make)
+    }
+
+    /// A pool caching up to `per_cpu` objects per CPU (at least 1). A full cache moves half
+    /// of itself to the shared list; an empty one takes up to half from it.
+    ///
+    /// ```
+    /// let pool = thiscpu::Pool::with_capacity(8, || 0u64);
+    /// assert_eq!(pool.capacity(), 8);
+    /// ```
+    pub fn with_capacity(per_cpu: usize, make: impl Fn() -> T + Send + Sync + 'static) -> Self {
+        let capacity = per_cpu.max(1);
+        let cpus = topology::possible_cpus().max(1);
+        let caches = if registration::process().registrar == Registrar::None {
+            Caches::Locked(
+                (0..cpus)
+                    .map(|_| CachePadded(Mutex::new(Vec::new())))
+                    .collect(),
+            )
+        } else {
+            Caches::Rseq(Stacks::new(cpus, capacity))
+        };
+        Pool {
+            caches,
+            capacity,
+            batch: (capacity / 2).max(1),
+            touched: CpuMask::with_capacity(cpus),
+            shared: CachePadded(Mutex::new(Vec::new())),
+            drains: Mutex::new(()),
+            created: AtomicU64::new(0),
+            make: Box::new(make),
+        }
+    }
+
+    /// Objects cached per CPU at most.
+    #[inline]
+    pub fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    /// An object: from this CPU's cache, else the shared list, else a new one.
+    ///
+    /// ```
+    /// let pool = thiscpu::Pool::new(|| 7);
+    /// let mut seven = pool.get();
+    /// *seven += 1;
+    /// drop(seven);
+    /// assert_eq!(*pool.get(), 8, "the same object, as it was left");
+    /// ```
+    #[inline]
+    pub fn get(&self) -> Pooled<'_, T> {
+        let object = match self.pop_fast() {
+            Some(object) => object,
+            None => self.get_slow(),
+        };
+        Pooled {
+            pool: self,
+            object: ManuallyDrop::new(object),
+        }
+    }
+
+    /// Adds `value` to the pool (to this CPU's cache when it has room).
+    ///
+    /// ```
+    /// let pool = thiscpu::Pool::new(|| 0);
+    /// pool.put(5);
+    /// assert_eq!(*pool.get(), 5);
+    /// assert_eq!(pool.created(), 0);
+    /// ```
+    pub fn put(&self, value: T) {
+        self.put_box(Box::new(value));
+    }
+
+    /// Adds a boxed object to the pool without moving it.
+    ///
+    /// ```
+    /// let pool = thiscpu::Pool::new(|| [0u8; 4096]);
+    /// pool.put_box(Box::new([1; 4096]));
+    /// assert_eq!(pool.get()[0], 1);
+    /// ```
+    #[inline]
+    pub fn put_box(&self, object: Box<T>) {
+        if let Caches::Rseq(stacks) = &self.caches {
+            let offset = arch::section_offset();
+            let cpu = arch::field_at::<BY_CPU>(offset) as u32;
+            // One unsigned comparison rejects an unregistered area (-1, -2) and CPUs beyond
+            // the caches.
+            if (cpu as usize) < stacks.heads.len() {
+                let object = match self.push_at(stacks, offset, cpu, object) {
+                    Ok(()) => return,
+                    Err((object, StackOutcome::Aborted)) => {
+                        ops::note_abort();
+                        object
+                    }
+                    Err((object, _)) => object,
+                };
+                return self.put_slow(object);
+            }
+        }
+        self.put_slow(object)
+    }
+
+    /// One try at popping this CPU's cache.
+    #[inline]
+    fn pop_fast(&self) -> Option<Box<T>> {
+        let Caches::Rseq(stacks) = &self.caches else {
+            return None;
+        };
+        let offset = arch::section_offset();
+        let cpu = arch::field_at::<BY_CPU>(offset) as u32;
+        if (cpu as usize) >= stacks.heads.len() {
+            return None;
+        }
+        match self.pop_at(stacks, offset, cpu) {
+            Ok(object) => Some(object),
+            Err(StackOutcome::Aborted) => {
+                ops::note_abort();
+                None
+            }
+            Err(_) => None,
+        }
+    }
+
+    /// Pops CPU `cpu`'s stack in one restartable sequence.
+    #[inline(always)]
+    fn pop_at(&self, stacks: &Stacks, offset: isize, cpu: u32) -> Result<Box<T>, StackOutcome> {
+        let head: &StackHead = &stacks.heads[cpu as usize];
+        let slots = stacks.slots(cpu as usize);
+        let mut out = 0usize;
+        // SAFETY: `offset` and `cpu` were just read from this thread's area (BY_CPU); `head`
+        // and `slots` (at least `capacity` words) are CPU `cpu`'s stack, whose count and slots
+        // only sections positioned on `cpu` write, or a drainer that set `stopped` and fenced
+        // `cpu` (which the section checks). `out` is a local.
+        let outcome = unsafe {
+            arch::stack_pop::<BY_CPU>(offset, cpu, head, slots.as_ptr().cast(), &mut out)
+        };
+        match outcome {
+            // SAFETY: a committed pop took the pointer below the count: it came from
+            // `Box::into_raw` in a committed push, and the count's decrement made this call its
+            // only owner.
+            StackOutcome::Committed => Ok(unsafe { Box::from_raw(out as *mut T) }),
+            other => Err(other),
+        }
+    }
+
+    /// Pushes onto CPU `cpu`'s stack in one restartable sequence; gives the object back if
+    /// the push did not commit.
+    #[inline(always)]
+    fn push_at(
+        &self,
+        stacks: &Stacks,
+        offset: isize,
+        cpu: u32,
+        object: Box<T>,
+    ) -> Result<(), (Box<T>, StackOutcome)> {
+        // Before the object can be in the cache: `Drop` and `drain_all` visit touched CPUs only.
+        self.touched.set(cpu);
+        let head: &StackHead = &stacks.heads[cpu as usize];
+        let slots = stacks.slots(cpu as usize);
+        let raw = Box::into_raw(object);
+        // SAFETY: as in `pop_at`; the capacity is at most the slots' length; `raw` is owned by
+        // this call until the push commits.
+        let outcome = unsafe {
+            arch::stack_push::<BY_CPU>(
+                offset,
+                cpu,
+                head,
+                slots.as_ptr().cast_mut().cast(),
+                self.capacity as u64,
+                raw as usize,
+            )
+        };
+        if outcome == StackOutcome::Committed {
+            return Ok(());
+        }
+        // SAFETY: the push did not commit, so no count covers `raw`: it is still ours.
+        Err((unsafe { Box::from_raw(raw) }, outcome))
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn get_slow(&self) -> Box<T> {
+        match &self.caches {
+            Caches::Rseq(stacks) => {
+                while let Some((offset, cpu)) = here() {
+                    if cpu as usize >= stacks.heads.len() {
+                        break;
+                    }
+                    match self.pop_at(stacks, offset, cpu) {
+                        Ok(object) => return object,
+                        Err(StackOutcome::Aborted) => ops::note_abort(),
+                        Err(StackOutcome::Refused) => return self.refill(stacks),
+                        Err(_) => break,
+                    }
+                }
+            }
+            Caches::Locked(lists) => {
+                if let Some(object) = lock(&lists[self.locked_index(lists.len())]).pop() {
+                    return object;
+                }
+            }
+        }
+        let from_shared = lock(&self.shared).pop();
+        from_shared.unwrap_or_else(|| self.make_new())
+    }
+
+    /// This CPU's cache is empty: take a batch from the shared list, keep one, cache the rest.
+    fn refill(&self, stacks: &Stacks) -> Box<T> {
+        let mut batch = {
+            let mut shared = lock(&self.shared);
+            let keep = shared.len().saturating_sub(self.batch);
+            shared.split_off(keep)
+        };
+        let Some(first) = batch.pop() else {
+            return self.make_new();
+        };
+        while let Some(object) = batch.pop() {
+            if let Err(object) = self.push_here(stacks, object) {
+                batch.push(object);
+                lock(&self.shared).append(&mut batch);
+                break;
+            }
+        }
+        first
+    }
+
+    /// Pushes onto the current CPU's cache, retrying aborts; gives the object back if the
+    /// cache is full or stopped or this thread has no rseq.
+    fn push_here(&self, stacks: &Stacks, mut object: Box<T>) -> Result<(), Box<T>> {
+        while let Some((offset, cpu)) = here() {
+            if cpu as usize >= stacks.heads.len() {
+                break;
+            }
+            match self.push_at(stacks, offset, cpu, object) {
+                Ok(()) => return Ok(()),
+                Err((back, StackOutcome::Aborted)) => {
+                    ops::note_abort();
+                    object = back;
+                }
+                Err((back, _)) => return Err(back),
+            }
+        }
+        Err(object)
+    }
+
+    /// Pops the current CPU's cache, retrying aborts; `None` if empty, stopped or no rseq.
+    fn pop_here(&self, stacks: &Stacks) -> Option<Box<T>> {
+        while let Some((offset, cpu)) = here() {
+            if cpu as usize >= stacks.heads.len() {
+                break;
+            }
+            match self.pop_at(stacks, offset, cpu) {
+                Ok(object) => return Some(object),
+                Err(StackOutcome::Aborted) => ops::note_abort(),
+                Err(_) => break,
+            }
+        }
+        None
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn put_slow(&self, object: Box<T>) {
+        match &self.caches {
+            Caches::Rseq(stacks) => {
+                let mut object = object;
+                while let Some((offset, cpu)) = here() {
+                    if cpu as usize >= stacks.heads.len() {
+                        break;
+                    }
+                    match self.push_at(stacks, offset, cpu, object) {
+                        Ok(()) => return,
+                        Err((back, StackOutcome::Aborted)) => {
+                            ops::note_abort();
+                            object = back;
+                        }
+                        Err((back, StackOutcome::Refused)) => return self.overflow(stacks, back),
+                        Err((back, _)) => {
+                            object = back;
+                            break;
+                        }
+                    }
+                }
+                lock(&self.shared).push(object);
+            }
+            Caches::Locked(lists) => {
+                let index = self.locked_index(lists.len());
+                self.touched.set(index as u32);
+                let mut list = lock(&lists[index]);
+                if list.len() < self.capacity {
+                    list.push(object);
+                    return;
+                }
+                let keep = list.len() - self.batch;
+                let mut spill = list.split_off(keep);
+                drop(list);
+                spill.push(object);
+                lock(&self.shared).append(&mut spill);
+            }
+        }
+    }
+
+    /// This CPU's cache is full: move a batch from it, and `object`, to the shared list.
+    fn overflow(&self, stacks: &Stacks, object: Box<T>) {
+        let mut spill = Vec::with_capacity(self.batch + 1);
+        while spill.len() < self.batch {
+            match self.pop_here(stacks) {
+                Some(cached) => spill.push(cached),
+                None => break,
+            }
+        }
+        spill.push(object);
+        lock(&self.shared).append(&mut spill);
+    }
+
+    fn locked_index(&self, len: usize) -> usize {
+        crate::current_cpu() as usize % len
+    }
+
+    #[cold]
+    fn make_new(&self) -> Box<T> {
+        let object = Box::new((self.make)());
+        self.created.fetch_add(1, Ordering::Relaxed);
+        object
+    }
+
+    /// How many objects the pool has made with its `make` function so far.
+    ///
+    /// ```
+    /// let pool = thiscpu::Pool::new(|| 0u8);
+    /// drop(pool.get());
+    /// drop(pool.get());
+    /// assert_eq!(pool.created(), 1);
+    /// ```
+    pub fn created(&self) -> u64 {
+        self.created.load(Ordering::Relaxed)
+    }
+
+    /// Objects in CPU `cpu`'s cache (0 for a CPU beyond the caches); a snapshot while other
+    /// threads use the pool.
+    ///
+    /// ```
+    /// let pool = thiscpu::Pool::new(|| 0u8);
+    /// drop(pool.get());
+    /// let cached: usize = (0..thiscpu::topology::possible_cpus() as u32).map(|cpu| pool.cached_on(cpu)).sum();
+    /// assert_eq!(cached + pool.shared_len(), 1);
+    /// ```
+    pub fn cached_on(&self, cpu: u32) -> usize {
+        match &self.caches {
+            Caches::Rseq(stacks) => stacks
+                .heads
+                .get(cpu as usize)
+                .map_or(0, |head| head.count.load(Ordering::Relaxed) as usize),
+            Caches::Locked(lists) => lists.get(cpu as usize).map_or(0, |list| lock(list).len()),
+        }
+    }
+
+    /// Objects in all CPU caches: the sum over [`touched`](Pool::touched) CPUs.
+    ///
+    /// ```
+    /// let pool = thiscpu::Pool::new(|| 0u8);
+    /// pool.put(1);
+    /// assert_eq!(pool.cached() + pool.shared_len(), 1);
+    /// ```
+    pub fn cached(&self) -> usize {
+        self.touched.iter().map(|cpu| self.cached_on(cpu)).sum()
+    }
+
+    /// Objects in the shared list.
+    pub fn shared_len(&self) -> usize {
+        lock(&self.shared).len()
+    }
+
+    /// The CPUs whose cache has ever held an object. Readers that visit every cache
+    /// ([`cached`](Pool::cached), [`drain_all`](Pool::drain_all), dropping the pool) skip the
+    /// others, which matters on machines with hundreds of possible CPUs.
+    ///
+    /// ```
+    /// let pool = thiscpu::Pool::new(|| 0u8);
+    /// drop(pool.get());
+    /// assert!(pool.touched().count() <= 1);
+    /// ```
+    pub fn touched(&self) -> &CpuMask {
+        &self.touched
+    }
+
+    /// Moves CPU `cpu`'s cached objects to the shared list, while threads on `cpu` keep using
+    /// the pool (see the module documentation for the protocol and its fallback). Objects
+    /// pushed during the drain may stay in the cache.
+    ///
+    /// ```
+    /// let pool = thiscpu::Pool::new(|| 0u8);
+    /// pool.put(1);
+    /// let cpu = pool.touched().first().unwrap_or(0);
+    /// match pool.drain_cpu(cpu) {
+    ///     Ok(drained) => assert_eq!(pool.cached_on(cpu), 0, "{drained:?}"),
+    ///     Err(why) => println!("{why}"),
+    /// }
+    /// ```
+    pub fn drain_cpu(&self, cpu: u32) -> Result<Drained, DrainError> {
+        let taken = match &self.caches {
+            Caches::Locked(lists) => {
+                let list = lists.get(cpu as usize).ok_or(DrainError::NoSuchCpu(cpu))?;
+                let mut taken = core::mem::take(&mut *lock(list));
+                let objects = taken.len();
+                lock(&self.shared).append(&mut taken);
+                return Ok(Drained {
+                    objects,
+                    method: DrainMethod::Lock,
+                });
+            }
+            Caches::Rseq(stacks) => {
+                if cpu as usize >= stacks.heads.len() {
+                    return Err(DrainError::NoSuchCpu(cpu));
+                }
+                let _one_drain_at_a_time = lock(&self.drains);
+                match self.drain_fenced(stacks, cpu) {
+                    Ok(taken) => (taken, DrainMethod::Fence),
+                    Err(refused) => (
+                        self.drain_by_migrating(stacks, cpu)
+                            .ok_or(DrainError::Unavailable(refused))?,
+                        DrainMethod::Migrate,
+                    ),
+                }
+            }
+        };
+        let (mut objects, method) = taken;
+        let count = objects.len();
+        lock(&self.shared).append(&mut objects);
+        Ok(Drained {
+            objects: count,
+            method,
+        })
+    }
+
+    /// Drains every touched CPU's cache ([`drain_cpu`](Pool::drain_cpu)); returns how many
+    /// objects moved, or the first error.
+    ///
+    /// ```
+    /// let pool = thiscpu::Pool::new(|| 0u8);
+    /// pool.put(1);
+    /// if let Ok(moved) = pool.drain_all() {
+    ///     assert_eq!(moved, 1);
+    ///     assert_eq!(pool.shared_len(), 1);
+    /// }
+    /// ```
+    pub fn drain_all(&self) -> Result<usize, DrainError> {
+        let mut moved = 0;
+        for cpu in self.touched.iter() {
+            moved += self.drain_cpu(cpu)?.objects;
+        }
+        Ok(moved)
+    }
+
+    /// Steps 1-4 of the drain protocol. The caller holds the drain lock.
+    fn drain_fenced(&self, stacks: &Stacks, cpu: u32) -> Result<Vec<Box<T>>, FenceUnavailable> {
+        let head = &stacks.heads[cpu as usize];
+        head.stopped.store(1, Ordering::SeqCst);
+        if let Err(refused) = fence::fence_cpu(cpu) {
+            head.stopped.store(0, Ordering::Release);
+            return Err(refused);
+        }
+        // The fence returned: no section on `cpu` that missed the flag can commit any more,
+        // and every later one leaves at the flag. The count and slots are ours until the flag
+        // is cleared; the fence also made the sections' plain stores visible here.
+        let count = (head.count.load(Ordering::Acquire) as usize).min(self.capacity);
+        let taken = stacks.slots(cpu as usize)[..count]
+            .iter()
+            // SAFETY: the slots below the count hold pointers from `Box::into_raw` of committed
+            // pushes, not popped since; resetting the count below gives them to this call.
+            .map(|slot| unsafe { Box::from_raw(slot.load(Ordering::Relaxed) as *mut T) })
+            .collect();
+        head.count.store(0, Ordering::Relaxed);
+        // Pairs with the sections' load of `stopped` (a load-acquire on aarch64): a section that
+        // sees the flag clear sees the count of 0.
+        head.stopped.store(0, Ordering::Release);
+        Ok(taken)
+    }
+
+    /// The fallback: run on `cpu` and pop its stack there. `None` if this thread cannot.
+    fn drain_by_migrating(&self, stacks: &Stacks, cpu: u32) -> Option<Vec<Box<T>>> {
+        here()?;
+        let previous = Affinity::current()?;
+        if !Affinity::only(cpu).apply() {
+            return None;
+        }
+        let mut taken = Vec::new();
+        // `sched_setaffinity` on oneself returns on an allowed CPU; pop while there. Pushes by
+        // other threads on `cpu` meanwhile may refill the stack: stop after a full stack's
+        // worth beyond what was there.
+        let limit = self.cached_on(cpu) + self.capacity;
+        let mut attempts = 0;
+        while taken.len() < limit && attempts < 4 * limit + 16 {
+            attempts += 1;
+            let Some((offset, at)) = here() else { break };
+            if at != cpu {
+                std::thread::yield_now();
+                continue;
+            }
+            match self.pop_at(stacks, offset, cpu) {
+                Ok(object) => taken.push(object),
+                Err(StackOutcome::Aborted) => ops::note_abort(),
+                Err(_) => break,
+            }
+        }
+        previous.apply();
+        Some(taken)
+    }
+}
+
+/// A saved CPU affinity of the calling thread.
+struct Affinity(libc::cpu_set_t);
+
+impl Affinity {
+    fn current() -> Option<Affinity> {
+        // SAFETY: a zeroed cpu_set_t is a valid empty set, which sched_getaffinity fills.
+        unsafe {
+            let mut set: libc::cpu_set_t = core::mem::zeroed();
+            (libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &mut set) == 0)
+                .then_some(Affinity(set))
+        }
+    }
+
+    fn only(cpu: u32) -> Affinity {
+        // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET ignores ids beyond it
+        // (libc's CPU_SET checks the bound), and an empty set is then refused by the kernel.
+        unsafe {
+            let mut set: libc::cpu_set_t = core::mem::zeroed();
+            if (cpu as usize) < 8 * size_of::<libc::cpu_set_t>() {
+                libc::CPU_SET(cpu as usize, &mut set);
+            }
+            Affinity(set)
+        }
+    }
+
+    fn apply(&self) -> bool {
+        // SAFETY: sets the calling thread's affinity from a valid cpu_set_t.
+        unsafe { libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &self.0) == 0 }
+    }
+}
+
+impl<T> Drop for Pool<T> {
+    fn drop(&mut self) {
+        if let Caches::Rseq(stacks) = &self.caches {
+            // `&mut self`: no guard is alive, so no section on these stacks is running. Every
+            // push set its CPU's touched bit first, so untouched stacks are empty.
+            for cpu in self.touched.iter() {
+                let head = &stacks.heads[cpu as usize];
+                let count = (head.count.load(Ordering::Acquire) as usize).min(self.capacity);
+                head.count.store(0, Ordering::Relaxed);
+                for slot in &stacks.slots(cpu as usize)[..count] {
+                    // SAFETY: as in `drain_fenced`: each pointer below the count is owned by
+                    // the stack, and the count was reset so that nothing takes it again.
+                    drop(unsafe { Box::from_raw(slot.load(Ordering::Relaxed) as *mut T) });
+                }
+            }
+        }
+    }
+}
+
+impl<T> core::fmt::Debug for Pool<T> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Pool")
+            .field("capacity", &self.capacity)
+            .field("cached", &self.cached())
+            .field("shared", &self.shared_len())
+            .field("created", &self.created())
+            .field("touched", &self.touched)
+            .finish()
+    }
+}
+
+/// An object taken from a [`Pool`]; dereferences to it, and puts it back when dropped.
+///
+/// ```
+/// let pool = thiscpu::Pool::new(Vec::<u32>::new);
+/// let mut list = pool.get();
+/// list.push(1);
+/// let kept: Vec<u32> = thiscpu::Pooled::into_inner(list);
+/// assert_eq!(kept, [1]);
+/// ```
+pub struct Pooled<'a, T> {
+    pool: &'a Pool<T>,
+    object: ManuallyDrop<Box<T>>,
+}
+
+impl<T> Pooled<'_, T> {
+    /// Takes the object out of the pool's circulation.
+    pub fn into_inner(this: Self) -> T {
+        *Pooled::into_box(this)
+    }
+
+    /// Takes the boxed object out of the pool's circulation, without moving it.
+    ///
+    /// ```
+    /// let pool = thiscpu::Pool::new(|| 3u8);
+    /// assert_eq!(*thiscpu::Pooled::into_box(pool.get()), 3);
+    /// ```
+    pub fn into_box(this: Self) -> Box<T> {
+        let mut this = ManuallyDrop::new(this);
+        // SAFETY: `this` is never dropped, so the object is taken exactly once.
+        unsafe { ManuallyDrop::take(&mut this.object) }
+    }
+}
+
+impl<T> core::ops::Deref for Pooled<'_, T> {
+    type Target = T;
+    #[inline]
+    fn deref(&self) -> &T {
+        &self.object
+    }
+}
+
+impl<T> core::ops::DerefMut for Pooled<'_, T> {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.object
+    }
+}
+
+impl<T> Drop for Pooled<'_, T> {
+    #[inline]
+    fn drop(&mut self) {
+        // SAFETY: the guard is being dropped; the object is taken exactly once, here.
+        let object = unsafe { ManuallyDrop::take(&mut self.object) };
+        self.pool.put_box(object);
+    }
+}
+
+impl<T: core::fmt::Debug> core::fmt::Debug for Pooled<'_, T> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_tuple("Pooled").field(&**self.object).finish()
+    }
+}

@@ -1,0 +1,184 @@
+//! `Pool`: every object in exactly one place, under migration, signals, thread churn, drains and
+//! (built with `--cfg thiscpu_inject`) delays inside the sections; spills, refills and drops.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+use thiscpu::stress::{PoolStressConfig, PoolStressReport, StressConfig, run_pool};
+use thiscpu::{Pool, Pooled, ops};
+
+fn stress(config: PoolStressConfig) -> PoolStressReport {
+    let report = run_pool(&config).expect("pool stress run");
+    eprintln!("{report:?}");
+    assert!(
+        report.exact(),
+        "objects lost or handed out twice: {report:?}"
+    );
+    assert!(report.operations > 0);
+    assert!(report.created > 0 && report.found == report.created);
+    report
+}
+
+#[test]
+fn pool_is_exact_under_migration_signals_churn_and_drains() {
+    let report = stress(PoolStressConfig {
+        stress: StressConfig {
+            duration: Duration::from_millis(1500),
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    assert!(
+        report.signals_handled > 0,
+        "the signal storm reached no handler: {report:?}"
+    );
+    assert!(report.migrations > 0 || thiscpu::topology::online_cpus().len() == 1);
+    assert!(report.threads_created > 0);
+    assert!(report.drains > 0, "no drain succeeded: {report:?}");
+    assert!(
+        report.drained_objects > 0,
+        "drains never found an object to move: {report:?}"
+    );
+}
+
+/// Built with `--cfg thiscpu_inject`, delay loops inside the push and pop sections (between the
+/// `stopped` check and the commit) make preemption, signals and drains land inside them.
+#[test]
+fn aborted_pool_sections_are_retried_exactly() {
+    #[cfg(thiscpu_inject)]
+    for point in 0..ops::inject::POINTS {
+        ops::inject::set_delay(point, 20_000);
+    }
+    let report = stress(PoolStressConfig {
+        stress: StressConfig {
+            duration: Duration::from_millis(1000),
+            churn: false,
+            ..Default::default()
+        },
+        ..Default::default()
+    });
+    let rseq_in_use = ops::position().is_some();
+    eprintln!("aborts: {}, rseq in use: {rseq_in_use}", report.aborts);
+    if cfg!(thiscpu_inject) && rseq_in_use {
+        assert!(
+            report.aborts > 0,
+            "fault injection on, yet no section aborted: {report:?}"
+        );
+    }
+}
+
+fn pin_to_current_cpu() -> u32 {
+    let cpu = thiscpu::current_cpu();
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; `cpu` is below CPU_SETSIZE here.
+    unsafe {
+        let mut set: libc::cpu_set_t = core::mem::zeroed();
+        libc::CPU_SET(cpu as usize, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &set),
+            0
+        );
+    }
+    thiscpu::current_cpu()
+}
+
+#[test]
+fn a_full_cache_spills_half_and_an_empty_one_refills() {
+    std::thread::spawn(|| {
+        let cpu = pin_to_current_cpu();
+        let pool = Pool::with_capacity(4, || 0u32);
+        for value in 0..10 {
+            pool.put(value);
+        }
+        assert_eq!(pool.cached() + pool.shared_len(), 10);
+        assert!(pool.cached_on(cpu) <= 4, "{pool:?}");
+        assert!(pool.shared_len() >= 6, "{pool:?}");
+        let mut values: Vec<u32> = (0..10).map(|_| Pooled::into_inner(pool.get())).collect();
+        values.sort_unstable();
+        assert_eq!(
+            values,
+            (0..10).collect::<Vec<_>>(),
+            "each object exactly once"
+        );
+        assert_eq!(pool.created(), 0, "nothing made while objects were cached");
+        assert_eq!(pool.cached() + pool.shared_len(), 0);
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn objects_held_at_once_are_distinct() {
+    let pool = Pool::with_capacity(8, || [0u8; 32]);
+    for _ in 0..3 {
+        let held: Vec<_> = (0..50).map(|_| pool.get()).collect();
+        let mut addresses: Vec<usize> = held.iter().map(|o| &**o as *const _ as usize).collect();
+        addresses.sort_unstable();
+        addresses.dedup();
+        assert_eq!(addresses.len(), 50);
+    }
+    assert_eq!(pool.created(), 50);
+    assert_eq!(pool.cached() + pool.shared_len(), 50);
+}
+
+static DROPPED: AtomicUsize = AtomicUsize::new(0);
+
+#[derive(Default)]
+struct Counted(#[allow(dead_code)] u64);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        DROPPED.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[test]
+fn dropping_the_pool_drops_every_cached_and_shared_object() {
+    let pool = Pool::<Counted>::with_capacity(4, Counted::default);
+    std::thread::scope(|s| {
+        for _ in 0..4 {
+            s.spawn(|| {
+                for round in 0..2_000 {
+                    let held: Vec<_> = (0..1 + round % 7).map(|_| pool.get()).collect();
+                    drop(held);
+                }
+            });
+        }
+    });
+    let _ = pool.drain_all();
+    let created = pool.created() as usize;
+    assert_eq!(pool.cached() + pool.shared_len(), created);
+    let before = DROPPED.load(Ordering::Relaxed);
+    drop(pool);
+    assert_eq!(DROPPED.load(Ordering::Relaxed) - before, created);
+}
+
+#[test]
+fn drains_move_a_cpu_cache_to_the_shared_list() {
+    std::thread::spawn(|| {
+        let cpu = pin_to_current_cpu();
+        let pool = Pool::with_capacity(16, || 0u8);
+        for _ in 0..10 {
+            pool.put(1);
+        }
+        let cached = pool.cached_on(cpu);
+        assert_eq!(cached, 10);
+        assert!(pool.touched().contains(cpu));
+        match pool.drain_cpu(cpu) {
+            Ok(drained) => {
+                eprintln!("{drained:?}");
+                assert_eq!(drained.objects, cached);
+                assert_eq!(pool.cached_on(cpu), 0);
+                assert_eq!(pool.shared_len(), 10);
+                // The cache works again after the drain.
+                drop(pool.get());
+                assert_eq!(pool.cached() + pool.shared_len(), 10);
+            }
+            Err(why) => eprintln!("drain unavailable here: {why}"),
+        }
+        assert!(matches!(
+            pool.drain_cpu(u32::MAX),
+            Err(thiscpu::pool::DrainError::NoSuchCpu(_))
+        ));
+    })
+    .join()
+    .unwrap();
+}

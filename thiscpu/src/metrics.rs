@@ -46,7 +46,9 @@
 //!
 //! Each counter key takes a [`Counter`]'s memory (8 bytes per CPU that
 //! incremented it), and each thread that registered the key a 256-byte handle. Keys made from
-//! unbounded label values (user ids, paths) multiply both.
+//! unbounded label values (user ids, paths) multiply both. A thread's handles live until the
+//! thread exits, or until it next registers a counter with a new recorder after their own
+//! recorder was dropped: only then is a dropped recorder's memory all returned.
 
 use crate::{CachePadded, Counter, PerCpu};
 use metrics::{

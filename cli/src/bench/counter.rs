@@ -18,6 +18,10 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use thiscpu::{ByMmCid, CachePadded, Counter, PerCpu};
 
+/// The `metrics-*` cases: one `metrics::counter!().increment(1)` per operation.
+#[path = "metrics.rs"]
+mod metrics_cases;
+
 /// Every case, in the order they run.
 const CASES: &[&str] = &[
     "atomic-global",
@@ -27,6 +31,8 @@ const CASES: &[&str] = &[
     "tls-plain",
     "thiscpu-counter",
     "thiscpu-counter-mm_cid",
+    "metrics-atomic",
+    "metrics-thiscpu",
 ];
 
 /// The family.
@@ -281,6 +287,9 @@ fn cases() -> Vec<Case> {
             Exact::new(ThiscpuMmCid(Counter::by_mm_cid())),
         ),
     ]
+    .into_iter()
+    .chain(metrics_cases::cases())
+    .collect()
 }
 
 /// Per-round values of one (case, threads) result, mapped through `f`.

@@ -48,8 +48,11 @@ use std::time::{Duration, Instant};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Unit {
     /// Nanoseconds per operation on one thread, averaged over the threads (lower is better).
+    /// Counted in the threads' CPU time, so that time spent preempted by other load is left
+    /// out.
     NsPerOp,
-    /// Million operations per second, all threads together (higher is better).
+    /// Million operations per second, all threads together (higher is better), per
+    /// wall-clock second.
     MopsPerSec,
     /// Bytes per counter, a size the workload measured itself (lower is better).
     BytesPerCounter,
@@ -183,6 +186,8 @@ pub struct Measured {
     pub rounds: Vec<f64>,
     /// Operations performed in all timed rounds by all workers.
     pub ops: u64,
+    /// Per round, the share of wall-clock time the workers were running.
+    pub on_cpu: Vec<f64>,
 }
 
 impl Measured {
@@ -569,6 +574,7 @@ fn run_family(plan: &Plan, info: &RunInfo) -> Result<Vec<Measured>> {
                 unit: case.unit,
                 rounds: Vec::with_capacity(info.rounds as usize),
                 ops: 0,
+                on_cpu: Vec::with_capacity(info.rounds as usize),
             });
         }
     }
@@ -586,6 +592,7 @@ fn run_family(plan: &Plan, info: &RunInfo) -> Result<Vec<Measured>> {
                 let result = &mut results[slot];
                 result.rounds.push(sample.value(case.unit));
                 result.ops += sample.ops;
+                result.on_cpu.push(sample.on_cpu());
                 result.cpus = sample.cpus;
                 slot += 1;
                 progress.inc(1);
@@ -617,8 +624,8 @@ fn progress_bar(length: u64, family: &str) -> indicatif::ProgressBar {
 
 /// What one measurement produced.
 struct Sample {
-    /// Per worker: operations in the timed part, and how long it took.
-    workers: Vec<(u64, Duration)>,
+    /// What each worker did in the timed part.
+    workers: Vec<WorkerRun>,
     /// Timed operations of all workers.
     ops: u64,
     /// CPUs the workers were pinned to.
@@ -633,19 +640,59 @@ impl Sample {
             return value;
         }
         match unit {
+            // The time the threads ran: preemption by other load on the machine is not the
+            // operation's latency.
             Unit::NsPerOp => {
-                let nanos: f64 = self.workers.iter().map(|(_, d)| d.as_nanos() as f64).sum();
+                let nanos: f64 = self.workers.iter().map(|w| w.cpu.as_nanos() as f64).sum();
                 nanos / self.ops.max(1) as f64
             }
+            // What the machine delivered: operations per wall-clock second.
             Unit::MopsPerSec => self
                 .workers
                 .iter()
-                .map(|&(ops, d)| ops as f64 / d.as_secs_f64().max(1e-9) / 1e6)
+                .map(|w| w.ops as f64 / w.wall.as_secs_f64().max(1e-9) / 1e6)
                 .sum(),
             // A size comes from `reading`; without one nothing was measured.
             Unit::BytesPerCounter => 0.0,
         }
     }
+}
+
+/// What one worker did in the timed part of a measurement.
+struct WorkerRun {
+    /// Operations performed.
+    ops: u64,
+    /// Wall-clock time from the barrier to the last operation.
+    wall: Duration,
+    /// CPU time of the thread over the same span (user and system).
+    cpu: Duration,
+}
+
+impl Sample {
+    /// The share of the wall-clock time the workers were running (1.0 on an idle machine).
+    fn on_cpu(&self) -> f64 {
+        let wall: f64 = self.workers.iter().map(|w| w.wall.as_secs_f64()).sum();
+        let cpu: f64 = self.workers.iter().map(|w| w.cpu.as_secs_f64()).sum();
+        if wall > 0.0 {
+            (cpu / wall).min(1.0)
+        } else {
+            1.0
+        }
+    }
+}
+
+/// CPU time the calling thread has used (`CLOCK_THREAD_CPUTIME_ID`).
+fn thread_cpu_time() -> Duration {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `clock_gettime` writes one `timespec` that we own.
+    let ret = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
+    if ret != 0 {
+        return Duration::ZERO;
+    }
+    Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
 }
 
 /// Finds how many operations take about `target`, on a thread pinned like worker 0.
@@ -681,7 +728,7 @@ fn measure(
     workload.prepare(threads);
     let start = Barrier::new(threads + 1);
     let stop = AtomicBool::new(false);
-    let outcomes: Vec<Option<(u64, u64, Duration, bool)>> = std::thread::scope(|scope| {
+    let outcomes: Vec<Option<(u64, WorkerRun, bool)>> = std::thread::scope(|scope| {
         let workers: Vec<_> = (0..threads)
             .map(|worker| {
                 let (start, stop) = (&start, &stop);
@@ -693,6 +740,7 @@ fn measure(
                     workload.run(worker, chunk);
                     start.wait();
                     let begin = Instant::now();
+                    let begin_cpu = thread_cpu_time();
                     let mut ops = 0u64;
                     loop {
                         workload.run(worker, chunk);
@@ -701,7 +749,12 @@ fn measure(
                             break;
                         }
                     }
-                    (chunk, ops, begin.elapsed(), pinned)
+                    let run = WorkerRun {
+                        ops,
+                        wall: begin.elapsed(),
+                        cpu: thread_cpu_time().saturating_sub(begin_cpu),
+                    };
+                    (chunk, run, pinned)
                 })
             })
             .collect();
@@ -718,11 +771,10 @@ fn measure(
     };
     let mut performed = 0u64;
     for (worker, outcome) in outcomes.into_iter().enumerate() {
-        let (warm, ops, elapsed, pinned) =
-            outcome.ok_or_else(|| format!("worker {worker} panicked"))?;
-        performed += warm + ops;
-        sample.ops += ops;
-        sample.workers.push((ops, elapsed));
+        let (warm, run, pinned) = outcome.ok_or_else(|| format!("worker {worker} panicked"))?;
+        performed += warm + run.ops;
+        sample.ops += run.ops;
+        sample.workers.push(run);
         if pinned {
             sample.cpus.push(cpus[worker % cpus.len()]);
         }

@@ -4,7 +4,7 @@
 //! of `{bench, case, threads, unit, median, min, max, rounds}`; `skipped` lists the cases
 //! left out. Other fields are extras that readers may ignore.
 
-use crate::bench::{Measured, RunInfo, Skipped};
+use crate::bench::{Measured, RunInfo, Skipped, Stats};
 use crate::error::{Error, Result};
 use crate::machine::Machine;
 use serde::{Deserialize, Serialize};
@@ -76,6 +76,10 @@ pub struct ResultRow {
     /// Operations timed over all rounds and threads (extra).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ops: Option<u64>,
+    /// Median over the rounds of the share of wall-clock time the workers ran (extra): well
+    /// below 1 on a busy machine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub on_cpu: Option<f64>,
 }
 
 impl ResultRow {
@@ -157,6 +161,7 @@ fn row(m: &Measured) -> ResultRow {
         how: (!m.how.is_empty()).then(|| m.how.clone()),
         cpus: m.cpus.clone(),
         ops: Some(m.ops),
+        on_cpu: (!m.on_cpu.is_empty()).then(|| Stats::of(&m.on_cpu).median),
     }
 }
 

@@ -1,6 +1,6 @@
 //! Human-readable tables: the run header, one table per family, the seed-shaped tables.
 
-use crate::bench::{Family, Measured, RunInfo, Skipped, Unit};
+use crate::bench::{Family, Measured, RunInfo, Skipped, Stats, Unit};
 use crate::machine::{Machine, format_cpu_list};
 use comfy_table::{CellAlignment, ContentArrangement, Table};
 
@@ -169,6 +169,18 @@ pub fn family(family: &Family, results: &[Measured], skipped: &[Skipped]) -> Str
     }
     for skip in skipped {
         out.push_str(&format!("  left out: {}: {}\n", skip.case, skip.reason));
+    }
+    let on_cpu: Vec<f64> = results
+        .iter()
+        .flat_map(|m| m.on_cpu.iter().copied())
+        .collect();
+    let share = Stats::of(&on_cpu).median;
+    if !on_cpu.is_empty() && share < 0.9 {
+        out.push_str(&format!(
+            "  note: the workers ran {:.0} % of the wall-clock time (other load on this machine); \
+             ns/op counts their CPU time, Mops/s wall-clock time\n",
+            100.0 * share
+        ));
     }
     out.trim_end().to_owned()
 }

@@ -7,6 +7,9 @@ mod request_counter;
 #[path = "../examples/per_cpu_stats.rs"]
 mod per_cpu_stats;
 
+#[path = "../examples/object_pool.rs"]
+mod object_pool;
+
 #[test]
 fn request_counter_counts_every_request() {
     request_counter::main();
@@ -15,4 +18,9 @@ fn request_counter_counts_every_request() {
 #[test]
 fn per_cpu_stats_reports_exact_totals() {
     per_cpu_stats::main();
+}
+
+#[test]
+fn object_pool_loses_and_shares_no_buffer() {
+    object_pool::main();
 }

@@ -39,6 +39,10 @@
 //! - [`current_cpu`], [`getcpu`], [`current_node`], [`mm_cid`]: where this thread runs.
 //! - [`Counter`]: an exact per-CPU counter whose `add` is one restartable sequence.
 //! - [`PerCpu`] and [`CachePadded`]: one value per possible CPU, each on its own cache lines.
+//! - [`Pool`]: an object pool with a bounded cache per CPU, `get` and `put` as restartable
+//!   sequences, and caches that another thread can drain while they are in use.
+//! - [`CpuMask`]: a set of CPUs whose `set` skips the atomic write when the bit already holds.
+//! - [`fence`]: `membarrier`-based fences that let one thread take over another CPU's data.
 //! - [`ops`]: the raw restartable operations (add, compare-and-store, list pop and push) for
 //!   building other per-CPU structures; [`dense`]: the allocator that packs per-CPU words.
 //! - [`topology`]: possible and online CPUs, and their NUMA nodes, from `/sys`.

@@ -736,9 +736,15 @@ fn measure(
                 scope.spawn(move || {
                     let pinned = pin_to(cpu);
                     // Warm up: first-use work (rseq registration, page faults) stays out of
-                    // the timed part.
-                    workload.run(worker, chunk);
+                    // the timed part. A panic here still reaches the barrier (or the other
+                    // threads would wait there forever) and is raised after it.
+                    let warm_up = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        workload.run(worker, chunk)
+                    }));
                     start.wait();
+                    if let Err(panic) = warm_up {
+                        std::panic::resume_unwind(panic);
+                    }
                     let begin = Instant::now();
                     let begin_cpu = thread_cpu_time();
                     let mut ops = 0u64;

@@ -96,7 +96,9 @@ pub fn gather() -> Info {
             } else if !machine::cpu_has_flag(name) {
                 format!("CPU lacks {}", name.to_uppercase())
             } else {
-                "its answer disagrees with the kernel's".to_owned()
+                "listed by the CPU, but unusable here (its answer disagrees with the kernel's, \
+                 or an emulator hides it)"
+                    .to_owned()
             }
         }),
     };

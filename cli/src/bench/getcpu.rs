@@ -95,8 +95,8 @@ fn instruction_missing(name: &str, flag: &str) -> String {
         format!("CPU lacks {}", name.to_uppercase())
     } else {
         format!(
-            "{}'s answer disagrees with the kernel's CPU number (a hypervisor that does not \
-             keep IA32_TSC_AUX)",
+            "the CPU lists {} but it is unusable here (its answer disagrees with the kernel's \
+             CPU number, or an emulator hides it)",
             name.to_uppercase()
         )
     }

@@ -177,8 +177,8 @@ pub fn family(family: &Family, results: &[Measured], skipped: &[Skipped]) -> Str
     let share = Stats::of(&on_cpu).median;
     if !on_cpu.is_empty() && share < 0.9 {
         out.push_str(&format!(
-            "  note: the workers ran {:.0} % of the wall-clock time (other load on this machine); \
-             ns/op counts their CPU time, Mops/s wall-clock time\n",
+            "  note: the workers were on their CPUs {:.0} % of the wall-clock time (other load, \
+             or an emulator); ns/op counts only their CPU time, Mops/s wall-clock time\n",
             100.0 * share
         ));
     }

@@ -32,7 +32,7 @@ const SOURCES: [&str; 4] = ["syscall", "vdso", "sched_getcpu", "current_cpu"];
 pub static FAMILY: Family = Family {
     name: "bpf",
     about: "seed 001's glob-arr-inc, arr-inc and hash-inc in user space, CPU id from each \
-            source (Mops/s)",
+            source (ns/op of CPU time; M ops/s in the seed's table)",
     case_names: &[
         "glob-arr-inc/syscall",
         "glob-arr-inc/vdso",
@@ -183,28 +183,28 @@ fn hash_map() -> HashMap<u32, CachePadded<AtomicU64>> {
 
 /// The three shapes with the CPU id from `S`, or the reason `S` does not work here.
 fn shapes<S: CpuId>(works: Result<(), String>, out: &mut Vec<Case>) {
-    let mops = Unit::MopsPerSec;
+    let ns = Unit::NsPerOp;
     let (names, source) = (S::CASES, S::NAME);
     if let Err(why) = works {
-        out.extend(names.map(|name| Case::skipped(name, mops, why.clone())));
+        out.extend(names.map(|name| Case::skipped(name, ns, why.clone())));
         return;
     }
     out.push(Case::new(
         names[0],
         format!("static [padded AtomicU64; 1024][cpu], cpu from {source}"),
-        mops,
+        ns,
         Exact::new(GlobArrInc::<S>(PhantomData)),
     ));
     out.push(Case::new(
         names[1],
         format!("PerCpu<AtomicU64>.get(cpu), cpu from {source}"),
-        mops,
+        ns,
         Exact::new(ArrInc::<S>(PerCpu::default(), PhantomData)),
     ));
     out.push(Case::new(
         names[2],
         format!("HashMap<u32, padded AtomicU64>.get(cpu), cpu from {source}"),
-        mops,
+        ns,
         Exact::new(HashInc::<S>(hash_map(), PhantomData)),
     ));
 }
@@ -237,8 +237,9 @@ const SEED: [(&str, f64, f64); 3] = [
     ("hash-inc", 12.258, 12.625),
 ];
 
-/// Seed 001's table, one row per shape: each source's median, then current_cpu's change
-/// against sched_getcpu and against the vDSO; the seed's arm64 figures below.
+/// Seed 001's table, one row per shape: each source's median in M ops/s (1000 / ns per
+/// operation), then current_cpu's change against sched_getcpu and against the vDSO; the
+/// seed's arm64 figures below.
 fn report(results: &[Measured]) -> String {
     let Some(threads) = results.iter().map(|m| m.threads).min() else {
         return String::new();
@@ -247,7 +248,7 @@ fn report(results: &[Measured]) -> String {
         results
             .iter()
             .find(|m| m.case == case && m.threads == threads)
-            .map(|m| m.stats().median)
+            .map(|m| 1e3 / m.stats().median.max(1e-12))
     };
     let cell = |value: Option<f64>| value.map_or_else(|| "–".to_owned(), fmt_num);
     let change = |after: Option<f64>, before: Option<f64>| match (after, before) {
@@ -285,8 +286,8 @@ fn report(results: &[Measured]) -> String {
     }
     align_right(&mut seed, &[1, 2, 3]);
     format!(
-        "\nseed 001 in user space, {threads} thread{} (medians; change = current_cpu against \
-         the source named):\n{}\n\n{}",
+        "\nseed 001 in user space, {threads} thread{} (M ops/s = 1000 / median ns per \
+         operation; change = current_cpu against the source named):\n{}\n\n{}",
         if threads == 1 { "" } else { "s" },
         render(&table),
         render(&seed)

@@ -39,7 +39,7 @@ const CASES: &[&str] = &[
 pub static FAMILY: Family = Family {
     name: "counter",
     about: "increments of one shared counter by 1 thread and by one thread per CPU \
-            (Mops/s, all threads together)",
+            (ns/op of each thread's CPU time; Mops/s below)",
     case_names: CASES,
     default_threads: &[1, 2],
     baseline: Some("atomic-global"),
@@ -232,7 +232,7 @@ impl Shape for ThiscpuMmCid {
 }
 
 fn cases() -> Vec<Case> {
-    let mops = Unit::MopsPerSec;
+    let ns = Unit::NsPerOp;
     let source = thiscpu::source();
     let mm_cid_how = if source.mm_cid {
         "thiscpu Counter::by_mm_cid().inc()"
@@ -243,19 +243,19 @@ fn cases() -> Vec<Case> {
         Case::new(
             "atomic-global",
             "one AtomicU64, fetch_add",
-            mops,
+            ns,
             Exact::new(AtomicGlobal(CachePadded(AtomicU64::new(0)))),
         ),
         Case::new(
             "percpu-atomic",
             "PerCpu<AtomicU64> by current_cpu(), fetch_add",
-            mops,
+            ns,
             Exact::new(PercpuAtomic(PerCpu::default())),
         ),
         Case::new(
             "thread-slot-atomic",
             "contatori Unsigned: per-thread slot, fetch_add",
-            mops,
+            ns,
             Exact::new(ThreadSlot(Box::new(
                 contatori::counters::unsigned::Unsigned::new(),
             ))),
@@ -263,13 +263,13 @@ fn cases() -> Vec<Case> {
         Case::new(
             "thread_local",
             "thread_local::ThreadLocal<AtomicU64>, load+store",
-            mops,
+            ns,
             Exact::new(ThreadLocalCrate(thread_local::ThreadLocal::new())),
         ),
         Case::new(
             "tls-plain",
             "thread_local! Cell<u64>, volatile +1 (floor)",
-            mops,
+            ns,
             Exact::new(TlsPlain {
                 flushed: AtomicU64::new(0),
             }),
@@ -277,13 +277,13 @@ fn cases() -> Vec<Case> {
         Case::new(
             "thiscpu-counter",
             "thiscpu Counter::inc(), by CPU",
-            mops,
+            ns,
             Exact::new(ThiscpuCounter(Counter::new())),
         ),
         Case::new(
             "thiscpu-counter-mm_cid",
             mm_cid_how,
-            mops,
+            ns,
             Exact::new(ThiscpuMmCid(Counter::by_mm_cid())),
         ),
     ]
@@ -304,10 +304,24 @@ fn find<'a>(results: &'a [Measured], case: &str, threads: usize) -> Option<&'a M
         .find(|m| m.case == case && m.threads == threads)
 }
 
-/// Median Mops/s of one thread of `case` run with `threads` threads.
-fn per_thread(results: &[Measured], case: &str, threads: usize) -> Option<f64> {
+/// One round's ns per operation of one thread, whatever the case's unit (the `metrics-*`
+/// cases report Mops/s of all threads).
+fn round_ns(result: &Measured, value: f64) -> f64 {
+    match result.unit {
+        Unit::MopsPerSec => 1e3 * result.threads as f64 / value.max(1e-12),
+        _ => value,
+    }
+}
+
+/// Median ns per increment of one thread of `case` run with `threads` threads.
+fn ns_per_op(results: &[Measured], case: &str, threads: usize) -> Option<f64> {
     let result = find(results, case, threads)?;
-    Some(mapped(result, |total| total / threads as f64).median)
+    Some(mapped(result, |value| round_ns(result, value)).median)
+}
+
+/// Million operations per second from ns per operation.
+fn mops(ns: f64) -> f64 {
+    1e3 / ns.max(1e-12)
 }
 
 /// `met` or `NOT met`.
@@ -315,7 +329,7 @@ fn verdict(met: bool) -> &'static str {
     if met { "met" } else { "NOT met" }
 }
 
-/// Per-thread throughput and ns per increment beside the totals, then the targets.
+/// Throughput per thread and in total beside the ns/op table, then the targets.
 fn report(results: &[Measured]) -> String {
     let mut out = String::new();
     let mut table = new_table();
@@ -324,24 +338,27 @@ fn report(results: &[Measured]) -> String {
         "threads",
         "Mops/s per thread",
         "min – max",
-        "ns/op per thread",
+        "Mops/s total",
         "min – max",
     ]);
     for m in results {
         let threads = m.threads as f64;
-        let each = mapped(m, |total| total / threads);
-        let ns = mapped(m, |total| 1e3 * threads / total.max(1e-12));
+        let each = mapped(m, |value| mops(round_ns(m, value)));
+        let total = mapped(m, |value| threads * mops(round_ns(m, value)));
         table.add_row(vec![
             m.case.to_owned(),
             m.threads.to_string(),
             fmt_num(each.median),
             format!("{} – {}", fmt_num(each.min), fmt_num(each.max)),
-            fmt_num(ns.median),
-            format!("{} – {}", fmt_num(ns.min), fmt_num(ns.max)),
+            fmt_num(total.median),
+            format!("{} – {}", fmt_num(total.min), fmt_num(total.max)),
         ]);
     }
     align_right(&mut table, &[1, 2, 3, 4, 5]);
-    out.push_str("\nper thread (median over rounds of total ÷ threads):\n");
+    out.push_str(
+        "\nthroughput (total = threads × per thread; from each thread's CPU time where the \
+         case reports ns/op, from wall-clock time where it reports Mops/s):\n",
+    );
     out.push_str(&render(&table));
     out.push('\n');
 
@@ -349,8 +366,7 @@ fn report(results: &[Measured]) -> String {
     let most = results.iter().map(|m| m.threads).max();
     let mut lines = Vec::new();
     if let Some(one) = fewest {
-        if let Some(ours) = per_thread(results, "thiscpu-counter", one) {
-            let ns = 1e3 / ours;
+        if let Some(ns) = ns_per_op(results, "thiscpu-counter", one) {
             lines.push(format!(
                 "  Counter::inc, {one} thread{}: {} ns/op (target ≤ 1.0 ns): {}",
                 if one == 1 { "" } else { "s" },
@@ -359,10 +375,10 @@ fn report(results: &[Measured]) -> String {
             ));
         }
         if let (Some(ours), Some(theirs)) = (
-            per_thread(results, "thiscpu-counter", one),
-            per_thread(results, "percpu-atomic", one),
+            ns_per_op(results, "thiscpu-counter", one),
+            ns_per_op(results, "percpu-atomic", one),
         ) {
-            let ratio = ours / theirs;
+            let ratio = theirs / ours;
             lines.push(format!(
                 "  thiscpu-counter vs percpu-atomic, {one} thread{}: {} faster \
                  (target ≥ 2×): {}",
@@ -374,10 +390,10 @@ fn report(results: &[Measured]) -> String {
     }
     if let Some(n) = most.filter(|&n| Some(n) != fewest) {
         if let (Some(ours), Some(theirs)) = (
-            per_thread(results, "thiscpu-counter", n),
-            per_thread(results, "atomic-global", n),
+            ns_per_op(results, "thiscpu-counter", n),
+            ns_per_op(results, "atomic-global", n),
         ) {
-            let ratio = ours / theirs;
+            let ratio = theirs / ours;
             lines.push(format!(
                 "  thiscpu-counter vs atomic-global per thread, {n} threads: {} \
                  (target ≥ 8×): {}",
@@ -388,10 +404,10 @@ fn report(results: &[Measured]) -> String {
         let mut others = Vec::new();
         for &case in CASES {
             if let (Some(ours), Some(theirs)) = (
-                per_thread(results, case, n),
-                per_thread(results, "atomic-global", n),
+                ns_per_op(results, case, n),
+                ns_per_op(results, "atomic-global", n),
             ) {
-                others.push(format!("{case} {}", fmt_ratio(ours / theirs)));
+                others.push(format!("{case} {}", fmt_ratio(theirs / ours)));
             }
         }
         if !others.is_empty() {

@@ -328,19 +328,31 @@ impl PerCpuRecorder {
                             recorder_id: id,
                             recorder: Arc::downgrade(&self.shared),
                             counters: KeyMap::default(),
+                            last: None,
                         });
                         cache.len() - 1
                     }
                 };
-                let counters = &mut cache[at].counters;
-                if let Some(handle) = counters.get(key) {
+                let entry = &mut cache[at];
+                // A loop that registers one key over and over (`counter!("x")` in a hot
+                // path) compares against the last key instead of hashing into the map.
+                if let Some((last, handle)) = &entry.last
+                    && last == key
+                {
                     return Some(handle.clone());
                 }
-                if counters.len() >= THREAD_CACHE_KEYS {
-                    return None;
-                }
-                let handle = Arc::new(ThreadCounter(CachePadded(self.shared_counter(key))));
-                counters.insert(key.clone(), handle.clone());
+                let (stored, handle) = match entry.counters.get_key_value(key) {
+                    Some((stored, handle)) => (stored.clone(), handle.clone()),
+                    None if entry.counters.len() >= THREAD_CACHE_KEYS => return None,
+                    None => {
+                        // Retained keys clone without copying their strings.
+                        let stored = key.to_retained();
+                        let handle = Arc::new(ThreadCounter(CachePadded(self.shared_counter(key))));
+                        entry.counters.insert(stored.clone(), handle.clone());
+                        (stored, handle)
+                    }
+                };
+                entry.last = Some((stored, handle.clone()));
                 Some(handle)
             })
             .ok()
@@ -355,7 +367,7 @@ fn get_or_insert<T>(map: &RwLock<KeyMap<Arc<T>>>, key: &Key, make: fn() -> T) ->
     }
     map.write()
         .unwrap_or_else(PoisonError::into_inner)
-        .entry(key.clone())
+        .entry(key.to_retained())
         .or_insert_with(|| Arc::new(make()))
         .clone()
 }
@@ -454,6 +466,8 @@ struct ThreadEntry {
     recorder_id: u64,
     recorder: Weak<Shared>,
     counters: KeyMap<Arc<ThreadCounter>>,
+    /// The key registered last, and its handle.
+    last: Option<(Key, Arc<ThreadCounter>)>,
 }
 
 thread_local! {

@@ -78,6 +78,34 @@ fn handles_kept_and_moved_between_threads_count_once() {
 }
 
 #[test]
+fn equal_keys_share_one_counter_however_they_are_made() {
+    let recorder = PerCpuRecorder::new();
+    on_threads(&recorder, 3, |t| {
+        for i in 0..3_000u64 {
+            // The same key from a literal, from a fresh String, and with labels that differ
+            // only in value, interleaved so that the thread's last-key shortcut keeps changing.
+            metrics::counter!("k").increment(1);
+            metrics::counter!(String::from("k")).increment(2);
+            let parity = if (i + t as u64).is_multiple_of(2) {
+                "even"
+            } else {
+                "odd"
+            };
+            metrics::counter!("k", "parity" => parity).increment(1);
+        }
+    });
+    let snapshot = recorder.snapshot();
+    assert_eq!(snapshot.counter("k"), Some(3 * 3_000 * 3));
+    let labelled =
+        |p: &'static str| snapshot.counter(Key::from_parts("k", vec![Label::new("parity", p)]));
+    assert_eq!(
+        labelled("even").unwrap() + labelled("odd").unwrap(),
+        3 * 3_000
+    );
+    assert_eq!(snapshot.counters.len(), 3);
+}
+
+#[test]
 fn keys_beyond_the_thread_cache_still_count() {
     let recorder = PerCpuRecorder::new();
     let keys = THREAD_CACHE_KEYS + 50;

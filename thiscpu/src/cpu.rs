@@ -162,8 +162,8 @@ pub fn current_cpu() -> u32 {
 #[cold]
 #[inline(never)]
 fn current_cpu_slow() -> u32 {
-    decide_fallback();
-    if registration::ensure_registered() {
+    // Once the process is known to have no rseq, go straight to the fallback.
+    if !registration::NO_RSEQ.load(Ordering::Relaxed) && registration::ensure_registered() {
         let cpu = arch::rseq_cpu_id();
         if cpu >= 0 {
             return cpu as u32;
@@ -201,8 +201,7 @@ pub fn getcpu() -> CpuNode {
 #[cold]
 #[inline(never)]
 fn getcpu_slow() -> CpuNode {
-    decide_fallback();
-    if registration::ensure_registered() {
+    if !registration::NO_RSEQ.load(Ordering::Relaxed) && registration::ensure_registered() {
         if NODE_ID_USABLE.load(Ordering::Relaxed) {
             // Aborts are rare and never repeat forever: a section two loads long is only
             // interrupted by events that happen between them.

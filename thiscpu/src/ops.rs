@@ -85,8 +85,9 @@ pub fn position() -> Option<Position<BY_CPU>> {
 #[cold]
 #[inline(never)]
 fn position_slow() -> Option<Position<BY_CPU>> {
-    crate::cpu::decide_fallback();
-    if !registration::ensure_registered() {
+    if registration::NO_RSEQ.load(core::sync::atomic::Ordering::Relaxed)
+        || !registration::ensure_registered()
+    {
         return None;
     }
     let offset = arch::section_offset();

@@ -79,6 +79,9 @@ static PROCESS: OnceLock<Process> = OnceLock::new();
 // sends the first calls to the slow path, where the decision is made and these are set.
 pub(crate) static NODE_ID_USABLE: AtomicBool = AtomicBool::new(false);
 pub(crate) static MM_CID_USABLE: AtomicBool = AtomicBool::new(false);
+/// Set once the decision is that nobody uses rseq in this process, so slow paths skip the
+/// registration check.
+pub(crate) static NO_RSEQ: AtomicBool = AtomicBool::new(false);
 
 /// The process-wide decision, made on first call (normally by a constructor before `main`).
 #[inline]
@@ -143,6 +146,7 @@ fn decide() -> Process {
     let process = decide_registrar();
     NODE_ID_USABLE.store(process.node_id_usable(), Ordering::Relaxed);
     MM_CID_USABLE.store(process.mm_cid_usable(), Ordering::Relaxed);
+    NO_RSEQ.store(process.registrar == Registrar::None, Ordering::Relaxed);
     process
 }
 

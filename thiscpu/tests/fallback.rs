@@ -83,10 +83,14 @@ fn sources_answer_for_the_moving_thread_too() {
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn cpu_instructions_only_where_cpuid_has_them() {
-    use std::arch::x86_64::{__cpuid, __cpuid_count};
-    let has_rdpid = __cpuid_count(7, 0).ecx & (1 << 22) != 0;
+    #[allow(unused_unsafe)]
+    fn cpuid(leaf: u32) -> std::arch::x86_64::CpuidResult {
+        // SAFETY: CPUID exists on every x86_64 CPU (the intrinsic is safe since Rust 1.94).
+        unsafe { std::arch::x86_64::__cpuid_count(leaf, 0) }
+    }
+    let has_rdpid = cpuid(7).ecx & (1 << 22) != 0;
     let has_rdtscp =
-        __cpuid(0x8000_0000).eax >= 0x8000_0001 && __cpuid(0x8000_0001).edx & (1 << 27) != 0;
+        cpuid(0x8000_0000).eax >= 0x8000_0001 && cpuid(0x8000_0001).edx & (1 << 27) != 0;
     if via::rdpid().is_some() {
         assert!(has_rdpid, "via::rdpid() answered but CPUID has no RDPID");
     }

@@ -271,16 +271,22 @@ const _: () = assert!(
     "rseq_abort! hard-codes the signature"
 );
 
+/// CPUID leaf `leaf`, sub-leaf `sub`.
+#[allow(unused_unsafe)]
+fn cpuid(leaf: u32, sub: u32) -> core::arch::x86_64::CpuidResult {
+    // SAFETY: CPUID exists on every x86_64 CPU and only reads identification registers (the
+    // intrinsic is safe since Rust 1.94; the block keeps older compilers building).
+    unsafe { core::arch::x86_64::__cpuid_count(leaf, sub) }
+}
+
 /// Whether the CPU has RDPID (CPUID.(EAX=7,ECX=0):ECX bit 22).
 pub(crate) fn has_rdpid() -> bool {
-    let leaf7 = core::arch::x86_64::__cpuid_count(7, 0);
-    leaf7.ecx & (1 << 22) != 0
+    cpuid(7, 0).ecx & (1 << 22) != 0
 }
 
 /// Whether the CPU has RDTSCP (CPUID.80000001H:EDX bit 27).
 pub(crate) fn has_rdtscp() -> bool {
-    let max = core::arch::x86_64::__cpuid(0x8000_0000).eax;
-    max >= 0x8000_0001 && core::arch::x86_64::__cpuid(0x8000_0001).edx & (1 << 27) != 0
+    cpuid(0x8000_0000, 0).eax >= 0x8000_0001 && cpuid(0x8000_0001, 0).edx & (1 << 27) != 0
 }
 
 /// `IA32_TSC_AUX` through RDPID. Linux stores `(node << 12) | cpu` there.

@@ -67,7 +67,7 @@ Example:
         after: PathBuf,
     },
 
-    /// Check that a Counter stays exact under migration, signals and thread churn.
+    /// Check that a Counter and a Pool stay exact under migration, signals and thread churn.
     Stress(stress::StressArgs),
 }
 

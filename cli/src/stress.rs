@@ -1,20 +1,23 @@
 //! `thiscpu stress`: the library's exactness self-tests, run for as long as asked, with what
 //! they did and whether anything was lost.
 //!
-//! Runs `thiscpu::stress::run_counter`: a `Counter` incremented by workers that another thread
+//! Runs `thiscpu::stress::run_counter` (a `Counter` incremented by workers that another thread
 //! migrates between CPUs at random and storms with signals whose handlers increment the same
-//! counter, while short-lived threads come and go. Exit status 0 when every increment was
-//! counted exactly once, 1 otherwise.
+//! counter, while short-lived threads come and go), then `thiscpu::stress::run_pool` (the same
+//! storm around a `Pool`, with a thread draining CPU caches). Each run lasts `--seconds`.
+//! Exit status 0 when every increment and every object was accounted for, 1 otherwise.
 
 use crate::error::{Error, Result};
 use serde_json::{Value, json};
 use std::time::Duration;
-use thiscpu::stress::{StressConfig, StressReport, run_counter};
+use thiscpu::stress::{
+    PoolStressConfig, PoolStressReport, StressConfig, StressReport, run_counter, run_pool,
+};
 
 /// `thiscpu stress`'s options.
 #[derive(Debug, clap::Args)]
 pub struct StressArgs {
-    /// How long the stress runs, in seconds (fractions allowed).
+    /// How long each stress runs, in seconds (fractions allowed).
     #[arg(long, value_name = "N", default_value = "5", value_parser = crate::parse_seconds)]
     seconds: f64,
 
@@ -27,7 +30,7 @@ pub struct StressArgs {
     json: bool,
 }
 
-/// Runs the stress and reports; an inexact result is an error with exit status 1.
+/// Runs both stresses and reports; an inexact result is an error with exit status 1.
 pub fn run(args: StressArgs) -> Result<()> {
     let mut config = StressConfig {
         duration: Duration::from_secs_f64(args.seconds),
@@ -36,12 +39,17 @@ pub fn run(args: StressArgs) -> Result<()> {
     if let Some(threads) = args.threads {
         config.threads = threads as usize;
     }
-    let counter =
-        run_counter(&config).map_err(|e| Error::failed(format!("counter stress: {e}")))?;
+    let failed = |what: &str, e: std::io::Error| Error::failed(format!("{what} stress: {e}"));
+    let counter = run_counter(&config).map_err(|e| failed("counter", e))?;
+    let pool = run_pool(&PoolStressConfig {
+        stress: config.clone(),
+        ..PoolStressConfig::default()
+    })
+    .map_err(|e| failed("pool", e))?;
 
     let source = thiscpu::source();
-    let lost = counter.lost.unsigned_abs();
-    let exact = counter.exact();
+    let lost = counter.lost.unsigned_abs() + pool.lost.unsigned_abs();
+    let exact = counter.exact() && pool.exact();
     if args.json {
         let report = json!({
             "exact": exact,
@@ -54,6 +62,7 @@ pub fn run(args: StressArgs) -> Result<()> {
                 "mm_cid": source.mm_cid,
             },
             "counter": counter_json(&counter),
+            "pool": pool_json(&pool),
         });
         println!(
             "{}",
@@ -73,6 +82,7 @@ pub fn run(args: StressArgs) -> Result<()> {
             },
         );
         println!("\n{}", counter_text(&counter));
+        println!("\n{}", pool_text(&pool));
         println!(
             "\n{}",
             if exact {
@@ -86,8 +96,9 @@ pub fn run(args: StressArgs) -> Result<()> {
         Ok(())
     } else {
         Err(Error::failed(format!(
-            "the counter is not exact: {} of {} increments lost",
-            counter.lost, counter.operations
+            "the stress lost updates: counter {} (of {}), pool {} objects, {} double hand-outs, \
+             {} duplicates",
+            counter.lost, counter.operations, pool.lost, pool.double_handouts, pool.duplicates
         )))
     }
 }
@@ -102,6 +113,29 @@ fn counter_json(r: &StressReport) -> Value {
         "migrations": r.migrations,
         "signals_sent": r.signals,
         "signals_handled": r.signal_increments,
+        "threads_created": r.threads_created,
+        "workers": r.workers,
+        "elapsed_seconds": r.elapsed.as_secs_f64(),
+    })
+}
+
+fn pool_json(r: &PoolStressReport) -> Value {
+    json!({
+        "exact": r.exact(),
+        "operations": r.operations,
+        "created": r.created,
+        "found": r.found,
+        "lost": lost_json(r.lost),
+        "double_handouts": r.double_handouts,
+        "duplicates": r.duplicates,
+        "drains": r.drains,
+        "drains_unavailable": r.drains_unavailable,
+        "drained_objects": r.drained_objects,
+        "drain_method": r.drain_method.map(|method| format!("{method:?}").to_lowercase()),
+        "aborts": r.aborts,
+        "migrations": r.migrations,
+        "signals_sent": r.signals,
+        "signals_handled": r.signals_handled,
         "threads_created": r.threads_created,
         "workers": r.workers,
         "elapsed_seconds": r.elapsed.as_secs_f64(),
@@ -138,6 +172,40 @@ fn counter_text(r: &StressReport) -> String {
             ("migrations", r.migrations.to_string()),
             ("signals sent", r.signals.to_string()),
             ("signals handled", r.signal_increments.to_string()),
+            ("threads created", r.threads_created.to_string()),
+        ],
+    )
+}
+
+fn pool_text(r: &PoolStressReport) -> String {
+    lines(
+        &format!(
+            "pool: {} workers for {:.2} s, migrated, signalled, drained, with thread churn",
+            r.workers,
+            r.elapsed.as_secs_f64()
+        ),
+        &[
+            ("operations", r.operations.to_string()),
+            ("objects created", r.created.to_string()),
+            ("objects found after", r.found.to_string()),
+            ("lost", r.lost.to_string()),
+            ("double hand-outs", r.double_handouts.to_string()),
+            ("duplicates", r.duplicates.to_string()),
+            (
+                "drains",
+                format!(
+                    "{} ({} objects moved, {} unavailable, method {})",
+                    r.drains,
+                    r.drained_objects,
+                    r.drains_unavailable,
+                    r.drain_method
+                        .map_or("none".to_owned(), |m| format!("{m:?}").to_lowercase())
+                ),
+            ),
+            ("aborts (retried)", r.aborts.to_string()),
+            ("migrations", r.migrations.to_string()),
+            ("signals sent", r.signals.to_string()),
+            ("signals handled", r.signals_handled.to_string()),
             ("threads created", r.threads_created.to_string()),
         ],
     )

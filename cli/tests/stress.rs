@@ -28,10 +28,14 @@ fn a_short_run_is_exact() {
     let report: Value = serde_json::from_str(&stdout).expect("stress --json prints JSON");
     assert_eq!(report["lost"], 0, "{report}");
     assert_eq!(report["exact"], true, "{report}");
+    for part in ["counter", "pool"] {
+        let part = &report[part];
+        assert_eq!(part["lost"], 0, "{report}");
+        assert_eq!(part["exact"], true, "{report}");
+        assert_eq!(part["workers"], 4, "{report}");
+        assert!(part["operations"].as_u64().unwrap() > 0, "{report}");
+    }
     let counter = &report["counter"];
-    assert_eq!(counter["lost"], 0, "{report}");
-    assert_eq!(counter["workers"], 4, "{report}");
-    assert!(counter["operations"].as_u64().unwrap() > 0, "{report}");
     assert_eq!(counter["operations"], counter["counted"], "{report}");
     assert!(report["source"]["registrar"].is_string(), "{report}");
 }
@@ -49,6 +53,8 @@ fn text_names_every_figure() {
         "signals sent",
         "signals handled",
         "threads created",
+        "double hand-outs",
+        "drains",
         "rseq registered by",
     ] {
         assert!(stdout.contains(figure), "no {figure:?} in\n{stdout}");

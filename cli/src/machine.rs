@@ -122,6 +122,10 @@ pub fn describe_unavailable(why: Unavailable) -> String {
     match why {
         Unavailable::TurnedOff => "turned off with THISCPU_RSEQ=off".to_owned(),
         Unavailable::NoSyscall => "the kernel has no rseq system call".to_owned(),
+        Unavailable::RegisteredElsewhere => {
+            "threads already have an rseq area thiscpu cannot find (static glibc or another library)"
+                .to_owned()
+        }
         Unavailable::Refused(errno) => format!(
             "the rseq system call was refused ({})",
             std::io::Error::from_raw_os_error(errno)

@@ -123,6 +123,12 @@ fn reserve_range(rows: usize) -> NonNull<u8> {
             std::alloc::Layout::from_size_align(length, MAX_ALIGN).expect("range layout"),
         );
     }
+    // With transparent huge pages set to "always", one CPU's first write could back a 2 MiB
+    // page spanning the rows of 32 CPUs; rows must be backed page by page, by their own CPU.
+    // SAFETY: advice on the mapping just made; failure (no THP support) changes nothing.
+    unsafe {
+        libc::madvise(address, length, libc::MADV_NOHUGEPAGE);
+    }
     NonNull::new(address.cast()).expect("mmap returned null")
 }
 

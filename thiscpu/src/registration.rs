@@ -44,6 +44,10 @@ pub enum Unavailable {
     NoSyscall,
     /// The syscall was refused (a seccomp filter) with this errno.
     Refused(i32),
+    /// Threads already have an rseq area that thiscpu cannot find: registered by a libc that
+    /// does not export `__rseq_offset` to `dlsym` (glibc in a statically linked program) or by
+    /// another library.
+    RegisteredElsewhere,
 }
 
 /// The process-wide facts, gathered once.
@@ -150,6 +154,18 @@ fn decide() -> Process {
     process
 }
 
+/// Registers the thread that makes the decision, so that a registration made elsewhere (glibc
+/// in a static program, where `dlsym` finds no `__rseq_offset`) is found now rather than
+/// failing in every thread later.
+fn register_deciding_thread() -> Result<(), Unavailable> {
+    let _ = REGISTRATION_TRIED.try_with(|tried| tried.set(true));
+    match register_own_area() {
+        Ok(()) => Ok(()),
+        Err(libc::EINVAL | libc::EBUSY) => Err(Unavailable::RegisteredElsewhere),
+        Err(errno) => Err(Unavailable::Refused(errno)),
+    }
+}
+
 fn decide_registrar() -> Process {
     // SAFETY: `getauxval` has no precondition; it returns 0 for absent entries.
     let kernel_feature_size = unsafe { libc::getauxval(abi::AT_RSEQ_FEATURE_SIZE) } as u32;
@@ -175,7 +191,7 @@ fn decide_registrar() -> Process {
         arch::set_active_offset(offset);
         return process;
     }
-    match probe_syscall() {
+    match probe_syscall().and_then(|()| register_deciding_thread()) {
         Ok(()) => {
             process.registrar = Registrar::Thiscpu;
             process.usable_size = abi::usable_size(abi::ORIGINAL_AREA_SIZE, kernel_feature_size);
@@ -211,15 +227,17 @@ pub(crate) fn ensure_registered() -> bool {
     let tried = REGISTRATION_TRIED
         .try_with(|tried| tried.replace(true))
         .unwrap_or(true);
-    if tried {
-        return false;
-    }
+    !tried && register_own_area().is_ok()
+}
+
+/// Registers thiscpu's own area for the calling thread; the errno if the kernel refuses.
+fn register_own_area() -> Result<(), i32> {
     let own = arch::area_at(arch::own_area_offset());
-    // SAFETY: `own` is this thread's static-TLS area, which no other thread writes, and it is
-    // not registered (its `cpu_id` is negative, checked above through the same address since
-    // the active offset is the own one in this mode). The kernel requires `cpu_id = -1` and
-    // `rseq_cs = 0` before registration. The area lives in static TLS, freed only after the
-    // kernel has seen the thread exit, so it may stay registered until then.
+    // SAFETY: `own` is this thread's static-TLS area, which no other thread writes. Callers only
+    // come here when it is not registered (a registered area has a non-negative `cpu_id`, and
+    // nothing else unregisters it). The kernel requires `cpu_id = -1` and `rseq_cs = 0` before
+    // registration. The area lives in static TLS, freed only after the kernel has seen the
+    // thread exit, so it may stay registered until then.
     let ret = unsafe {
         own.write_volatile(Rseq {
             cpu_id_start: 0,
@@ -237,6 +255,10 @@ pub(crate) fn ensure_registered() -> bool {
             arch::RSEQ_SIG,
         )
     };
+    if ret != 0 {
+        return Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0));
+    }
     // SAFETY: as above.
-    ret == 0 && unsafe { core::ptr::addr_of!((*own).cpu_id).read_volatile() } >= 0
+    let cpu_id = unsafe { core::ptr::addr_of!((*own).cpu_id).read_volatile() };
+    if cpu_id >= 0 { Ok(()) } else { Err(0) }
 }

@@ -120,6 +120,7 @@ impl Stacks {
     }
 
     /// CPU `cpu`'s slots (`cpu` below the number of heads).
+    #[inline]
     fn slots(&self, cpu: usize) -> &[AtomicUsize] {
         let chunks = &self.chunks[cpu * self.chunks_per_cpu..(cpu + 1) * self.chunks_per_cpu];
         // SAFETY: a chunk is an array of CHUNK `AtomicUsize` with no padding (asserted above),
@@ -422,9 +423,15 @@ impl<T> Pool<T> {
         cpu: u32,
         object: Box<T>,
     ) -> Result<(), (Box<T>, StackOutcome)> {
-        // Before the object can be in the cache: `Drop` and `drain_all` visit touched CPUs only.
-        self.touched.set(cpu);
         let head: &StackHead = &stacks.heads[cpu as usize];
+        // Before the object can be in the cache: `Drop` and `drain_all` visit touched CPUs
+        // only. A stack only becomes non-empty through a push onto an empty one, and touched
+        // bits are never cleared, so a count seen non-zero means the bit is set already (by a
+        // thread that `Drop` and a later drain happen after). The count's line is the one the
+        // section reads next.
+        if head.count.load(Ordering::Relaxed) == 0 {
+            self.touched.set(cpu);
+        }
         let slots = stacks.slots(cpu as usize);
         let raw = Box::into_raw(object);
         // SAFETY: as in `pop_at`; the capacity is at most the slots' length; `raw` is owned by

@@ -17,7 +17,7 @@ fn bits_across_words_behave_like_a_set() {
     assert!(mask.clear(0));
     assert!(!mask.clear(0));
     assert_eq!(mask.first(), Some(1));
-    assert!(!mask.contains(0) && mask.contains(299) && !mask.contains(300));
+    assert!(!mask.contains(0) && mask.contains(299) && !mask.contains(320));
     assert_eq!(mask.to_string(), "1,63-65,127-128,200,299");
     let copy = mask.clone();
     mask.clear_all();
@@ -26,9 +26,12 @@ fn bits_across_words_behave_like_a_set() {
 }
 
 #[test]
-#[should_panic(expected = "beyond")]
+#[should_panic(expected = "out of bounds")]
 fn setting_a_cpu_beyond_the_capacity_panics() {
-    CpuMask::with_capacity(10).set(10);
+    let mask = CpuMask::with_capacity(10);
+    assert_eq!(mask.capacity(), 64);
+    mask.set(63);
+    mask.set(64);
 }
 
 /// Each thread flips its own bits in shared words many times, with the idle, mixed and

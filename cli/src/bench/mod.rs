@@ -850,7 +850,7 @@ macro_rules! families {
     };
 }
 
-families![getcpu, counter, bpf, memory];
+families![getcpu, counter, bpf, memory, mask, pool];
 
 /// The text of `thiscpu bench --list`: every family and case, and why a case is left out here.
 pub fn list(families: &[&'static Family]) -> String {

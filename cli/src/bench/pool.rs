@@ -1,0 +1,261 @@
+//! `pool`: one object taken from a shared pool and given back (a get+put pair), by
+//! `thiscpu::Pool` (a restartable push and pop on the current CPU's cache) and by shared pools
+//! a Rust program might use instead: `Mutex<Vec<Box<T>>>`, crossbeam's bounded `ArrayQueue`
+//! and unbounded `SegQueue`.
+//!
+//! Each worker writes into the object it holds, so the object's line really moves with it.
+//! After every round each pool must hold exactly the objects it ever made: a lost or doubled
+//! object fails the run.
+
+use super::{Case, Family, Measured, Stats, Unit, Workload};
+use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render};
+use crossbeam_queue::{ArrayQueue, SegQueue};
+use std::hint::black_box;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use thiscpu::Pool;
+
+/// The pooled object: one cache line.
+type Object = [u64; 8];
+
+const CASES: &[&str] = &[
+    "mutex-vec",
+    "crossbeam-arrayqueue",
+    "crossbeam-segqueue",
+    "thiscpu-pool",
+];
+
+/// The family.
+pub static FAMILY: Family = Family {
+    name: "pool",
+    about: "get+put of one pooled object, by 1 thread and by one thread per CPU \
+            (ns per pair, per thread)",
+    case_names: CASES,
+    default_threads: &[1, 2],
+    baseline: Some("mutex-vec"),
+    cases,
+    report,
+};
+
+/// Writes into the object held, as a user would.
+#[inline(always)]
+fn touch(object: &mut Object, i: u64) {
+    object[(i % 8) as usize] = i;
+    black_box(object);
+}
+
+/// A shared pool: get, put, and how many objects it holds and made.
+trait SharedPool: Send + Sync + 'static {
+    fn pairs(&self, ops: u64);
+    fn held(&self) -> u64;
+    fn made(&self) -> u64;
+}
+
+/// Boxed like the other pools' objects: a pool hands out objects that stay where they are.
+#[allow(clippy::vec_box)]
+struct MutexVec {
+    list: Mutex<Vec<Box<Object>>>,
+    made: AtomicU64,
+}
+
+impl SharedPool for MutexVec {
+    fn pairs(&self, ops: u64) {
+        for i in 0..ops {
+            let taken = self.list.lock().unwrap_or_else(|e| e.into_inner()).pop();
+            let mut object = taken.unwrap_or_else(|| {
+                self.made.fetch_add(1, Relaxed);
+                Box::new([0; 8])
+            });
+            touch(&mut object, i);
+            self.list
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push(object);
+        }
+    }
+    fn held(&self) -> u64 {
+        self.list.lock().unwrap_or_else(|e| e.into_inner()).len() as u64
+    }
+    fn made(&self) -> u64 {
+        self.made.load(Relaxed)
+    }
+}
+
+struct CrossbeamArray {
+    queue: ArrayQueue<Box<Object>>,
+    made: AtomicU64,
+}
+
+impl SharedPool for CrossbeamArray {
+    fn pairs(&self, ops: u64) {
+        for i in 0..ops {
+            let mut object = self.queue.pop().unwrap_or_else(|| {
+                self.made.fetch_add(1, Relaxed);
+                Box::new([0; 8])
+            });
+            touch(&mut object, i);
+            // Each worker holds one object at a time: the queue (1024 slots) never fills.
+            if self.queue.push(object).is_err() {
+                self.made.fetch_sub(1, Relaxed);
+            }
+        }
+    }
+    fn held(&self) -> u64 {
+        self.queue.len() as u64
+    }
+    fn made(&self) -> u64 {
+        self.made.load(Relaxed)
+    }
+}
+
+struct CrossbeamSeg {
+    queue: SegQueue<Box<Object>>,
+    made: AtomicU64,
+}
+
+impl SharedPool for CrossbeamSeg {
+    fn pairs(&self, ops: u64) {
+        for i in 0..ops {
+            let mut object = self.queue.pop().unwrap_or_else(|| {
+                self.made.fetch_add(1, Relaxed);
+                Box::new([0; 8])
+            });
+            touch(&mut object, i);
+            self.queue.push(object);
+        }
+    }
+    fn held(&self) -> u64 {
+        self.queue.len() as u64
+    }
+    fn made(&self) -> u64 {
+        self.made.load(Relaxed)
+    }
+}
+
+struct Thiscpu(Pool<Object>);
+
+impl SharedPool for Thiscpu {
+    fn pairs(&self, ops: u64) {
+        let pool = black_box(&self.0);
+        for i in 0..ops {
+            let mut object = pool.get();
+            touch(&mut object, i);
+        }
+    }
+    fn held(&self) -> u64 {
+        (self.0.cached() + self.0.shared_len()) as u64
+    }
+    fn made(&self) -> u64 {
+        self.0.created()
+    }
+}
+
+/// A pool as a workload; after each round it must hold every object it made.
+struct PoolWorkload<P>(P);
+
+impl<P: SharedPool> Workload for PoolWorkload<P> {
+    fn run(&self, _worker: usize, ops: u64) {
+        self.0.pairs(ops);
+    }
+
+    fn verify(&self, _ops: u64) -> Result<(), String> {
+        let (held, made) = (self.0.held(), self.0.made());
+        if held == made {
+            Ok(())
+        } else {
+            Err(format!("the pool holds {held} objects but made {made}"))
+        }
+    }
+}
+
+fn cases() -> Vec<Case> {
+    let ns = Unit::NsPerOp;
+    let source = thiscpu::source();
+    let how = if source.registrar == thiscpu::Registrar::None {
+        "thiscpu Pool::get + drop; no rseq here: locked per-CPU lists"
+    } else {
+        "thiscpu Pool::get + drop: restartable pop and push"
+    };
+    vec![
+        Case::new(
+            "mutex-vec",
+            "Mutex<Vec<Box<T>>>: lock, pop; lock, push",
+            ns,
+            PoolWorkload(MutexVec {
+                list: Mutex::new(Vec::new()),
+                made: AtomicU64::new(0),
+            }),
+        ),
+        Case::new(
+            "crossbeam-arrayqueue",
+            "crossbeam ArrayQueue<Box<T>> (1024): pop, push",
+            ns,
+            PoolWorkload(CrossbeamArray {
+                queue: ArrayQueue::new(1024),
+                made: AtomicU64::new(0),
+            }),
+        ),
+        Case::new(
+            "crossbeam-segqueue",
+            "crossbeam SegQueue<Box<T>>: pop, push",
+            ns,
+            PoolWorkload(CrossbeamSeg {
+                queue: SegQueue::new(),
+                made: AtomicU64::new(0),
+            }),
+        ),
+        Case::new(
+            "thiscpu-pool",
+            how,
+            ns,
+            PoolWorkload(Thiscpu(Pool::new(|| [0; 8]))),
+        ),
+    ]
+}
+
+fn median(results: &[Measured], case: &str, threads: usize) -> Option<f64> {
+    let result = results
+        .iter()
+        .find(|m| m.case == case && m.threads == threads)?;
+    Some(Stats::of(&result.rounds).median)
+}
+
+/// Every competitor's cost relative to thiscpu's, per thread count.
+fn report(results: &[Measured]) -> String {
+    let mut threads: Vec<usize> = results.iter().map(|m| m.threads).collect();
+    threads.sort_unstable();
+    threads.dedup();
+    let mut table = new_table();
+    let mut header = vec!["threads".to_owned()];
+    header.extend(CASES.iter().map(|case| format!("{case} ns")));
+    header.extend(
+        CASES[..CASES.len() - 1]
+            .iter()
+            .map(|case| format!("{case} ÷ thiscpu")),
+    );
+    table.set_header(header);
+    for &n in &threads {
+        let ours = median(results, "thiscpu-pool", n);
+        let mut row = vec![n.to_string()];
+        row.extend(
+            CASES
+                .iter()
+                .map(|case| median(results, case, n).map_or("–".to_owned(), fmt_num)),
+        );
+        row.extend(CASES[..CASES.len() - 1].iter().map(|case| {
+            match (median(results, case, n), ours) {
+                (Some(theirs), Some(ours)) if ours > 0.0 => fmt_ratio(theirs / ours),
+                _ => "–".to_owned(),
+            }
+        }));
+        table.add_row(row);
+    }
+    if threads.is_empty() {
+        return String::new();
+    }
+    let columns: Vec<usize> = (0..2 * CASES.len()).collect();
+    align_right(&mut table, &columns);
+    let mut out = String::from("\nget+put pairs (medians over rounds):\n");
+    out.push_str(&render(&table));
+    out.trim_end().to_owned()
+}

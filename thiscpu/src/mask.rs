@@ -20,12 +20,13 @@
 //!   only on that rare path, the changes it made; after [`STREAK`] of them it switches the mask
 //!   to the other mode.
 //! - **read-modify-write**: a bare `fetch_or`/`fetch_and`, whose returned old value says whether
-//!   the call was needed. Three calls that changed nothing in a row switch the mask back.
+//!   the call was needed. Two calls that changed nothing, with no change between them, switch
+//!   the mask back.
 //!
 //! In the steady states nothing but the bits is written: "always right" stays in read-first,
 //! "changes every call" stays in read-modify-write. A pattern that changes the bit once in a
-//! while (one call in 16, say) visits read-modify-write once every `STREAK` changes and pays
-//! three wasted read-modify-writes there. The hot path never touches TLS: on some machines
+//! while (one call in 16, say) visits read-modify-write once every `STREAK` changes (of each
+//! thread) and pays two wasted read-modify-writes and three writes of the mode byte there. The hot path never touches TLS: on some machines
 //! (AMD EPYC virtual machines among them) an `fs`-relative load costs as much as the
 //! read-first fast path itself.
 //!
@@ -44,11 +45,11 @@ const BITS: usize = 64;
 
 /// Read-modify-write mode, fresh: the number of wasted calls it takes to go back to reading
 /// first. 0 is read-first mode.
-const RMW_FRESH: u8 = 3;
+const RMW_FRESH: u8 = 2;
 
 /// Changes made through read-first calls, per thread and mask, before a mask switches to
 /// read-modify-write mode.
-pub const STREAK: u8 = 8;
+pub const STREAK: u8 = 64;
 
 /// Change counters per thread; masks are spread over them by creation number (two masks that
 /// share a counter only share a count, never a bit).
@@ -305,27 +306,20 @@ impl CpuMask {
     /// The update of one bit, by the mask's mode.
     #[inline(always)]
     fn update(&self, word: &AtomicU64, bit: u64, set: bool) -> bool {
-        if self.mode.load(Ordering::Relaxed) == 0 {
+        let mode = self.mode.load(Ordering::Relaxed);
+        if mode == 0 {
             // Read first: the usual case finds the bit right and writes nothing.
             if (word.load(Ordering::Relaxed) & bit != 0) == set {
                 return false;
             }
             return self.change_after_read(word, bit, set);
         }
-        self.update_by_rmw(word, bit, set)
-    }
-
-    /// Read-modify-write mode: learn from the old value.
-    #[inline(always)]
-    fn update_by_rmw(&self, word: &AtomicU64, bit: u64, set: bool) -> bool {
+        // Read-modify-write mode: learn from the old value. In the steady "every call changes
+        // it" state nothing else is written; a wasted call counts towards reading first.
         let changed = read_modify_write(word, bit, set);
-        let mode = self.mode.load(Ordering::Relaxed);
         if !changed {
-            // Wasted: towards reading first.
-            if mode != 0 {
-                self.mode.store(mode - 1, Ordering::Relaxed);
-            }
-        } else if mode != RMW_FRESH && mode != 0 {
+            self.mode.store(mode - 1, Ordering::Relaxed);
+        } else if mode != RMW_FRESH {
             self.mode.store(RMW_FRESH, Ordering::Relaxed);
         }
         changed

@@ -119,8 +119,18 @@ impl Stacks {
         }
     }
 
+    /// The address of CPU `cpu`'s first slot, for the sections (`cpu` below the number of
+    /// heads, so that the address lies inside `chunks`). No bounds check on the fast path.
+    #[inline(always)]
+    fn slots_ptr(&self, cpu: usize) -> *mut usize {
+        self.chunks
+            .as_ptr()
+            .wrapping_add(cpu * self.chunks_per_cpu)
+            .cast::<usize>()
+            .cast_mut()
+    }
+
     /// CPU `cpu`'s slots (`cpu` below the number of heads).
-    #[inline]
     fn slots(&self, cpu: usize) -> &[AtomicUsize] {
         let chunks = &self.chunks[cpu * self.chunks_per_cpu..(cpu + 1) * self.chunks_per_cpu];
         // SAFETY: a chunk is an array of CHUNK `AtomicUsize` with no padding (asserted above),
@@ -395,15 +405,15 @@ impl<T> Pool<T> {
     #[inline(always)]
     fn pop_at(&self, stacks: &Stacks, offset: isize, cpu: u32) -> Result<Box<T>, StackOutcome> {
         let head: &StackHead = &stacks.heads[cpu as usize];
-        let slots = stacks.slots(cpu as usize);
+        let slots = stacks.slots_ptr(cpu as usize);
         let mut out = 0usize;
         // SAFETY: `offset` and `cpu` were just read from this thread's area (BY_CPU); `head`
-        // and `slots` (at least `capacity` words) are CPU `cpu`'s stack, whose count and slots
-        // only sections positioned on `cpu` write, or a drainer that set `stopped` and fenced
-        // `cpu` (which the section checks). `out` is a local.
-        let outcome = unsafe {
-            arch::stack_pop::<BY_CPU>(offset, cpu, head, slots.as_ptr().cast(), &mut out)
-        };
+        // and `slots` are CPU `cpu`'s stack (`cpu` is below the number of heads, as indexing
+        // `heads` checked, so `slots` starts `chunks_per_cpu * CHUNK >= capacity` words inside
+        // `chunks`), whose count and slots only sections positioned on `cpu` write, or a
+        // drainer that set `stopped` and fenced `cpu` (which the section checks). `out` is a
+        // local.
+        let outcome = unsafe { arch::stack_pop::<BY_CPU>(offset, cpu, head, slots, &mut out) };
         match outcome {
             // SAFETY: a committed pop took the pointer below the count: it came from
             // `Box::into_raw` in a committed push, and the count's decrement made this call its
@@ -432,19 +442,12 @@ impl<T> Pool<T> {
         if head.count.load(Ordering::Relaxed) == 0 {
             self.touched.set(cpu);
         }
-        let slots = stacks.slots(cpu as usize);
+        let slots = stacks.slots_ptr(cpu as usize);
         let raw = Box::into_raw(object);
         // SAFETY: as in `pop_at`; the capacity is at most the slots' length; `raw` is owned by
         // this call until the push commits.
         let outcome = unsafe {
-            arch::stack_push::<BY_CPU>(
-                offset,
-                cpu,
-                head,
-                slots.as_ptr().cast_mut().cast(),
-                self.capacity as u64,
-                raw as usize,
-            )
+            arch::stack_push::<BY_CPU>(offset, cpu, head, slots, self.capacity as u64, raw as usize)
         };
         if outcome == StackOutcome::Committed {
             return Ok(());

@@ -304,19 +304,10 @@ fn find<'a>(results: &'a [Measured], case: &str, threads: usize) -> Option<&'a M
         .find(|m| m.case == case && m.threads == threads)
 }
 
-/// One round's ns per operation of one thread, whatever the case's unit (the `metrics-*`
-/// cases report Mops/s of all threads).
-fn round_ns(result: &Measured, value: f64) -> f64 {
-    match result.unit {
-        Unit::MopsPerSec => 1e3 * result.threads as f64 / value.max(1e-12),
-        _ => value,
-    }
-}
-
 /// Median ns per increment of one thread of `case` run with `threads` threads.
 fn ns_per_op(results: &[Measured], case: &str, threads: usize) -> Option<f64> {
     let result = find(results, case, threads)?;
-    Some(mapped(result, |value| round_ns(result, value)).median)
+    Some(result.stats().median)
 }
 
 /// Million operations per second from ns per operation.
@@ -343,8 +334,8 @@ fn report(results: &[Measured]) -> String {
     ]);
     for m in results {
         let threads = m.threads as f64;
-        let each = mapped(m, |value| mops(round_ns(m, value)));
-        let total = mapped(m, |value| threads * mops(round_ns(m, value)));
+        let each = mapped(m, mops);
+        let total = mapped(m, |value| threads * mops(value));
         table.add_row(vec![
             m.case.to_owned(),
             m.threads.to_string(),
@@ -356,8 +347,7 @@ fn report(results: &[Measured]) -> String {
     }
     align_right(&mut table, &[1, 2, 3, 4, 5]);
     out.push_str(
-        "\nthroughput (total = threads × per thread; from each thread's CPU time where the \
-         case reports ns/op, from wall-clock time where it reports Mops/s):\n",
+        "\nthroughput (total = threads × per thread, from each thread's CPU time):\n",
     );
     out.push_str(&render(&table));
     out.push('\n');

@@ -25,19 +25,19 @@ use thiscpu::metrics::PerCpuRecorder;
 /// The key every operation increments.
 const KEY: &str = "bench_requests";
 
-/// Both cases, in increments per second of all threads together.
+/// Both cases, in nanoseconds of CPU time per increment.
 pub(super) fn cases() -> Vec<Case> {
     vec![
         Case::new(
             "metrics-atomic",
             "metrics::counter!().increment(1), AtomicU64 registry",
-            Unit::MopsPerSec,
+            Unit::NsPerOp,
             MetricsCase::new(AtomicRecorder::default()),
         ),
         Case::new(
             "metrics-thiscpu",
             "metrics::counter!().increment(1), PerCpuRecorder",
-            Unit::MopsPerSec,
+            Unit::NsPerOp,
             MetricsCase::new(PerCpuRecorder::new()),
         ),
     ]

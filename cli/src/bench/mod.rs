@@ -17,7 +17,7 @@
 //!
 //! pub static FAMILY: Family = Family {
 //!     name: "counter",
-//!     about: "increments per second of per-CPU counters",
+//!     about: "nanoseconds per increment of per-CPU counters",
 //!     case_names: &["percpu", "atomic"],
 //!     default_threads: &[1, 2],
 //!     baseline: Some("atomic"),
@@ -26,7 +26,7 @@
 //! };
 //!
 //! fn cases() -> Vec<Case> {
-//!     vec![Case::new("percpu", "thiscpu Counter::add", Unit::MopsPerSec, PercpuWorkload::new())]
+//!     vec![Case::new("percpu", "thiscpu Counter::add", Unit::NsPerOp, PercpuWorkload::new())]
 //! }
 //! ```
 //!
@@ -51,9 +51,6 @@ pub enum Unit {
     /// Counted in the threads' CPU time, so that time spent preempted by other load is left
     /// out.
     NsPerOp,
-    /// Million operations per second, all threads together (higher is better), per
-    /// wall-clock second.
-    MopsPerSec,
     /// Bytes per counter, a size the workload measured itself (lower is better).
     BytesPerCounter,
 }
@@ -63,7 +60,6 @@ impl Unit {
     pub fn label(self) -> &'static str {
         match self {
             Unit::NsPerOp => "ns/op",
-            Unit::MopsPerSec => "Mops/s",
             Unit::BytesPerCounter => "B/counter",
         }
     }
@@ -646,12 +642,6 @@ impl Sample {
                 let nanos: f64 = self.workers.iter().map(|w| w.cpu.as_nanos() as f64).sum();
                 nanos / self.ops.max(1) as f64
             }
-            // What the machine delivered: operations per wall-clock second.
-            Unit::MopsPerSec => self
-                .workers
-                .iter()
-                .map(|w| w.ops as f64 / w.wall.as_secs_f64().max(1e-9) / 1e6)
-                .sum(),
             // A size comes from `reading`; without one nothing was measured.
             Unit::BytesPerCounter => 0.0,
         }

@@ -178,7 +178,7 @@ pub fn family(family: &Family, results: &[Measured], skipped: &[Skipped]) -> Str
     if !on_cpu.is_empty() && share < 0.9 {
         out.push_str(&format!(
             "  note: the workers were on their CPUs {:.0} % of the wall-clock time (other load, \
-             or an emulator); ns/op counts only their CPU time, Mops/s wall-clock time\n",
+             or an emulator); ns/op counts only their CPU time\n",
             100.0 * share
         ));
     }

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Runs the thiscpu command the way a user does, briefly: every benchmark family with --quick
+# (each family verifies its own counters and pools are exact and fails the run otherwise), the
+# stress self-test, and info. Checks that the JSON outputs parse and say what they must.
+# Timings are printed, never asserted.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+out=target/bench-smoke
+mkdir -p "$out"
+cargo build --release -q -p thiscpu-cli
+bin=target/release/thiscpu
+
+"$bin" info
+"$bin" info --json >"$out/info.json"
+"$bin" bench --quick --json "$out/bench.json" --svg "$out/svg"
+"$bin" stress --seconds 2 --json >"$out/stress.json"
+
+python3 - "$out" <<'PY'
+import json, os, sys
+out = sys.argv[1]
+info = json.load(open(os.path.join(out, "info.json")))
+bench = json.load(open(os.path.join(out, "bench.json")))
+stress = json.load(open(os.path.join(out, "stress.json")))
+machine = bench["machine"]
+for key in ("cpu_model", "kernel", "glibc", "cpus_possible", "cpus_online", "rseq"):
+    assert key in machine, f"machine.{key} missing"
+families = {r["bench"] for r in bench["results"]}
+for family in ("getcpu", "counter", "bpf", "mask", "pool", "memory"):
+    assert family in families, f"bench family {family} produced no result"
+for r in bench["results"]:
+    for key in ("bench", "case", "threads", "unit", "median", "min", "max", "rounds"):
+        assert key in r, f"{r.get('bench')}/{r.get('case')}: {key} missing"
+    assert r["min"] <= r["median"] <= r["max"], r
+svgs = [f for f in os.listdir(os.path.join(out, "svg")) if f.endswith(".svg")]
+assert svgs, "no SVG chart written"
+assert stress["exact"] is True and stress["lost"] == 0, f"stress was not exact: {stress}"
+assert stress["counter"]["operations"] > 0, stress
+print(f"bench-smoke: {len(bench['results'])} results in {len(families)} families, "
+      f"{len(bench.get('skipped', []))} skipped, {len(svgs)} charts; stress exact")
+PY

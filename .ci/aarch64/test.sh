@@ -1,0 +1,158 @@
+#!/usr/bin/env bash
+# Builds thiscpu for aarch64-unknown-linux-gnu and runs its tests and the `thiscpu` command on
+# a real arm64 Linux kernel (Debian's 6.1, which has rseq but not node_id/mm_cid) in
+# qemu-system-aarch64, through .ci/aarch64/runner.sh. Run from anywhere; installs what is
+# missing first (.ci/aarch64/setup.sh, root needed the first time).
+#
+# Steps, each timed:
+#   setup        .ci/aarch64/setup.sh
+#   build        every test executable of the workspace, the command, and the fast-path probe;
+#                the workspace's own crates are compiled through Debian's clippy-driver (same
+#                release as the compiler) with -D warnings, so this also lints them for
+#                aarch64 without a second pass over the dependencies
+#   test-glibc   `cargo test --workspace` in the VM, glibc registering rseq
+#   test-own     the same with GLIBC_TUNABLES=glibc.pthread.rseq=0: thiscpu registers its own
+#   inject       the counter, pool and fence tests built with --cfg thiscpu_inject (delays
+#                inside sections), as .ci/run does on x86_64
+#   cli          `thiscpu info` and, where the command has them, `stress` and `bench --quick`
+#   fast-path    .ci/check_fast_path.py on the aarch64 probe, through aarch64-linux-gnu-objdump
+#
+# Doctests run too: Debian's rustdoc (same release as the compiler) builds them for aarch64
+# and cargo hands them to the runner. Nothing is skipped on purpose; a step that cannot run
+# says why.
+#
+# Knobs: THISCPU_AARCH64_TARGET_DIR (default target/aarch64), THISCPU_VM_TIMEOUT (seconds per
+# VM run, default 300), THISCPU_AARCH64_JOBS (cargo -j, default 2).
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$repo"
+triple=aarch64-unknown-linux-gnu
+t_start=$SECONDS
+
+step() {
+    local name=$1 t0=$SECONDS
+    shift
+    echo
+    echo "=== aarch64 $name"
+    "$@"
+    echo "--- aarch64 $name: ok in $((SECONDS - t0)) s"
+}
+
+run() {
+    printf '+'
+    printf ' %q' "$@"
+    printf '\n'
+    "$@"
+}
+
+tools=
+setup() {
+    tools=$(bash .ci/aarch64/setup.sh | tail -n 1)
+    echo "tools: $tools"
+}
+step setup setup
+
+export THISCPU_AARCH64_TOOLS=$tools
+export RUSTC=$tools/bin/rustc
+export RUSTDOC=$tools/bin/rustdoc
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_LINKER=aarch64-linux-gnu-gcc
+export CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER=$repo/.ci/aarch64/runner.sh
+export CARGO_TARGET_DIR=${THISCPU_AARCH64_TARGET_DIR:-$repo/target/aarch64}
+export CARGO_BUILD_JOBS=${THISCPU_AARCH64_JOBS:-2}
+unset RUSTC_WRAPPER
+# cargo-clippy would run rustup's clippy-driver, whose compiler does not match the aarch64
+# standard library; Debian's clippy-driver is the wrapper compiler's twin. As a workspace
+# wrapper it compiles the workspace's crates (the same code as rustc) and lints them; it reads
+# its arguments from CLIPPY_ARGS, separated by __CLIPPY_HACKERY__, as cargo-clippy passes them.
+# It stays set for every step so that no step rebuilds what another built.
+if [ -x "$tools/bin/clippy-driver" ]; then
+    export RUSTC_WORKSPACE_WRAPPER=$tools/bin/clippy-driver
+    export CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings__CLIPPY_HACKERY__"
+else
+    unset RUSTC_WORKSPACE_WRAPPER
+    echo "(setup found no clippy-driver: building without aarch64 lints)"
+fi
+
+echo "rustc:  $("$RUSTC" --version)"
+echo "cargo:  $(cargo --version)"
+echo "qemu:   $(qemu-system-aarch64 --version | sed -n 1p)"
+echo "guest:  $(cat "$tools/guest/kernel-package" 2>/dev/null || echo '?')"
+
+build() {
+    run cargo test --workspace --target "$triple" --no-run
+    run cargo build --workspace --target "$triple" --bins
+    run cargo build --release -p thiscpu --example fast_path_probe --target "$triple"
+}
+step build build
+
+test_glibc() (
+    export THISCPU_EXPECT_REGISTRAR=glibc
+    run cargo test --workspace --target "$triple"
+)
+step test-glibc test_glibc
+
+test_own() (
+    export GLIBC_TUNABLES=glibc.pthread.rseq=0 THISCPU_EXPECT_REGISTRAR=thiscpu
+    run cargo test --workspace --target "$triple"
+)
+step test-own test_own
+
+# Same layout as .ci/run: an instrumented build in a directory of its own.
+inject() (
+    export RUSTFLAGS="--cfg thiscpu_inject" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/inject"
+    local tests=() name
+    for name in counter pool fence; do
+        if [ -f "thiscpu/tests/$name.rs" ]; then tests+=(--test "$name"); fi
+    done
+    run cargo test -p thiscpu --target "$triple" "${tests[@]}"
+)
+step inject inject
+
+runner=.ci/aarch64/runner.sh
+cli_bin=$CARGO_TARGET_DIR/$triple/debug/thiscpu
+# Which subcommands the command has: its help lists them.
+has_subcommand() {
+    grep -Eq "^[[:space:]]+$1([[:space:]]|$)" <<<"$cli_help"
+}
+cli_help=
+cli() {
+    # The guest's console is a terminal, so the help comes with colours: drop them.
+    cli_help=$(bash "$runner" "$cli_bin" --help | sed 's/\x1b\[[0-9;]*m//g')
+    printf '%s\n' "$cli_help"
+    run bash "$runner" "$cli_bin" info
+    (export GLIBC_TUNABLES=glibc.pthread.rseq=0 && run bash "$runner" "$cli_bin" info)
+    if has_subcommand stress; then
+        run bash "$runner" "$cli_bin" stress --seconds 2
+    else
+        echo "(no 'stress' subcommand yet)"
+    fi
+    if has_subcommand bench; then
+        run bash "$runner" "$cli_bin" bench --quick
+    else
+        echo "(no 'bench' subcommand yet)"
+    fi
+}
+step cli cli
+
+fast_path() {
+    # check_fast_path.py calls `objdump`; for an aarch64 binary that must be the cross one. The
+    # shim also drops the `#` that marks aarch64 immediates, which the script would take for
+    # the start of an AT&T-syntax comment.
+    local shim
+    shim=$(mktemp -d)
+    cat >"$shim/objdump" <<'EOF'
+#!/bin/sh
+aarch64-linux-gnu-objdump "$@" | sed 's/#//g'
+EOF
+    chmod +x "$shim/objdump"
+    # mrs, the own offset (movz/movk once relaxed), adrp/ldr of the delta, add, ldr of
+    # cpu_id: 7 instructions and the sign test (see thiscpu/src/arch/aarch64.rs).
+    PATH="$shim:$PATH" run python3 .ci/check_fast_path.py --max-insns 7 \
+        --binary "$CARGO_TARGET_DIR/$triple/release/examples/fast_path_probe"
+    rm -rf "$shim"
+}
+step fast-path fast_path
+
+echo
+echo "=== aarch64: all steps passed in $((SECONDS - t_start)) s"

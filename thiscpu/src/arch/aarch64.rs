@@ -1,2 +1,998 @@
-//! aarch64: not written yet; the x86_64 file lists the items every architecture exports.
-compile_error!("thiscpu's aarch64 support is not written yet");
+//! aarch64: the thread pointer is `TPIDR_EL0`, rseq fields are loaded from it with a register
+//! offset, and the abort signature is `0xd428bc00`, the encoding of `brk #0x45e0`, emitted with
+//! `.inst` right before each abort label so that it traps if it is ever executed.
+//!
+//! # Where the active area is
+//! On x86_64 the linker writes the own area's thread-pointer offset into a data word
+//! (`.quad sym@tpoff`), so the word that the fast path loads is correct before any code runs.
+//! The aarch64 equivalent, a data word with an `R_AARCH64_TLS_TPREL64` relocation, is refused
+//! by GNU ld ("dangerous relocation: unsupported relocation"; LLVM's assembler has no data
+//! syntax for it either, only `.reloc`). The own area's offset is therefore computed in code
+//! with the initial-exec sequence `adrp :gottprel:` / `ldr :gottprel_lo12:`, which the linker
+//! turns into `movz`/`movk` of a constant in an executable and which loads a GOT entry in a
+//! shared object. The data word holds what must change at run time: the distance from the own
+//! area to the active area's `cpu_id` field. Its static value, 4, names the own area's
+//! `cpu_id`, whose initial image is -1, so every read before the process-wide decision takes
+//! the slow path, with no constructor involved. The fast path of `current_cpu` is
+//! `mrs` + own offset (2 instructions) + `adrp`/`ldr` of the word + `add` + the `ldr` of
+//! `cpu_id`: the two instructions of the kernel's own `raw_smp_processor_id` (thread pointer,
+//! one load), plus the offset.
+//!
+//! # Memory ordering
+//! - The store that arms a section (the descriptor's address into `rseq_cs`) and the loads of
+//!   `cpu_id`/`mm_cid` are plain: only the kernel reads or writes them, for this thread, when it
+//!   interrupts this thread, and a thread sees its own accesses in program order.
+//! - `load_add_store` and `load_cbeq_load_store` commit with a plain `str`: the word they write
+//!   belongs to one CPU, is written only by sections running there, and publishes no other
+//!   data (other threads read counters with relaxed loads of the single-copy-atomic word; a
+//!   popped node was published by its push).
+//! - `load_cbne_store` commits with `stlr` (store-release), because `list_push` publishes a node
+//!   through it: the node's `next` field and contents were written before with plain stores,
+//!   and a thread on another CPU that reaches the node from the head (after a fence, or with an
+//!   acquire or address-dependent load) must see them. On one CPU nothing extra is needed.
+//! - The pool's guarded stacks load their `stopped` flag with `ldar` and commit a push with
+//!   `stlr`; the comment above `stack_push` says why.
+//!
+//! # Safety
+//! Every `asm!` here touches only this thread's rseq area (at the thread pointer plus the
+//! process-wide offset, which always names a live 32-byte area in this thread's static TLS or
+//! glibc's thread descriptor), memory the caller vouches for, and its own registers, as each
+//! block's comment details.
+
+use crate::abi::{Rseq, offset};
+use crate::ops::Outcome;
+use core::arch::{asm, global_asm};
+use core::sync::atomic::{AtomicIsize, Ordering};
+
+/// Emits the `struct rseq_cs` for a section at label 3 (in `__rseq_cs`) and lists it in
+/// `__rseq_cs_ptr_array` for debuggers. Arguments: the start, post-commit and abort labels.
+macro_rules! rseq_descriptor {
+    ($start:literal, $post_commit:literal, $abort:literal) => {
+        concat!(
+            ".pushsection __rseq_cs, \"aw\"\n",
+            ".balign 32\n",
+            "3:\n",
+            ".long 0, 0\n",
+            ".quad ",
+            $start,
+            "f, ",
+            $post_commit,
+            "f - ",
+            $start,
+            "f, ",
+            $abort,
+            "f\n",
+            ".popsection\n",
+            ".pushsection __rseq_cs_ptr_array, \"aw\"\n",
+            ".quad 3b\n",
+            ".popsection\n",
+        )
+    };
+}
+
+/// Emits an abort handler at `$label` in the `__rseq_failure` section, preceded by the
+/// signature as an instruction word (instructions are little-endian even on big-endian
+/// aarch64), followed by the given instructions. Out of line, so the committing path runs no
+/// branch over it.
+///
+/// The handlers end in an unconditional `b` back into the function; if the linker ever places
+/// `__rseq_failure` out of `b`'s ±128 MiB range it inserts a veneer, which may use x16 and
+/// x17, so every block with a handler declares those two clobbered (`rseq_asm!` does it for
+/// the per-CPU operations).
+macro_rules! rseq_abort {
+    ($label:literal, $($insn:literal),*) => {
+        concat!(
+            ".pushsection __rseq_failure, \"ax\"\n",
+            ".inst 0xd428bc00\n",
+            $label, ":\n",
+            $($insn, "\n",)*
+            ".popsection\n",
+        )
+    };
+}
+
+/// Lists an early exit of a section (from its start label to a label outside it) in
+/// `__rseq_exit_point_array`, as librseq does for debuggers. Place it before the start label.
+macro_rules! rseq_exit_point {
+    ($start:literal, $exit:literal) => {
+        concat!(
+            ".pushsection __rseq_exit_point_array, \"aw\"\n",
+            ".quad ",
+            $start,
+            "f, ",
+            $exit,
+            "\n",
+            ".popsection\n",
+        )
+    };
+}
+
+/// A delay loop at numbered point `$n` inside a section, built only with
+/// `--cfg thiscpu_inject`: it spins for the count in `inject::DELAYS[$n]`, widening the window in
+/// which preemption, migration or a signal aborts the section. Empty otherwise.
+#[cfg(thiscpu_inject)]
+macro_rules! inject {
+    ($n:literal) => {
+        concat!(
+            "adrp {scratch}, {delays}\n",
+            "add {scratch}, {scratch}, :lo12:{delays}\n",
+            "ldr {scratch:w}, [{scratch}, #(4 * ",
+            $n,
+            ")]\n",
+            "78:\n",
+            "subs {scratch:w}, {scratch:w}, #1\n",
+            "b.hs 78b\n",
+        )
+    };
+}
+#[cfg(not(thiscpu_inject))]
+macro_rules! inject {
+    ($n:literal) => {
+        ""
+    };
+}
+
+/// `asm!` for a restartable sequence: template pieces, then operands, then options. It declares
+/// x16 and x17 clobbered (see `rseq_abort!`), and with `--cfg thiscpu_inject` adds the scratch
+/// register and the delay table that `inject!` uses.
+#[cfg(thiscpu_inject)]
+macro_rules! rseq_asm {
+    ($($template:expr),+ ; $($operands:tt)*) => {
+        asm!(
+            $($template),+,
+            scratch = out(reg) _,
+            delays = sym crate::ops::inject::DELAYS,
+            out("x16") _,
+            out("x17") _,
+            $($operands)*
+        )
+    };
+}
+#[cfg(not(thiscpu_inject))]
+macro_rules! rseq_asm {
+    ($($template:expr),+ ; $($operands:tt)*) => {
+        asm!($($template),+, out("x16") _, out("x17") _, $($operands)*)
+    };
+}
+
+/// `RSEQ_SIG` for aarch64, the same in glibc, librseq and the kernel selftests: the data value
+/// of the `brk #0x45e0` instruction word placed before each abort label, as the kernel reads it
+/// (a data load, hence byte-swapped on big-endian aarch64, where instructions stay
+/// little-endian).
+#[cfg(target_endian = "little")]
+pub(crate) const RSEQ_SIG: u32 = 0xd428_bc00;
+/// `RSEQ_SIG` for aarch64, the same in glibc, librseq and the kernel selftests: the data value
+/// of the `brk #0x45e0` instruction word placed before each abort label, as the kernel reads it
+/// (a data load, hence byte-swapped on big-endian aarch64, where instructions stay
+/// little-endian).
+#[cfg(target_endian = "big")]
+pub(crate) const RSEQ_SIG: u32 = 0x00bc_28d4;
+
+const _: () = assert!(
+    RSEQ_SIG.to_le() == 0xd428_bc00,
+    "rseq_abort! hard-codes the signature instruction"
+);
+
+// thiscpu's own rseq area lives in static TLS (`.tdata`), so its memory is released only
+// after the kernel has reported the thread dead: an area registered by a thread that exits is
+// never written into freed memory. Its initial image has `cpu_id = -1` (unregistered), so a
+// thread reading it before registration always takes the slow path. The symbol is global
+// (hidden, so never exported from a shared object) because the `asm!` blocks that compute its
+// offset may be placed in any codegen unit.
+//
+// `__thiscpu_0_1_cpu_id_delta` is the distance from the own area to the `cpu_id` field of the
+// area in use, the same for every thread (areas sit at one offset from every thread pointer).
+// It starts at 4, the own area's `cpu_id`, and is switched once to glibc's area when glibc
+// registered. Both names carry the crate version so that two versions in one binary never
+// share them.
+global_asm!(
+    ".pushsection .tdata,\"awT\",%progbits",
+    ".balign 32",
+    ".globl __thiscpu_0_1_own_area",
+    ".hidden __thiscpu_0_1_own_area",
+    ".type __thiscpu_0_1_own_area, %tls_object",
+    ".size __thiscpu_0_1_own_area, 32",
+    "__thiscpu_0_1_own_area:",
+    ".long 0, -1",
+    ".quad 0",
+    ".long 0, 0, 0, 0",
+    ".popsection",
+    ".pushsection .data.__thiscpu_0_1_offsets,\"aw\",%progbits",
+    ".balign 8",
+    ".globl __thiscpu_0_1_cpu_id_delta",
+    ".hidden __thiscpu_0_1_cpu_id_delta",
+    "__thiscpu_0_1_cpu_id_delta:",
+    ".quad {cpu_id}",
+    ".popsection",
+    cpu_id = const offset::CPU_ID,
+);
+
+unsafe extern "C" {
+    static __thiscpu_0_1_cpu_id_delta: AtomicIsize;
+}
+
+/// The thread pointer, `TPIDR_EL0`.
+#[inline]
+pub(crate) fn thread_pointer() -> usize {
+    let tp: usize;
+    // SAFETY: reading TPIDR_EL0 has no side effect; on Linux it holds the thread pointer of the
+    // calling thread (the aarch64 TLS ABI), which glibc sets before any user code runs.
+    unsafe {
+        asm!("mrs {}, tpidr_el0", out(reg) tp, options(nomem, nostack, preserves_flags));
+    }
+    tp
+}
+
+/// Offset from the thread pointer to thiscpu's own static-TLS area: the initial-exec TLS
+/// sequence (a link-time constant in executables, one GOT load in shared objects).
+#[inline]
+pub(crate) fn own_area_offset() -> isize {
+    let offset: isize;
+    // SAFETY: the initial-exec access to a TLS symbol of this module: it reads the symbol's
+    // thread-pointer offset from the GOT (or, once the linker relaxed it, builds the constant);
+    // no other memory is touched.
+    unsafe {
+        asm!(
+            "adrp {o}, :gottprel:__thiscpu_0_1_own_area",
+            "ldr {o}, [{o}, :gottprel_lo12:__thiscpu_0_1_own_area]",
+            o = out(reg) offset,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    offset
+}
+
+/// Offset from the thread pointer to the area the fast path reads.
+pub(crate) fn active_offset() -> isize {
+    section_offset() - offset::CPU_ID as isize
+}
+
+/// Points the fast path at another area, e.g. glibc's. Every thread must have a live,
+/// 32-byte area at that offset from its thread pointer.
+pub(crate) fn set_active_offset(offset: isize) {
+    let delta = offset - own_area_offset() + offset::CPU_ID as isize;
+    // SAFETY: the symbol is an 8-byte aligned word in `.data`, only accessed atomically.
+    unsafe { __thiscpu_0_1_cpu_id_delta.store(delta, Ordering::Relaxed) }
+}
+
+/// This thread's area at `offset` from the thread pointer.
+pub(crate) fn area_at(offset: isize) -> *mut Rseq {
+    thread_pointer().wrapping_add_signed(offset) as *mut Rseq
+}
+
+/// The active area's position, loaded once before a section so that the CPU read and the
+/// section use the same area: the offset from the thread pointer to its `cpu_id` field (not
+/// to its start, so that reading `cpu_id` takes one register-offset load).
+#[inline(always)]
+pub(crate) fn section_offset() -> isize {
+    let offset: isize;
+    // SAFETY: the own area's offset (see `own_area_offset`) plus a relaxed load of an aligned
+    // word in `.data` that only this module writes, atomically.
+    unsafe {
+        asm!(
+            "adrp {o}, :gottprel:__thiscpu_0_1_own_area",
+            "ldr {o}, [{o}, :gottprel_lo12:__thiscpu_0_1_own_area]",
+            "adrp {d}, __thiscpu_0_1_cpu_id_delta",
+            "ldr {d}, [{d}, :lo12:__thiscpu_0_1_cpu_id_delta]",
+            "add {o}, {o}, {d}",
+            o = out(reg) offset,
+            d = out(reg) _,
+            options(readonly, nostack, preserves_flags),
+        );
+    }
+    offset
+}
+
+/// The 32-bit field `FIELD` (`cpu_id`, `node_id` or `mm_cid`) of the area whose `cpu_id` is at
+/// `offset` (from `section_offset`).
+#[inline(always)]
+pub(crate) fn field_at<const FIELD: usize>(offset: isize) -> i32 {
+    let value: i32;
+    if FIELD == offset::CPU_ID {
+        // SAFETY: `offset` names the `cpu_id` field of a live area of this thread (see
+        // `section_offset`); one naturally aligned 32-bit load.
+        unsafe {
+            asm!(
+                "mrs {tp}, tpidr_el0",
+                "ldr {v:w}, [{tp}, {off}]",
+                off = in(reg) offset,
+                tp = out(reg) _,
+                v = lateout(reg) value,
+                options(readonly, nostack, preserves_flags),
+            );
+        }
+    } else {
+        // SAFETY: as above; FIELD is one of the `abi::offset` constants, an aligned 32-bit
+        // field inside the 32-byte area.
+        unsafe {
+            asm!(
+                "mrs {tp}, tpidr_el0",
+                "add {tp}, {tp}, {off}",
+                "ldur {v:w}, [{tp}, #{field}]",
+                off = in(reg) offset,
+                tp = out(reg) _,
+                v = lateout(reg) value,
+                field = const FIELD as isize - offset::CPU_ID as isize,
+                options(readonly, nostack, preserves_flags),
+            );
+        }
+    }
+    value
+}
+
+/// `cpu_id` of the active area: the fast path of `current_cpu`; the caller tests the sign.
+#[inline(always)]
+pub(crate) fn rseq_cpu_id() -> i32 {
+    field_at::<{ offset::CPU_ID }>(section_offset())
+}
+
+/// A 32-bit field of the active area, read with one load (`node_id`, `mm_cid`).
+#[inline(always)]
+pub(crate) fn rseq_field<const FIELD: usize>() -> u32 {
+    field_at::<FIELD>(section_offset()) as u32
+}
+
+/// Reads `cpu_id` and `node_id` inside one restartable sequence, so both come from the same
+/// scheduling interval: any preemption, migration or signal between the two loads sends the
+/// thread to the abort label, and the pair is discarded. Returns `None` when aborted, and a
+/// negative cpu when the area is not registered.
+#[inline]
+pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
+    let offset = section_offset();
+    let cpu: i32;
+    let node: u32;
+    let aborted: u32;
+    // SAFETY: the section only loads from this thread's area and stores the descriptor address
+    // into its `rseq_cs` field, as the rseq ABI prescribes; the descriptor and the abort
+    // handler (preceded by the signature) are emitted alongside, and every instruction between
+    // start (label 2) and post-commit (label 4) lies inside the described range. The handler
+    // writes only `aborted` and branches back to label 4.
+    unsafe {
+        asm!(
+            rseq_descriptor!("2", "4", "5"),
+            "mov {aborted:w}, #0",
+            "mrs {base}, tpidr_el0",
+            "add {base}, {base}, {off}",
+            "adrp {cs}, 3b",
+            "add {cs}, {cs}, :lo12:3b",
+            "stur {cs}, [{base}, #{rseq_cs}]",
+            "2:",
+            "ldr {cpu:w}, [{base}]",
+            "ldur {node:w}, [{base}, #{node_id}]",
+            "4:",
+            rseq_abort!("5", "mov {aborted:w}, #1", "b 4b"),
+            off = in(reg) offset,
+            base = out(reg) _,
+            cs = out(reg) _,
+            cpu = out(reg) cpu,
+            node = out(reg) node,
+            aborted = out(reg) aborted,
+            rseq_cs = const offset::RSEQ_CS - offset::CPU_ID,
+            node_id = const offset::NODE_ID - offset::CPU_ID,
+            out("x16") _,
+            out("x17") _,
+            options(nostack, preserves_flags),
+        );
+    }
+    if aborted == 0 {
+        Some((cpu, node))
+    } else {
+        None
+    }
+}
+
+/// aarch64 has no RDPID.
+pub(crate) fn has_rdpid() -> bool {
+    false
+}
+
+/// aarch64 has no RDTSCP.
+pub(crate) fn has_rdtscp() -> bool {
+    false
+}
+
+/// The `getcpu` system call's answer encoded as x86's `IA32_TSC_AUX`, `(node << 12) | cpu`.
+/// aarch64 has no instruction that tells the CPU to user space (`MPIDR_EL1` is not the Linux
+/// CPU number, and reading it traps to the kernel anyway); this exists only because every
+/// architecture exports the same items, and is never called since `has_rdpid()` and
+/// `has_rdtscp()` are false. If it were, it would still answer correctly.
+fn getcpu_as_tsc_aux() -> u32 {
+    let (cpu, node) = native::cpu_node();
+    (node << 12) | (cpu & 0xfff)
+}
+
+/// See `getcpu_as_tsc_aux`: never called on aarch64.
+#[inline]
+pub(crate) fn rdpid() -> u32 {
+    getcpu_as_tsc_aux()
+}
+
+/// See `getcpu_as_tsc_aux`: never called on aarch64.
+#[inline]
+pub(crate) fn rdtscp() -> u32 {
+    getcpu_as_tsc_aux()
+}
+
+/// The CPU's own instruction for "which CPU am I on": aarch64 has none, so the fallback chain
+/// never selects it; `cpu_node` answers with the system call in case it is ever called.
+pub(crate) mod native {
+    /// `(cpu, node)` from the `getcpu` system call.
+    #[inline]
+    pub(crate) fn cpu_node() -> (u32, u32) {
+        let mut cpu = 0u32;
+        let mut node = 0u32;
+        // SAFETY: getcpu writes two `unsigned int`s through valid pointers; the third argument
+        // (the unused cache) may be null.
+        unsafe {
+            libc::syscall(
+                libc::SYS_getcpu,
+                &mut cpu,
+                &mut node,
+                core::ptr::null_mut::<u8>(),
+            );
+        }
+        (cpu, node)
+    }
+}
+
+// Every section below has the same frame: the descriptor (label 3), the arming store of its
+// address into `rseq_cs` (the `cpu_id` field's address plus 4), the start (label 2), the
+// comparison of the area's `FIELD` with the index the caller read before the section (any
+// migration since then branches to the Rust `abort` label, listed as an exit point), the
+// operation, the single committing store, the post-commit label 4, and the abort handler at
+// label 5 in `__rseq_failure`, preceded by the signature. The abort handler only branches to
+// the Rust `abort` label: no register the section wrote is needed there. Conditional branches
+// leave only to labels of the same function (their range is ±1 MiB, with no veneers).
+
+/// `*v += count`: load, add, and commit with one `str`. See `ops::load_add_store`.
+///
+/// # Safety
+/// `offset` and `index` were read from this thread's area (`offset` by `section_offset`,
+/// `index` from `FIELD`), and `v` is valid for reads and writes of a `u64` that only sections
+/// indexed by `index` write.
+#[inline(always)]
+pub(crate) unsafe fn load_add_store<const FIELD: usize>(
+    offset: isize,
+    index: u32,
+    v: *mut u64,
+    count: u64,
+) -> Outcome<()> {
+    // SAFETY: the caller's contract; the section follows the frame described above. The load
+    // and add are safe to abandon; only the final `str` changes memory.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{abort}"),
+            "mrs {base}, tpidr_el0",
+            "add {base}, {base}, {off}",
+            "adrp {cs}, 3b",
+            "add {cs}, {cs}, :lo12:3b",
+            "stur {cs}, [{base}, #{rseq_cs}]",
+            "2:",
+            "ldur {cur:w}, [{base}, #{field}]",
+            "cmp {cur:w}, {index:w}",
+            "b.ne {abort}",
+            inject!(1),
+            "ldr {cur}, [{v}]",
+            "add {cur}, {cur}, {count}",
+            "str {cur}, [{v}]",
+            "4:",
+            rseq_abort!("5", "b {abort}");
+            off = in(reg) offset,
+            index = in(reg) index,
+            v = in(reg) v,
+            count = in(reg) count,
+            base = out(reg) _,
+            cs = out(reg) _,
+            cur = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS - offset::CPU_ID,
+            field = const FIELD as isize - offset::CPU_ID as isize,
+            abort = label { return Outcome::Aborted; },
+            options(nostack),
+        );
+    }
+    Outcome::Committed(())
+}
+
+/// If `*v == expect`, `*v = newv`, committed with a store-release (`stlr`: `list_push`
+/// publishes nodes through it, see the module's memory ordering). See `ops::load_cbne_store`.
+///
+/// # Safety
+/// As for `load_add_store`.
+#[inline(always)]
+pub(crate) unsafe fn load_cbne_store<const FIELD: usize>(
+    offset: isize,
+    index: u32,
+    v: *mut u64,
+    expect: u64,
+    newv: u64,
+) -> Outcome<()> {
+    // SAFETY: the caller's contract; the section follows the frame described above, and its
+    // early exit (label `mismatch`) is listed as an exit point.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{abort}"),
+            rseq_exit_point!("2", "{mismatch}"),
+            "mrs {base}, tpidr_el0",
+            "add {base}, {base}, {off}",
+            "adrp {cs}, 3b",
+            "add {cs}, {cs}, :lo12:3b",
+            "stur {cs}, [{base}, #{rseq_cs}]",
+            "2:",
+            "ldur {cur:w}, [{base}, #{field}]",
+            "cmp {cur:w}, {index:w}",
+            "b.ne {abort}",
+            "ldr {cur}, [{v}]",
+            "cmp {cur}, {expect}",
+            "b.ne {mismatch}",
+            inject!(1),
+            "stlr {newv}, [{v}]",
+            "4:",
+            rseq_abort!("5", "b {abort}");
+            off = in(reg) offset,
+            index = in(reg) index,
+            v = in(reg) v,
+            expect = in(reg) expect,
+            newv = in(reg) newv,
+            base = out(reg) _,
+            cs = out(reg) _,
+            cur = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS - offset::CPU_ID,
+            field = const FIELD as isize - offset::CPU_ID as isize,
+            mismatch = label { return Outcome::Mismatch; },
+            abort = label { return Outcome::Aborted; },
+            options(nostack),
+        );
+    }
+    Outcome::Committed(())
+}
+
+/// Pops the head of a singly linked list: `h = *head; if h == 0 leave; *out = h;
+/// *head = *(h + NEXT)`, committed with one `str`. See `ops::load_cbeq_load_store`.
+///
+/// # Safety
+/// As for `load_add_store`, for the word at `head`; every non-null value stored there points to
+/// a node whose word at byte offset `NEXT` is readable; `out` is valid for a pointer write.
+#[inline(always)]
+pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>(
+    offset: isize,
+    index: u32,
+    head: *mut usize,
+    out: *mut usize,
+) -> Outcome<()> {
+    // SAFETY: the caller's contract; the section follows the frame described above; the store
+    // to `out` before the commit is harmless if the section aborts (the caller only reads `out`
+    // after a commit). The load of `next` depends on the loaded head's address, so it is
+    // ordered after it without a barrier.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{abort}"),
+            rseq_exit_point!("2", "{empty}"),
+            "mrs {base}, tpidr_el0",
+            "add {base}, {base}, {off}",
+            "adrp {cs}, 3b",
+            "add {cs}, {cs}, :lo12:3b",
+            "stur {cs}, [{base}, #{rseq_cs}]",
+            "2:",
+            "ldur {node:w}, [{base}, #{field}]",
+            "cmp {node:w}, {index:w}",
+            "b.ne {abort}",
+            "ldr {node}, [{head}]",
+            "cbz {node}, {empty}",
+            "str {node}, [{out}]",
+            inject!(1),
+            "ldr {node}, [{node}, #{next}]",
+            inject!(2),
+            "str {node}, [{head}]",
+            "4:",
+            rseq_abort!("5", "b {abort}");
+            off = in(reg) offset,
+            index = in(reg) index,
+            head = in(reg) head,
+            out = in(reg) out,
+            base = out(reg) _,
+            node = out(reg) _,
+            cs = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS - offset::CPU_ID,
+            field = const FIELD as isize - offset::CPU_ID as isize,
+            next = const NEXT,
+            empty = label { return Outcome::Mismatch; },
+            abort = label { return Outcome::Aborted; },
+            options(nostack),
+        );
+    }
+    Outcome::Committed(())
+}
+
+// Guarded array stacks (the pool's per-CPU caches, `crate::pool`). Each CPU's stack is a
+// `pool::StackHead` (a `count` word and a `stopped` word on one cache line) and an array of
+// `capacity` object pointers. Both sections follow the frame above, and then, first thing after
+// the CPU check, load `stopped` and leave through the `stopped` exit if it is not zero: a
+// drainer on another CPU sets it, fences this CPU with membarrier (which aborts every section
+// already past this check), and only then reads and resets the stack. The count is the single
+// committed word; the slot written by a push lies beyond the committed count until the commit,
+// so an abort leaves only an invisible stale slot.
+//
+// Memory ordering:
+// - `stopped` is loaded with `ldar` (load-acquire): a drainer stores `count = 0` and then
+//   clears `stopped` with a store-release; a section that sees the flag clear must not have
+//   read `count` or a slot before it, and a control dependency (the `cbnz`) orders no loads.
+// - The push commits `count` with `stlr` (store-release): the slot store and the object's
+//   contents must be visible to a drainer on another CPU before the count that covers them.
+//   The membarrier IPI's full barrier orders them too; the release keeps the section correct
+//   on its own, as librseq's RELEASE variants do.
+// - The pop commits with a plain `str`: only this CPU reads the count back, and a drainer is
+//   ordered after it by the membarrier IPI's full barrier.
+// `ldar`/`stlr` take a bare base register, so the callers' field addresses are computed
+// before the section.
+
+use crate::pool::{StackHead, StackOutcome};
+
+/// The addresses of a stack head's `count` and `stopped` words.
+#[inline(always)]
+fn stack_words(head: *const StackHead) -> (*const u64, *const u64) {
+    (
+        head.wrapping_byte_add(StackHead::COUNT).cast(),
+        head.wrapping_byte_add(StackHead::STOPPED).cast(),
+    )
+}
+
+/// Guarded push: `if head.stopped != 0 leave(Stopped); n = head.count; if n >= capacity
+/// leave(Refused); slots[n] = item; commit head.count = n + 1` (with `stlr`).
+///
+/// # Safety
+/// `offset` and `index` were read from this thread's area (`index` from `FIELD`); `head` and
+/// `slots` (valid for `capacity` pointer-sized words) are CPU `index`'s stack, whose `count`
+/// and slots only sections indexed by `index` write, or a drainer after a fence of that CPU
+/// while `stopped` is set.
+#[inline(always)]
+pub(crate) unsafe fn stack_push<const FIELD: usize>(
+    offset: isize,
+    index: u32,
+    head: *const StackHead,
+    slots: *mut usize,
+    capacity: u64,
+    item: usize,
+) -> StackOutcome {
+    let (count, stopped) = stack_words(head);
+    // SAFETY: the caller's contract; the section follows the frame described above; its three
+    // early exits are listed as exit points; the slot store lands beyond the committed count
+    // (n < capacity is checked first), so an aborted push leaves nothing visible.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{abort}"),
+            rseq_exit_point!("2", "{stopped}"),
+            rseq_exit_point!("2", "{refused}"),
+            "mrs {base}, tpidr_el0",
+            "add {base}, {base}, {off}",
+            "adrp {cs}, 3b",
+            "add {cs}, {cs}, :lo12:3b",
+            "stur {cs}, [{base}, #{rseq_cs}]",
+            "2:",
+            "ldur {n:w}, [{base}, #{field}]",
+            "cmp {n:w}, {index:w}",
+            "b.ne {abort}",
+            "ldar {n}, [{stopped_at}]",
+            "cbnz {n}, {stopped}",
+            inject!(3),
+            "ldr {n}, [{count_at}]",
+            "cmp {n}, {capacity}",
+            "b.hs {refused}",
+            "str {item}, [{slots}, {n}, lsl #3]",
+            inject!(1),
+            "add {n}, {n}, #1",
+            "stlr {n}, [{count_at}]",
+            "4:",
+            rseq_abort!("5", "b {abort}");
+            off = in(reg) offset,
+            index = in(reg) index,
+            count_at = in(reg) count,
+            stopped_at = in(reg) stopped,
+            slots = in(reg) slots,
+            capacity = in(reg) capacity,
+            item = in(reg) item,
+            base = out(reg) _,
+            n = out(reg) _,
+            cs = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS - offset::CPU_ID,
+            field = const FIELD as isize - offset::CPU_ID as isize,
+            stopped = label { return StackOutcome::Stopped; },
+            refused = label { return StackOutcome::Refused; },
+            abort = label { return StackOutcome::Aborted; },
+            options(nostack),
+        );
+    }
+    StackOutcome::Committed
+}
+
+/// Guarded pop: `if head.stopped != 0 leave(Stopped); n = head.count; if n == 0
+/// leave(Refused); *out = slots[n - 1]; commit head.count = n - 1`.
+///
+/// # Safety
+/// As for `stack_push`; `out` is valid for a pointer-sized write (read by the caller only after
+/// a commit).
+#[inline(always)]
+pub(crate) unsafe fn stack_pop<const FIELD: usize>(
+    offset: isize,
+    index: u32,
+    head: *const StackHead,
+    slots: *const usize,
+    out: *mut usize,
+) -> StackOutcome {
+    let (count, stopped) = stack_words(head);
+    // SAFETY: the caller's contract; the section follows the frame described above; its three
+    // early exits are listed as exit points; the store to `out` before the commit is harmless
+    // if the section aborts.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{abort}"),
+            rseq_exit_point!("2", "{stopped}"),
+            rseq_exit_point!("2", "{refused}"),
+            "mrs {base}, tpidr_el0",
+            "add {base}, {base}, {off}",
+            "adrp {cs}, 3b",
+            "add {cs}, {cs}, :lo12:3b",
+            "stur {cs}, [{base}, #{rseq_cs}]",
+            "2:",
+            "ldur {n:w}, [{base}, #{field}]",
+            "cmp {n:w}, {index:w}",
+            "b.ne {abort}",
+            "ldar {n}, [{stopped_at}]",
+            "cbnz {n}, {stopped}",
+            inject!(3),
+            "ldr {n}, [{count_at}]",
+            "cbz {n}, {refused}",
+            "sub {n}, {n}, #1",
+            "ldr {item}, [{slots}, {n}, lsl #3]",
+            "str {item}, [{out}]",
+            inject!(2),
+            "str {n}, [{count_at}]",
+            "4:",
+            rseq_abort!("5", "b {abort}");
+            off = in(reg) offset,
+            index = in(reg) index,
+            count_at = in(reg) count,
+            stopped_at = in(reg) stopped,
+            slots = in(reg) slots,
+            out = in(reg) out,
+            base = out(reg) _,
+            n = out(reg) _,
+            item = out(reg) _,
+            cs = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS - offset::CPU_ID,
+            field = const FIELD as isize - offset::CPU_ID as isize,
+            stopped = label { return StackOutcome::Stopped; },
+            refused = label { return StackOutcome::Refused; },
+            abort = label { return StackOutcome::Aborted; },
+            options(nostack),
+        );
+    }
+    StackOutcome::Committed
+}
+
+#[cfg(test)]
+mod tests {
+    //! Checks of this file's own contract, run in the aarch64 test VM: where the areas are, and
+    //! that each section's descriptor is what the kernel requires.
+
+    use super::*;
+    use crate::abi::RseqCs;
+    use crate::registration::{self, Registrar};
+
+    /// The descriptor the calling thread's active area points at, after a section ran.
+    fn last_descriptor() -> &'static RseqCs {
+        let area = area_at(active_offset());
+        // SAFETY: the active area is this thread's; `rseq_cs` is an aligned 64-bit field.
+        let cs = unsafe { core::ptr::addr_of!((*area).rseq_cs).read_volatile() };
+        assert_ne!(cs, 0, "no section armed the area");
+        // SAFETY: a non-zero `rseq_cs` was stored by one of this module's sections (the kernel
+        // only ever clears it), so it points at a descriptor in `__rseq_cs`, which is static.
+        unsafe { &*(cs as *const RseqCs) }
+    }
+
+    /// What the kernel checks before it aborts a section (see `rseq_get_rseq_cs`): version and
+    /// flags 0, the abort address outside the section, the signature right before it.
+    fn check_descriptor(cs: &RseqCs) {
+        assert_eq!(cs as *const RseqCs as usize % 32, 0, "descriptor alignment");
+        assert_eq!((cs.version, cs.flags), (0, 0));
+        assert!(cs.post_commit_offset > 0 && cs.post_commit_offset < 256);
+        let end = cs.start_ip + cs.post_commit_offset;
+        assert!(
+            cs.abort_ip < cs.start_ip || cs.abort_ip >= end,
+            "abort inside the section"
+        );
+        // SAFETY: the four bytes before `abort_ip` are the `.inst` word emitted with it, in an
+        // executable (readable) section.
+        let sig = unsafe { ((cs.abort_ip - 4) as *const u32).read_unaligned() };
+        assert_eq!(sig, RSEQ_SIG);
+    }
+
+    fn register() -> bool {
+        crate::cpu::decide_fallback();
+        registration::ensure_registered()
+    }
+
+    #[test]
+    fn own_area_is_aligned_static_tls_and_starts_unregistered() {
+        let own = own_area_offset();
+        // Variant I TLS: the static TLS blocks lie above the 16-byte thread control block.
+        assert!(own >= 16, "own area offset {own}");
+        assert_eq!(area_at(own) as usize % 32, 0);
+        // A fresh thread that never asked thiscpu anything has the initial image.
+        let (offset, cpu_id, rseq_cs) = std::thread::spawn(|| {
+            let area = area_at(own_area_offset());
+            // SAFETY: this thread's own area, live while the thread runs; aligned fields.
+            unsafe {
+                (
+                    own_area_offset(),
+                    core::ptr::addr_of!((*area).cpu_id).read_volatile(),
+                    core::ptr::addr_of!((*area).rseq_cs).read_volatile(),
+                )
+            }
+        })
+        .join()
+        .unwrap();
+        assert_eq!(offset, own, "the offset is the same in every thread");
+        assert_eq!((cpu_id, rseq_cs), (-1, 0));
+    }
+
+    #[test]
+    fn active_offset_follows_the_registrar() {
+        let process = registration::process();
+        match process.registrar {
+            Registrar::Glibc => assert_eq!(Some(active_offset()), process.glibc_rseq_offset),
+            _ => assert_eq!(active_offset(), own_area_offset()),
+        }
+        assert_eq!(section_offset(), active_offset() + offset::CPU_ID as isize);
+    }
+
+    #[test]
+    fn fast_path_reads_the_active_area() {
+        if !register() {
+            return;
+        }
+        let area = area_at(active_offset());
+        for _ in 0..1000 {
+            // SAFETY: the active area is this thread's; aligned 32-bit fields.
+            let (start, id) = unsafe {
+                (
+                    core::ptr::addr_of!((*area).cpu_id_start).read_volatile(),
+                    core::ptr::addr_of!((*area).cpu_id).read_volatile(),
+                )
+            };
+            let fast = rseq_cpu_id();
+            let start_field = rseq_field::<{ offset::CPU_ID_START }>();
+            let mm_cid = rseq_field::<{ offset::MM_CID }>();
+            // SAFETY: as above.
+            let mm_cid_direct = unsafe { core::ptr::addr_of!((*area).mm_cid).read_volatile() };
+            if start as i32 == id && fast == id && start_field == start && mm_cid == mm_cid_direct {
+                assert!(fast >= 0);
+                return;
+            }
+        }
+        panic!("the fast path never agreed with the area it should read");
+    }
+
+    #[test]
+    fn load_cpu_node_arms_a_valid_descriptor() {
+        if !register() {
+            return;
+        }
+        let mut committed = 0;
+        for _ in 0..10_000 {
+            if let Some((cpu, _node)) = load_cpu_node() {
+                assert!(cpu >= 0);
+                committed += 1;
+            }
+        }
+        assert!(committed > 0);
+        check_descriptor(last_descriptor());
+    }
+
+    #[test]
+    fn sections_commit_and_arm_valid_descriptors() {
+        if !register() {
+            return;
+        }
+        let mut word = 0u64;
+        let mut head = 0usize;
+        let mut node = [0usize; 2];
+        let mut out = 0usize;
+        let mut done = [false; 5];
+        for _ in 0..10_000 {
+            let offset = section_offset();
+            let index = field_at::<{ offset::CPU_ID }>(offset);
+            assert!(index >= 0);
+            let index = index as u32;
+            // SAFETY: `offset` and `index` were just read from this thread's area; every word
+            // passed below is a local that only this thread touches.
+            unsafe {
+                if !done[0]
+                    && load_add_store::<{ offset::CPU_ID }>(offset, index, &mut word, 5)
+                        == Outcome::Committed(())
+                {
+                    done[0] = true;
+                    assert_eq!(word, 5);
+                    check_descriptor(last_descriptor());
+                }
+                if !done[1]
+                    && load_cbne_store::<{ offset::CPU_ID }>(offset, index, &mut word, 4, 9)
+                        == Outcome::Mismatch
+                {
+                    done[1] = true;
+                    assert_eq!(word, 5);
+                }
+                if !done[2]
+                    && load_cbne_store::<{ offset::CPU_ID }>(offset, index, &mut word, 5, 9)
+                        == Outcome::Committed(())
+                {
+                    done[2] = true;
+                    assert_eq!(word, 9);
+                    check_descriptor(last_descriptor());
+                }
+                if !done[3]
+                    && load_cbeq_load_store::<{ offset::CPU_ID }, 8>(
+                        offset, index, &mut head, &mut out,
+                    ) == Outcome::Mismatch
+                {
+                    done[3] = true;
+                    // Push a one-node list by hand: node[1] is the `next` field of node.
+                    node[1] = 0;
+                    head = node.as_mut_ptr() as usize;
+                }
+                if done[3]
+                    && !done[4]
+                    && load_cbeq_load_store::<{ offset::CPU_ID }, 8>(
+                        offset, index, &mut head, &mut out,
+                    ) == Outcome::Committed(())
+                {
+                    done[4] = true;
+                    assert_eq!((out, head), (node.as_mut_ptr() as usize, 0));
+                    check_descriptor(last_descriptor());
+                }
+            }
+            if done.iter().all(|&d| d) {
+                return;
+            }
+        }
+        panic!("sections never completed: {done:?}");
+    }
+
+    #[test]
+    fn a_stale_index_aborts() {
+        if !register() {
+            return;
+        }
+        let mut word = 0u64;
+        let offset = section_offset();
+        let index = field_at::<{ offset::CPU_ID }>(offset) as u32;
+        // SAFETY: as in the test above, with an index that is never this thread's CPU.
+        let outcome = unsafe {
+            load_add_store::<{ offset::CPU_ID }>(offset, index.wrapping_add(1 << 20), &mut word, 1)
+        };
+        assert_eq!(outcome, Outcome::Aborted);
+        assert_eq!(word, 0);
+    }
+
+    #[test]
+    fn the_emulated_instructions_answer_like_the_syscall() {
+        assert!(!has_rdpid() && !has_rdtscp());
+        // The thread may migrate between the calls: retry until both syscalls around the
+        // emulated read agree.
+        for _ in 0..100 {
+            let before = native::cpu_node();
+            let (aux, aux_too) = (rdpid(), rdtscp());
+            if native::cpu_node() == before {
+                let expect = (before.1 << 12) | before.0;
+                if aux == expect && aux_too == expect {
+                    return;
+                }
+            }
+        }
+        panic!("rdpid()/rdtscp() never agreed with getcpu");
+    }
+}

@@ -103,6 +103,11 @@ fi
 guest_tmpdir=${CARGO_TARGET_TMPDIR:-}
 [ -z "$guest_tmpdir" ] || mkdir -p "$root$guest_tmpdir"
 
+# The variables the program sees, by name: the test harness's, glibc's tunables, thiscpu's
+# (less the runner's own), and those cargo sets for tests.
+pass_through='RUST_|GLIBC_TUNABLES$|THISCPU_'
+pass_through+='|CARGO_(MANIFEST_|PKG_|CRATE_|BIN_|TARGET_TMPDIR)'
+
 # Single-quotes a word for the guest's shell.
 quote() { printf "'%s'" "$(printf '%s' "$1" | sed "s/'/'\\\\''/g")"; }
 
@@ -118,9 +123,7 @@ quote() { printf "'%s'" "$(printf '%s' "$1" | sed "s/'/'\\\\''/g")"; }
     printf 'cd %s\n' "$(quote "$workdir")"
     while IFS= read -r name; do
         printf 'export %s=%s\n' "$name" "$(quote "${!name}")"
-    done < <(compgen -e |
-        grep -E '^(RUST_|GLIBC_TUNABLES$|THISCPU_|CARGO_(MANIFEST_|PKG_|CRATE_|BIN_|TARGET_TMPDIR))' |
-        grep -v '^THISCPU_VM_' || true)
+    done < <(compgen -e | grep -E "^($pass_through)" | grep -v '^THISCPU_VM_' || true)
     printf '/bin/program'
     for arg in "$@"; do
         printf ' %s' "$(quote "$arg")"

@@ -107,7 +107,8 @@ if ! rust_ready; then
     [ -n "$rust_version" ] || { log "apt knows no rustc-web"; exit 1; }
     # 1.96.0+dfsg1-1~deb12u2 -> 1.96
     series=$(printf '%s\n' "$rust_version" | sed -E 's/^([0-9]+:)?([0-9]+\.[0-9]+).*/\2/')
-    llvm=$(apt-cache depends "libstd-rust-web-$series" | awk '/Depends: libllvm[0-9]+$/ { print $2; exit }')
+    llvm=$(apt-cache depends "libstd-rust-web-$series" |
+        awk '/Depends: libllvm[0-9]+$/ { print $2; exit }')
     [ -n "$llvm" ] || { log "cannot tell which libllvm libstd-rust-web-$series needs"; exit 1; }
     log "rustc-web $rust_version ($llvm) into $tools/rust"
     # The amd64 and arm64 standard libraries must be the very same build as the compiler.
@@ -134,13 +135,15 @@ if ! rust_ready; then
         [ -d "$dir" ] && libdirs="$libdirs:${dir#"$tools/rust/"}"
     done
     mkdir -p "$tools/bin"
+    # The same directories, as the wrapper spells them: relative to its own location.
+    wrapper_libdirs=$(printf '%s' "$libdirs" | sed 's|^|$root/|; s|:|:$root/|g')
     for tool in rustc rustdoc clippy-driver; do
         [ -x "$tools/rust/usr/bin/$tool" ] || continue
         cat >"$tools/bin/$tool" <<EOF
 #!/bin/sh
 # Runs Debian's $tool $rust_version unpacked beside this script (written by setup.sh).
 root=\$(cd "\$(dirname "\$0")/../rust" && pwd)
-LD_LIBRARY_PATH="$(printf '%s' "$libdirs" | sed 's|^|\$root/|; s|:|:\$root/|g')\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
+LD_LIBRARY_PATH="$wrapper_libdirs\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}"
 export LD_LIBRARY_PATH
 exec "\$root/usr/bin/$tool" "\$@"
 EOF

@@ -783,15 +783,16 @@ mod tests {
     use crate::abi::RseqCs;
     use crate::registration::{self, Registrar};
 
-    /// The descriptor the calling thread's active area points at, after a section ran.
-    fn last_descriptor() -> &'static RseqCs {
+    /// The descriptor the calling thread's active area points at, right after a section ran;
+    /// `None` if the kernel already cleared it (it does so lazily, at the next preemption or
+    /// signal after the section).
+    fn last_descriptor() -> Option<&'static RseqCs> {
         let area = area_at(active_offset());
         // SAFETY: the active area is this thread's; `rseq_cs` is an aligned 64-bit field.
         let cs = unsafe { core::ptr::addr_of!((*area).rseq_cs).read_volatile() };
-        assert_ne!(cs, 0, "no section armed the area");
         // SAFETY: a non-zero `rseq_cs` was stored by one of this module's sections (the kernel
         // only ever clears it), so it points at a descriptor in `__rseq_cs`, which is static.
-        unsafe { &*(cs as *const RseqCs) }
+        (cs != 0).then(|| unsafe { &*(cs as *const RseqCs) })
     }
 
     /// What the kernel checks before it aborts a section (see `rseq_get_rseq_cs`): version and
@@ -882,84 +883,102 @@ mod tests {
         if !register() {
             return;
         }
-        let mut committed = 0;
         for _ in 0..10_000 {
             if let Some((cpu, _node)) = load_cpu_node() {
                 assert!(cpu >= 0);
-                committed += 1;
+                if let Some(cs) = last_descriptor() {
+                    check_descriptor(cs);
+                    return;
+                }
             }
         }
-        assert!(committed > 0);
-        check_descriptor(last_descriptor());
+        panic!("load_cpu_node never completed with its descriptor still armed");
     }
 
-    #[test]
-    fn sections_commit_and_arm_valid_descriptors() {
-        if !register() {
-            return;
-        }
-        let mut word = 0u64;
-        let mut head = 0usize;
-        let mut node = [0usize; 2];
-        let mut out = 0usize;
-        let mut done = [false; 5];
+    /// Runs `section` at the current position until it ends with `want` and the area is still
+    /// armed right after it, then checks the descriptor it armed.
+    fn until_armed(want: Outcome<()>, mut section: impl FnMut(isize, u32) -> Outcome<()>) {
         for _ in 0..10_000 {
             let offset = section_offset();
             let index = field_at::<{ offset::CPU_ID }>(offset);
             assert!(index >= 0);
-            let index = index as u32;
-            // SAFETY: `offset` and `index` were just read from this thread's area; every word
-            // passed below is a local that only this thread touches.
-            unsafe {
-                if !done[0]
-                    && load_add_store::<{ offset::CPU_ID }>(offset, index, &mut word, 5)
-                        == Outcome::Committed(())
-                {
-                    done[0] = true;
-                    assert_eq!(word, 5);
-                    check_descriptor(last_descriptor());
-                }
-                if !done[1]
-                    && load_cbne_store::<{ offset::CPU_ID }>(offset, index, &mut word, 4, 9)
-                        == Outcome::Mismatch
-                {
-                    done[1] = true;
-                    assert_eq!(word, 5);
-                }
-                if !done[2]
-                    && load_cbne_store::<{ offset::CPU_ID }>(offset, index, &mut word, 5, 9)
-                        == Outcome::Committed(())
-                {
-                    done[2] = true;
-                    assert_eq!(word, 9);
-                    check_descriptor(last_descriptor());
-                }
-                if !done[3]
-                    && load_cbeq_load_store::<{ offset::CPU_ID }, 8>(
-                        offset, index, &mut head, &mut out,
-                    ) == Outcome::Mismatch
-                {
-                    done[3] = true;
-                    // Push a one-node list by hand: node[1] is the `next` field of node.
-                    node[1] = 0;
-                    head = node.as_mut_ptr() as usize;
-                }
-                if done[3]
-                    && !done[4]
-                    && load_cbeq_load_store::<{ offset::CPU_ID }, 8>(
-                        offset, index, &mut head, &mut out,
-                    ) == Outcome::Committed(())
-                {
-                    done[4] = true;
-                    assert_eq!((out, head), (node.as_mut_ptr() as usize, 0));
-                    check_descriptor(last_descriptor());
-                }
-            }
-            if done.iter().all(|&d| d) {
+            if section(offset, index as u32) == want
+                && let Some(cs) = last_descriptor()
+            {
+                check_descriptor(cs);
                 return;
             }
         }
-        panic!("sections never completed: {done:?}");
+        panic!("no section ended with {want:?} and its descriptor still armed");
+    }
+
+    #[test]
+    fn load_add_store_commits_and_arms_a_valid_descriptor() {
+        if !register() {
+            return;
+        }
+        let (mut word, mut commits) = (0u64, 0u64);
+        until_armed(Outcome::Committed(()), |offset, index| {
+            // SAFETY: `offset` and `index` were just read from this thread's area; `word` is a
+            // local that only this thread touches.
+            let outcome =
+                unsafe { load_add_store::<{ offset::CPU_ID }>(offset, index, &mut word, 5) };
+            commits += u64::from(outcome == Outcome::Committed(()));
+            outcome
+        });
+        assert_eq!(word, 5 * commits);
+    }
+
+    #[test]
+    fn load_cbne_store_compares_commits_and_arms_a_valid_descriptor() {
+        if !register() {
+            return;
+        }
+        let mut word = 5u64;
+        until_armed(Outcome::Mismatch, |offset, index| {
+            // SAFETY: as above.
+            unsafe { load_cbne_store::<{ offset::CPU_ID }>(offset, index, &mut word, 4, 9) }
+        });
+        assert_eq!(word, 5);
+        let mut commits = 0u64;
+        until_armed(Outcome::Committed(()), |offset, index| {
+            let expect = word;
+            // SAFETY: as above.
+            let outcome = unsafe {
+                load_cbne_store::<{ offset::CPU_ID }>(offset, index, &mut word, expect, expect + 1)
+            };
+            commits += u64::from(outcome == Outcome::Committed(()));
+            outcome
+        });
+        assert_eq!(word, 5 + commits);
+    }
+
+    #[test]
+    fn load_cbeq_load_store_pops_and_arms_a_valid_descriptor() {
+        if !register() {
+            return;
+        }
+        let (mut head, mut out) = (0usize, 0usize);
+        until_armed(Outcome::Mismatch, |offset, index| {
+            // SAFETY: as above; the list is empty.
+            unsafe {
+                load_cbeq_load_store::<{ offset::CPU_ID }, 8>(offset, index, &mut head, &mut out)
+            }
+        });
+        // A one-node list: `node[1]` is the node's `next` field, at byte offset 8.
+        let mut node = [0usize; 2];
+        let node_address = node.as_mut_ptr() as usize;
+        until_armed(Outcome::Committed(()), |offset, index| {
+            if head == 0 {
+                (head, out) = (node_address, 0);
+            }
+            // SAFETY: as above; `head` is null or points at `node`, whose `next` is null.
+            unsafe {
+                load_cbeq_load_store::<{ offset::CPU_ID }, 8>(offset, index, &mut head, &mut out)
+            }
+        });
+        assert_eq!((out, head), (node_address, 0));
+        assert_eq!(node[1], 0);
     }
 
     #[test]

@@ -20,7 +20,9 @@
 # CARGO_TARGET_TMPDIR. Otherwise the program runs from /.
 #
 # Other knobs: THISCPU_VM_SMP (default 2), THISCPU_VM_MEM (MiB, default 1024),
-# THISCPU_AARCH64_TOOLS (where setup.sh put the kernel and busybox).
+# THISCPU_AARCH64_TOOLS (where setup.sh put the kernel and busybox), THISCPU_AARCH64_SYSROOT
+# (where the shared libraries come from, default /usr/aarch64-linux-gnu; its lib/ may also
+# hold a program's own shared objects).
 set -euo pipefail
 
 if [ $# -lt 1 ]; then

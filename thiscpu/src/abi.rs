@@ -97,11 +97,9 @@ const _: () = {
 /// 32, is what is really kept up to date (librseq decides the same way).
 pub fn usable_size(registered_size: u32, kernel_feature_size: u32) -> u32 {
     if registered_size == ORIGINAL_FEATURE_SIZE || registered_size == ORIGINAL_AREA_SIZE {
-        if kernel_feature_size > ORIGINAL_FEATURE_SIZE {
-            kernel_feature_size.min(ORIGINAL_AREA_SIZE)
-        } else {
-            ORIGINAL_FEATURE_SIZE
-        }
+        // Written as a clamp on purpose: the equivalent `if k > 20 { k.min(32) } else { 20 }`
+        // is miscompiled by rustc 1.95/1.96 (LLVM 22) at -O, returning 0 for k = 0.
+        kernel_feature_size.clamp(ORIGINAL_FEATURE_SIZE, ORIGINAL_AREA_SIZE)
     } else {
         registered_size
     }

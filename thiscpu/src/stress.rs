@@ -133,6 +133,50 @@ fn allowed_cpus() -> Vec<u32> {
     }
 }
 
+/// Moves workers between CPUs and sends them signals, at random, and counts what it did.
+struct Disturber<'a> {
+    config: &'a StressConfig,
+    random: Random,
+    pid: i32,
+    migrations: u64,
+    signals: u64,
+}
+
+impl<'a> Disturber<'a> {
+    fn new(config: &'a StressConfig) -> Self {
+        Disturber {
+            config,
+            random: Random(0x9e37_79b9_7f4a_7c15 ^ u64::from(gettid() as u32)),
+            // SAFETY: no precondition.
+            pid: unsafe { libc::getpid() },
+            migrations: 0,
+            signals: 0,
+        }
+    }
+
+    /// Eight disturbances, each of a worker picked at random.
+    fn round(&mut self, tids: &[AtomicI32], cpus: &[u32]) {
+        for _ in 0..8 {
+            let tid = tids[self.random.next(tids.len())].load(Ordering::Acquire);
+            if self.config.migrate
+                && !cpus.is_empty()
+                && pin(tid, cpus[self.random.next(cpus.len())])
+            {
+                self.migrations += 1;
+            }
+            if self.config.signals {
+                // SAFETY: tgkill to a live thread of this process (workers run until they are
+                // told to stop, after the last round); the signal's handler is installed.
+                let sent =
+                    unsafe { libc::syscall(libc::SYS_tgkill, self.pid, tid, self.config.signal) };
+                if sent == 0 {
+                    self.signals += 1;
+                }
+            }
+        }
+    }
+}
+
 /// Restores the previous handler when dropped.
 struct HandlerGuard {
     signal: i32,
@@ -217,27 +261,11 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
     start.wait();
     let began = Instant::now();
     let deadline = began + config.duration;
-    let mut migrations = 0u64;
-    let mut signals = 0u64;
+    let mut disturber = Disturber::new(config);
     let mut churned = Vec::new();
     let mut threads_created = 0u64;
-    let mut random = Random(0x9e37_79b9_7f4a_7c15 ^ u64::from(gettid() as u32));
-    // SAFETY: no precondition.
-    let pid = unsafe { libc::getpid() };
     while Instant::now() < deadline {
-        for _ in 0..8 {
-            let tid = tids[random.next(workers)].load(Ordering::Acquire);
-            if config.migrate && !cpus.is_empty() && pin(tid, cpus[random.next(cpus.len())]) {
-                migrations += 1;
-            }
-            if config.signals {
-                // SAFETY: tgkill to a live thread of this process (workers run until `stop`);
-                // the signal's handler is installed.
-                if unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, config.signal) } == 0 {
-                    signals += 1;
-                }
-            }
-        }
+        disturber.round(&tids, &cpus);
         if config.churn {
             let counter = counter.clone();
             churned.push(std::thread::spawn(move || {
@@ -272,8 +300,8 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
         counted,
         lost: i128::from(operations) - i128::from(counted),
         aborts: crate::ops::aborts() - aborts_before,
-        migrations,
-        signals,
+        migrations: disturber.migrations,
+        signals: disturber.signals,
         signal_increments,
         threads_created,
         workers,
@@ -492,27 +520,11 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
     start.wait();
     let began = Instant::now();
     let deadline = began + stress.duration;
-    let mut migrations = 0u64;
-    let mut signals = 0u64;
+    let mut disturber = Disturber::new(stress);
     let mut churned = Vec::new();
     let mut threads_created = 0u64;
-    let mut random = Random(0x9e37_79b9_7f4a_7c15 ^ u64::from(gettid() as u32));
-    // SAFETY: no precondition.
-    let pid = unsafe { libc::getpid() };
     while Instant::now() < deadline {
-        for _ in 0..8 {
-            let tid = tids[random.next(workers)].load(Ordering::Acquire);
-            if stress.migrate && !cpus.is_empty() && pin(tid, cpus[random.next(cpus.len())]) {
-                migrations += 1;
-            }
-            if stress.signals {
-                // SAFETY: tgkill to a live thread of this process (workers run until `stop`);
-                // the signal's handler is installed.
-                if unsafe { libc::syscall(libc::SYS_tgkill, pid, tid, stress.signal) } == 0 {
-                    signals += 1;
-                }
-            }
-        }
+        disturber.round(&tids, &cpus);
         if stress.churn {
             let (pool, held, doubles) = (pool.clone(), held.clone(), doubles.clone());
             churned.push(std::thread::spawn(move || {
@@ -583,8 +595,8 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
         drained_objects,
         drain_method,
         aborts: crate::ops::aborts() - aborts_before,
-        migrations,
-        signals,
+        migrations: disturber.migrations,
+        signals: disturber.signals,
         signals_handled,
         threads_created,
         workers,

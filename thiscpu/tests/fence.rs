@@ -115,11 +115,22 @@ fn drain_while_working(total_ops: u64) -> (u64, u64, Option<DrainMethod>) {
     let mut seen = vec![false; created];
     let in_pool = pool.cached() + pool.shared_len();
     assert_eq!(in_pool, created, "objects lost or duplicated: {pool:?}");
-    for _ in 0..in_pool {
-        let id = Pooled::into_inner(pool.get());
-        assert!(!seen[id], "object {id} twice in the pool");
-        seen[id] = true;
-    }
+    // Taken back by one thread pinned to one CPU: a thread that migrated would leave objects
+    // refilled into the first CPU's cache behind, and rightly create new ones.
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            pin_to(thiscpu::current_cpu());
+            for _ in 0..in_pool {
+                let id = Pooled::into_inner(pool.get());
+                assert!(
+                    id < created,
+                    "object {id} made anew while {in_pool} were pooled"
+                );
+                assert!(!seen[id], "object {id} twice in the pool");
+                seen[id] = true;
+            }
+        });
+    });
     assert_eq!(pool.created() as usize, created, "an object went missing");
     (drains, drained, method)
 }
@@ -172,4 +183,17 @@ fn drains_fall_back_when_membarrier_is_refused() {
         .status()
         .expect("run the test binary again");
     assert!(status.success(), "the fallback run failed: {status}");
+}
+
+fn pin_to(cpu: u32) {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; `cpu` is below CPU_SETSIZE (checked).
+    unsafe {
+        let mut set: libc::cpu_set_t = core::mem::zeroed();
+        assert!((cpu as usize) < libc::CPU_SETSIZE as usize);
+        libc::CPU_SET(cpu as usize, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, core::mem::size_of::<libc::cpu_set_t>(), &set),
+            0
+        );
+    }
 }

@@ -240,16 +240,25 @@ impl<S: Spread> Counter<S> {
     /// The total: every word read once with an atomic load, summed (wrapping), minus what
     /// [`take`](Counter::take) already returned.
     ///
+    /// Async-signal-safe while no counter of the process has been taken from; after the first
+    /// `take`, `sum`, [`per_cpu`](Counter::per_cpu) and [`unattributed`](Counter::unattributed)
+    /// read the taken values under a lock (do not call them from a handler that may interrupt a
+    /// `take` in the same thread).
+    ///
     /// ```
     /// let c = thiscpu::Counter::new();
     /// c.add(3);
     /// assert_eq!(c.sum(), 3);
     /// ```
     pub fn sum(&self) -> u64 {
+        // What was taken is read before the words: every word only grows, so each is then at
+        // least the value a take recorded for it, and a take racing this read cannot make the
+        // difference wrap below zero.
+        let taken = self.taken_total();
         let raw = (0..=dense::cpu_rows())
             .map(|row| self.word(row).load(Ordering::Relaxed))
             .fold(0u64, u64::wrapping_add);
-        raw.wrapping_sub(self.taken_total())
+        raw.wrapping_sub(taken)
     }
 
     /// Each CPU's (or concurrency id's) share since the last take: `(index, value)` for every

@@ -112,12 +112,26 @@ fn take_returns_every_increment_exactly_once_while_writers_run() {
             })
         })
         .collect();
+    // A reader racing the taker: a sum must never wrap below zero into a huge value.
+    let reader = {
+        let (counter, stop) = (counter.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut reads = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                let sum = counter.sum();
+                assert!(sum < 1 << 40, "sum wrapped while a take ran: {sum}");
+                reads += 1;
+            }
+            reads
+        })
+    };
     let mut taken = 0u64;
     let began = std::time::Instant::now();
     while began.elapsed() < std::time::Duration::from_millis(500) {
         taken += counter.take();
     }
     stop.store(true, Ordering::Relaxed);
+    assert!(reader.join().unwrap() > 0);
     let made: u64 = writers.into_iter().map(|w| w.join().unwrap()).sum();
     taken += counter.take();
     assert_eq!(taken, made);

@@ -174,32 +174,42 @@ fn absolute_with_concurrent_increments() {
     const EACH: u64 = 50_000;
     const STEP: u64 = 1_000;
     let stop = AtomicBool::new(false);
+    // Readers, incrementers and the setter all start together, so the reads overlap the
+    // updates however the threads get scheduled.
+    let start = Barrier::new(2 + writers + 1);
     let mut highest_absolute = 0;
     std::thread::scope(|s| {
         let readers: Vec<_> = (0..2)
             .map(|_| {
                 s.spawn(|| {
+                    start.wait();
                     let mut last = 0;
                     let mut reads = 0u64;
-                    while !stop.load(Ordering::Relaxed) {
+                    loop {
                         let now = counter.value();
                         assert!(now >= last, "value went down: {last} then {now}");
                         last = now;
                         reads += 1;
+                        if stop.load(Ordering::Relaxed) {
+                            return reads;
+                        }
                     }
-                    reads
                 })
             })
             .collect();
         let incrementers: Vec<_> = (0..writers)
             .map(|_| {
-                let handle = handle.clone();
-                s.spawn(move || (0..EACH).for_each(|_| handle.increment(1)))
+                let (handle, start) = (handle.clone(), &start);
+                s.spawn(move || {
+                    start.wait();
+                    (0..EACH).for_each(|_| handle.increment(1))
+                })
             })
             .collect();
         // Catch up with an "external" count that runs ahead of the increments, sometimes
         // repeating an older, smaller value.
         let setter = s.spawn(|| {
+            start.wait();
             let mut highest = 0;
             for i in 1..=200u64 {
                 let v = i * STEP + counter.increments();
@@ -215,9 +225,8 @@ fn absolute_with_concurrent_increments() {
             t.join().unwrap();
         }
         stop.store(true, Ordering::Relaxed);
-        for r in readers {
-            assert!(r.join().unwrap() > 0);
-        }
+        let reads: Vec<u64> = readers.into_iter().map(|r| r.join().unwrap()).collect();
+        eprintln!("reads checked for monotonicity: {reads:?}");
     });
     let increments = writers as u64 * EACH;
     assert_eq!(counter.increments(), increments, "an increment was lost");

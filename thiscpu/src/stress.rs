@@ -556,18 +556,28 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
     COUNTER.store(core::ptr::null_mut(), Ordering::Release);
     let signals_handled = HANDLER_INCREMENTS.load(Ordering::Relaxed);
 
-    // Every thread has stopped: move every cache to the shared list, take every object out
-    // through the pool's own paths, and check each is there exactly once. Where draining is
-    // unavailable, objects cached on other CPUs stay unreachable from here and count as lost.
+    // Every thread has stopped: take every object out through the pool's own paths and check
+    // each is there exactly once. `get` runs only while the shared list holds objects, so it
+    // never makes one: this thread may migrate between two calls, and a `get` on a CPU whose
+    // cache and the shared list were both empty would make a new object while others sat in
+    // the cache a refill filled on the previous CPU. Draining every cache refills the shared
+    // list. Where draining is unavailable, objects cached on other CPUs stay unreachable from
+    // here and count as lost.
     let created = pool.created();
-    let _ = pool.drain_all();
+    let mut taken = Vec::new();
+    loop {
+        if pool.shared_len() == 0 {
+            let _ = pool.drain_all();
+            if pool.shared_len() == 0 {
+                break;
+            }
+        }
+        taken.push(crate::Pooled::into_box(pool.get()));
+    }
     let mut seen = vec![false; created as usize];
     let mut found = 0u64;
     let mut duplicates = 0u64;
-    let mut taken = Vec::new();
-    let in_pool = pool.cached() + pool.shared_len();
-    for _ in 0..in_pool {
-        let object = crate::Pooled::into_box(pool.get());
+    for object in &taken {
         match seen.get_mut(object.id) {
             Some(seen) if !*seen => {
                 *seen = true;
@@ -575,7 +585,6 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
             }
             _ => duplicates += 1,
         }
-        taken.push(object);
     }
     duplicates += pool.created() - created;
     let double_handouts = doubles.load(Ordering::Relaxed)

@@ -2,6 +2,18 @@
 //! `%fs:(offset + field)`, and the abort signature is glibc's `0x53053053`, emitted as the
 //! operand of a `ud1` so that disassemblers stay in step and the bytes trap if ever executed.
 //!
+//! # Where the active area is
+//! The own area's offset from the thread pointer comes from the initial-exec TLS access
+//! `mov own_area@gottpoff(%rip), %reg`: the linker turns it into `mov $constant, %reg` in an
+//! executable, and keeps it as a load of a GOT entry (filled by the dynamic loader) in a shared
+//! object. A data word holding the offset itself (`.quad own_area@tpoff`) would save that
+//! instruction, but the linker refuses its relocation (`R_X86_64_TPOFF64`) in a shared object,
+//! so a library that used it could never be part of a `cdylib`. The data word holds what
+//! changes at run time instead: the distance from the own area to the active area (0 until the
+//! process switches to glibc's area). The fast path of `current_cpu` is the two loads, which
+//! do not depend on each other, and the load of `cpu_id` at their sum (`%fs:4(%rcx,%rax)`):
+//! one load deep, as before, plus one instruction.
+//!
 //! # Safety
 //! Every `asm!` here touches only this thread's rseq area (through the process-wide offset
 //! that always names a live, 32-byte area in this thread's static TLS or glibc's thread
@@ -119,12 +131,21 @@ pub(crate) const RSEQ_SIG: u32 = 0x5305_3053;
 // never written into freed memory. Its initial image has `cpu_id = -1` (unregistered), so a
 // thread reading it before registration always takes the slow path.
 //
-// `__thiscpu_0_1_rseq_offset` is the offset from the thread pointer to the area in use, the same
-// for every thread. It starts at thiscpu's own area, so the fast path is sound before the
-// process-wide decision is made; it is switched to glibc's area once, when glibc registered.
+// The symbol is global (hidden, so never exported from a shared object) because the `asm!`
+// blocks that address it may be placed in any codegen unit.
+//
+// `__thiscpu_0_1_area_delta` is the distance from the own area to the area in use, the same for
+// every thread (areas sit at one offset from every thread pointer). It starts at 0, so the fast
+// path is sound before the process-wide decision is made; it is switched to glibc's area once,
+// when glibc registered. Both names carry the crate version so that two versions in one binary
+// never share them.
 global_asm!(
     ".pushsection .tdata,\"awT\",@progbits",
     ".balign 32",
+    ".globl __thiscpu_0_1_own_area",
+    ".hidden __thiscpu_0_1_own_area",
+    ".type __thiscpu_0_1_own_area, @tls_object",
+    ".size __thiscpu_0_1_own_area, 32",
     "__thiscpu_0_1_own_area:",
     ".long 0, -1",
     ".quad 0",
@@ -132,20 +153,15 @@ global_asm!(
     ".popsection",
     ".pushsection .data.__thiscpu_0_1_offsets,\"aw\",@progbits",
     ".balign 8",
-    ".globl __thiscpu_0_1_rseq_offset",
-    ".hidden __thiscpu_0_1_rseq_offset",
-    "__thiscpu_0_1_rseq_offset:",
-    ".quad __thiscpu_0_1_own_area@tpoff",
-    ".globl __thiscpu_0_1_own_offset",
-    ".hidden __thiscpu_0_1_own_offset",
-    "__thiscpu_0_1_own_offset:",
-    ".quad __thiscpu_0_1_own_area@tpoff",
+    ".globl __thiscpu_0_1_area_delta",
+    ".hidden __thiscpu_0_1_area_delta",
+    "__thiscpu_0_1_area_delta:",
+    ".quad 0",
     ".popsection",
 );
 
 unsafe extern "C" {
-    static __thiscpu_0_1_rseq_offset: AtomicIsize;
-    static __thiscpu_0_1_own_offset: isize;
+    static __thiscpu_0_1_area_delta: AtomicIsize;
 }
 
 /// The thread pointer (FS base). The word at `%fs:0` holds the thread pointer itself.
@@ -160,23 +176,35 @@ pub(crate) fn thread_pointer() -> usize {
     tp
 }
 
-/// Offset from the thread pointer to thiscpu's own static-TLS area.
+/// Offset from the thread pointer to thiscpu's own static-TLS area: the initial-exec TLS
+/// access (a link-time constant in executables, one GOT load in shared objects).
+#[inline]
 pub(crate) fn own_area_offset() -> isize {
-    // SAFETY: a constant written by the linker, never modified.
-    unsafe { __thiscpu_0_1_own_offset }
+    let offset: isize;
+    // SAFETY: the initial-exec access to a TLS symbol of this module: it reads the symbol's
+    // thread-pointer offset from the GOT (or, once the linker relaxed it, moves the constant);
+    // no other memory is touched.
+    unsafe {
+        asm!(
+            "mov {o}, qword ptr [rip + __thiscpu_0_1_own_area@GOTTPOFF]",
+            o = out(reg) offset,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    offset
 }
 
 /// Offset from the thread pointer to the area the fast path reads.
 pub(crate) fn active_offset() -> isize {
-    // SAFETY: the symbol is an 8-byte aligned word in `.data`, only accessed atomically.
-    unsafe { __thiscpu_0_1_rseq_offset.load(Ordering::Relaxed) }
+    section_offset()
 }
 
 /// Points the fast path at another area, e.g. glibc's. Every thread must have a live,
 /// 32-byte area at that offset from its thread pointer.
 pub(crate) fn set_active_offset(offset: isize) {
-    // SAFETY: as in `active_offset`.
-    unsafe { __thiscpu_0_1_rseq_offset.store(offset, Ordering::Relaxed) }
+    let delta = offset - own_area_offset();
+    // SAFETY: the symbol is an 8-byte aligned word in `.data`, only accessed atomically.
+    unsafe { __thiscpu_0_1_area_delta.store(delta, Ordering::Relaxed) }
 }
 
 /// This thread's area at `offset` from the thread pointer.
@@ -184,37 +212,28 @@ pub(crate) fn area_at(offset: isize) -> *mut Rseq {
     thread_pointer().wrapping_add_signed(offset) as *mut Rseq
 }
 
-/// `cpu_id` of the active area: the fast path of `current_cpu`. Three instructions: load the
-/// offset, load `cpu_id`; the caller tests the sign.
+/// `cpu_id` of the active area: the fast path of `current_cpu`; the caller tests the sign.
 #[inline(always)]
 pub(crate) fn rseq_cpu_id() -> i32 {
-    let cpu: i32;
-    // SAFETY: the offset always names a live area in this thread (see the module's `global_asm!`),
-    // and `cpu_id` is a naturally aligned 32-bit field read with a single load.
-    unsafe {
-        asm!(
-            "mov {off}, qword ptr [rip + __thiscpu_0_1_rseq_offset]",
-            "mov {cpu:e}, dword ptr fs:[{off} + {cpu_id}]",
-            off = out(reg) _,
-            cpu = lateout(reg) cpu,
-            cpu_id = const offset::CPU_ID,
-            options(nostack, readonly, preserves_flags),
-        );
-    }
-    cpu
+    rseq_field::<{ offset::CPU_ID }>() as i32
 }
 
-/// A 32-bit field of the active area, read with one load (`node_id`, `mm_cid`).
+/// A 32-bit field of the active area (`cpu_id`, `node_id`, `mm_cid`): the own area's offset
+/// and the delta, loaded independently, and one load of the field at their sum.
 #[inline(always)]
 pub(crate) fn rseq_field<const FIELD: usize>() -> u32 {
     let value: u32;
-    // SAFETY: as in `rseq_cpu_id`; FIELD is one of the `abi::offset` constants, inside the
-    // 32-byte area.
+    // SAFETY: the own area's offset (see `own_area_offset`) plus the delta, a relaxed load of an
+    // aligned word in `.data` that only `set_active_offset` writes, always name a live area in
+    // this thread (see the module's `global_asm!`); FIELD is one of the `abi::offset` constants,
+    // a naturally aligned 32-bit field inside the 32-byte area, read with a single load.
     unsafe {
         asm!(
-            "mov {off}, qword ptr [rip + __thiscpu_0_1_rseq_offset]",
-            "mov {v:e}, dword ptr fs:[{off} + {field}]",
-            off = out(reg) _,
+            "mov {own}, qword ptr [rip + __thiscpu_0_1_own_area@GOTTPOFF]",
+            "mov {delta}, qword ptr [rip + __thiscpu_0_1_area_delta]",
+            "mov {v:e}, dword ptr fs:[{own} + {delta} + {field}]",
+            own = out(reg) _,
+            delta = out(reg) _,
             v = lateout(reg) value,
             field = const FIELD,
             options(nostack, readonly, preserves_flags),
@@ -240,7 +259,8 @@ pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
         asm!(
             rseq_descriptor!("2", "4", "5"),
             "xor {aborted:e}, {aborted:e}",
-            "mov {off}, qword ptr [rip + __thiscpu_0_1_rseq_offset]",
+            "mov {off}, qword ptr [rip + __thiscpu_0_1_own_area@GOTTPOFF]",
+            "add {off}, qword ptr [rip + __thiscpu_0_1_area_delta]",
             "lea {cs}, [rip + 3b]",
             "mov qword ptr fs:[{off} + {rseq_cs}], {cs}",
             "2:",
@@ -327,12 +347,14 @@ pub(crate) mod native {
 #[inline(always)]
 pub(crate) fn section_offset() -> isize {
     let offset: isize;
-    // SAFETY: a relaxed load of an aligned word in `.data` (see `active_offset`).
+    // SAFETY: the own area's offset (see `own_area_offset`) plus a relaxed load of an aligned
+    // word in `.data` that only `set_active_offset` writes, atomically.
     unsafe {
         asm!(
-            "mov {}, qword ptr [rip + __thiscpu_0_1_rseq_offset]",
+            "mov {}, qword ptr [rip + __thiscpu_0_1_own_area@GOTTPOFF]",
+            "add {0}, qword ptr [rip + __thiscpu_0_1_area_delta]",
             out(reg) offset,
-            options(nostack, readonly, preserves_flags),
+            options(nostack, readonly),
         );
     }
     offset

@@ -15,8 +15,9 @@
 #
 # So that tests find what cargo promised them, the guest mirrors some host paths: the current
 # directory (cargo runs tests from the package's root) when it holds a Cargo.toml, copied
-# without its target/ and run from there; the workspace's executables that the binary names
-# by absolute path (CARGO_BIN_EXE_*), at the same paths; and an empty, writable
+# without its target/ and run from there; the program itself; the workspace's executables that the binary names
+# by absolute path (CARGO_BIN_EXE_*), and the shared libraries built as examples that it names
+# by file name (in <profile>/examples/), at the same paths; and an empty, writable
 # CARGO_TARGET_TMPDIR. Otherwise the program runs from /.
 #
 # Other knobs: THISCPU_VM_SMP (default 2), THISCPU_VM_MEM (MiB, default 1024),
@@ -49,7 +50,11 @@ trap 'rm -rf "$work"' EXIT
 root=$work/root
 mkdir -p "$root"/{bin,lib,proc,sys,dev,tmp}
 cp "$busybox" "$root/bin/busybox"
-cp "$binary" "$root/bin/program"
+# The program runs from its host path, so that what it finds next to itself (through
+# /proc/self/exe) is where cargo put it.
+program=$(cd "$(dirname "$binary")" && pwd)/$(basename "$binary")
+mkdir -p "$root$(dirname "$program")"
+cp "$binary" "$root$program"
 
 # Shared libraries: the DT_NEEDED entries of every executable copied in, followed
 # recursively, plus libgcc_s (glibc loads it with dlopen for unwinding), all from the cross
@@ -100,6 +105,13 @@ if [ "$(basename "$bin_dir")" = deps ]; then
             add_libs "$exe"
         fi
     done
+    # Shared libraries built as examples, which a test loads with dlopen by file name.
+    for lib in "$profile_dir"/examples/lib*.so; do
+        [ -f "$lib" ] && grep -qF "$(basename "$lib")" "$binary" || continue
+        mkdir -p "$root$profile_dir/examples"
+        cp "$lib" "$root$lib"
+        add_libs "$lib"
+    done
     mkdir -p "$root$(dirname "$(dirname "$profile_dir")")/tmp"
 fi
 guest_tmpdir=${CARGO_TARGET_TMPDIR:-}
@@ -126,7 +138,7 @@ quote() { printf "'%s'" "$(printf '%s' "$1" | sed "s/'/'\\\\''/g")"; }
     while IFS= read -r name; do
         printf 'export %s=%s\n' "$name" "$(quote "${!name}")"
     done < <(compgen -e | grep -E "^($pass_through)" | grep -v '^THISCPU_VM_' || true)
-    printf '/bin/program'
+    quote "$program"
     for arg in "$@"; do
         printf ' %s' "$(quote "$arg")"
     done
@@ -135,7 +147,7 @@ quote() { printf "'%s'" "$(printf '%s' "$1" | sed "s/'/'\\\\''/g")"; }
     echo "echo $marker=\$code"
     echo 'poweroff -f'
 } >"$root/init"
-chmod +x "$root/init" "$root/bin/busybox" "$root/bin/program"
+chmod +x "$root/init" "$root/bin/busybox" "$root$program"
 
 (cd "$root" && find . -mindepth 1 | cpio -o -H newc --quiet >"$work/initrd.cpio")
 

@@ -44,9 +44,8 @@ pub enum Unavailable {
     NoSyscall,
     /// The syscall was refused (a seccomp filter) with this errno.
     Refused(i32),
-    /// Threads already have an rseq area that thiscpu cannot find: registered by a libc that
-    /// does not export `__rseq_offset` to `dlsym` (glibc in a statically linked program) or by
-    /// another library.
+    /// Threads already have an rseq area that thiscpu cannot find: registered by another
+    /// library, or by a libc that does not publish `__rseq_offset`.
     RegisteredElsewhere,
 }
 
@@ -121,12 +120,62 @@ fn rseq_turned_off() -> bool {
 fn glibc_symbol<T: Copy>(name: &CStr) -> Option<T> {
     // SAFETY: `dlsym` with `RTLD_DEFAULT` and a NUL-terminated name has no precondition.
     let address = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
-    if address.is_null() {
-        return None;
-    }
+    let address = if address.is_null() {
+        linked_glibc_symbol(name)?
+    } else {
+        address.cast_const()
+    };
     // SAFETY: glibc declares `__rseq_offset` as `ptrdiff_t` and `__rseq_size`/`__rseq_flags`
     // as `unsigned int` (sys/rseq.h); the callers ask for exactly those types.
-    Some(unsafe { (address as *const T).read() })
+    Some(unsafe { address.cast::<T>().read() })
+}
+
+/// In a statically linked program `dlsym` finds none of the program's own symbols, glibc's
+/// included. There the symbols are referenced weakly at link time instead: a static glibc 2.35
+/// or later always links them in (its start-up code registers rseq and sets them), and a weak
+/// reference that nothing defines (an older glibc, musl) is null. A dynamically linked program
+/// keeps to `dlsym`: a weak reference there would tie the binary to the glibc version it was
+/// built against.
+#[cfg(target_feature = "crt-static")]
+fn linked_glibc_symbol(name: &CStr) -> Option<*const core::ffi::c_void> {
+    unsafe extern "C" {
+        static __thiscpu_0_1_linked_rseq_size: *const core::ffi::c_void;
+        static __thiscpu_0_1_linked_rseq_offset: *const core::ffi::c_void;
+    }
+    // SAFETY: two pointer-sized words in read-only-after-relocation data (below), written only
+    // by the linker (or by the start-up code's self-relocation in a static PIE).
+    let address = unsafe {
+        match name.to_bytes() {
+            b"__rseq_size" => __thiscpu_0_1_linked_rseq_size,
+            b"__rseq_offset" => __thiscpu_0_1_linked_rseq_offset,
+            _ => return None,
+        }
+    };
+    (!address.is_null()).then_some(address)
+}
+
+// The words `linked_glibc_symbol` reads: the addresses of glibc's symbols, or 0. The same
+// directives on every architecture.
+#[cfg(target_feature = "crt-static")]
+core::arch::global_asm!(
+    ".weak __rseq_size",
+    ".weak __rseq_offset",
+    ".pushsection .data.rel.ro.__thiscpu_0_1_linked_glibc,\"aw\"",
+    ".balign 8",
+    ".globl __thiscpu_0_1_linked_rseq_size",
+    ".hidden __thiscpu_0_1_linked_rseq_size",
+    "__thiscpu_0_1_linked_rseq_size:",
+    ".quad __rseq_size",
+    ".globl __thiscpu_0_1_linked_rseq_offset",
+    ".hidden __thiscpu_0_1_linked_rseq_offset",
+    "__thiscpu_0_1_linked_rseq_offset:",
+    ".quad __rseq_offset",
+    ".popsection",
+);
+
+#[cfg(not(target_feature = "crt-static"))]
+fn linked_glibc_symbol(_name: &CStr) -> Option<*const core::ffi::c_void> {
+    None
 }
 
 /// Result of the cheap probe `rseq(NULL, 0, 0, 0)`: `EINVAL` means the syscall exists.
@@ -154,8 +203,8 @@ fn decide() -> Process {
     process
 }
 
-/// Registers the thread that makes the decision, so that a registration made elsewhere (glibc
-/// in a static program, where `dlsym` finds no `__rseq_offset`) is found now rather than
+/// Registers the thread that makes the decision, so that a registration made elsewhere (by
+/// another library, or a libc that publishes no `__rseq_offset`) is found now rather than
 /// failing in every thread later.
 fn register_deciding_thread() -> Result<(), Unavailable> {
     let _ = REGISTRATION_TRIED.try_with(|tried| tried.set(true));

@@ -196,12 +196,31 @@ pub fn expected_registrar_from_env() -> Option<String> {
 }
 
 /// glibc's exported rseq symbol `name`, looked up at run time (absent before glibc 2.35).
+#[cfg(not(target_feature = "crt-static"))]
 pub fn glibc_symbol<T: Copy>(name: &std::ffi::CStr) -> Option<T> {
     // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name.
     let address = unsafe { libc::dlsym(libc::RTLD_DEFAULT, name.as_ptr()) };
     // SAFETY: glibc declares `__rseq_size` as unsigned int and `__rseq_offset` as ptrdiff_t;
     // callers ask for those types.
     (!address.is_null()).then(|| unsafe { address.cast::<T>().read() })
+}
+
+/// glibc's rseq symbol `name` in a statically linked test, where `dlsym` sees no symbol of the
+/// program: linked by name (the static tests run against glibc 2.35 or later).
+#[cfg(target_feature = "crt-static")]
+pub fn glibc_symbol<T: Copy>(name: &std::ffi::CStr) -> Option<T> {
+    unsafe extern "C" {
+        static __rseq_size: u32;
+        static __rseq_offset: isize;
+    }
+    let address: *const u8 = match name.to_bytes() {
+        b"__rseq_size" => (&raw const __rseq_size).cast(),
+        b"__rseq_offset" => (&raw const __rseq_offset).cast(),
+        _ => return None,
+    };
+    // SAFETY: glibc's own definitions, of the types declared above; callers ask for those
+    // types.
+    Some(unsafe { address.cast::<T>().read() })
 }
 
 /// The thread pointer, read here (the word at `%fs:0` on x86_64, `TPIDR_EL0` on aarch64).

@@ -12,6 +12,7 @@
 #                aarch64 without a second pass over the dependencies
 #   test-glibc   `cargo test --workspace` in the VM, glibc registering rseq
 #   test-own     the same with GLIBC_TUNABLES=glibc.pthread.rseq=0: thiscpu registers its own
+#   test-off     the library's tests with THISCPU_RSEQ=off: the fallback without rseq
 #   inject       the counter, pool and fence tests built with --cfg thiscpu_inject (delays
 #                inside sections), as .ci/run does on x86_64
 #   cli          `thiscpu info` and, where the command has them, `stress` and `bench --quick`
@@ -97,6 +98,14 @@ test_own() (
     run cargo test --workspace --target "$triple"
 )
 step test-own test_own
+
+# Without rseq the library answers through the getcpu system call (arm64 has neither a vDSO
+# getcpu nor an instruction for it), counters add atomically and pools lock.
+test_off() (
+    export THISCPU_RSEQ=off THISCPU_EXPECT_REGISTRAR=none
+    run cargo test -p thiscpu --target "$triple"
+)
+step test-off test_off
 
 # Same layout as .ci/run: an instrumented build in a directory of its own.
 inject() (

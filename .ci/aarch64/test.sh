@@ -13,6 +13,7 @@
 #   test-glibc   `cargo test --workspace` in the VM, glibc registering rseq
 #   test-own     the same with GLIBC_TUNABLES=glibc.pthread.rseq=0: thiscpu registers its own
 #   test-off     the library's tests with THISCPU_RSEQ=off: the fallback without rseq
+#   test-static  the core tests linked with -C target-feature=+crt-static
 #   inject       the counter, pool and fence tests built with --cfg thiscpu_inject (delays
 #                inside sections), as .ci/run does on x86_64
 #   cli          `thiscpu info` and, where the command has them, `stress` and `bench --quick`
@@ -106,6 +107,17 @@ test_off() (
     run cargo test -p thiscpu --target "$triple"
 )
 step test-off test_off
+
+# Linked statically, glibc's rseq symbols come from the link (weak references), not dlsym: the
+# registration, identity, counter and pool tests, expecting glibc's area. A directory of its
+# own keeps the dynamic build.
+test_static() (
+    export RUSTFLAGS="-C target-feature=+crt-static" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/static"
+    export THISCPU_EXPECT_REGISTRAR=glibc
+    run cargo test -p thiscpu --target "$triple" \
+        --test registration --test identity --test counter --test pool
+)
+step test-static test_static
 
 # Same layout as .ci/run: an instrumented build in a directory of its own.
 inject() (

@@ -669,3 +669,71 @@ pub(crate) unsafe fn stack_pop<const FIELD: usize>(
     }
     StackOutcome::Committed
 }
+
+#[cfg(test)]
+mod tests {
+    //! Checks of where the areas are: the own area's initial-exec offset, the delta word, and the
+    //! fast path's reads of the active area.
+
+    use super::*;
+    use crate::registration::{self, Registrar};
+
+    #[test]
+    fn own_area_is_aligned_static_tls_and_starts_unregistered() {
+        let own = own_area_offset();
+        // Variant II TLS: the static TLS blocks lie below the thread pointer.
+        assert!(own < 0, "own area offset {own}");
+        assert_eq!(area_at(own) as usize % 32, 0);
+        // A fresh thread that never asked thiscpu anything has the initial image.
+        let (offset, cpu_id, rseq_cs) = std::thread::spawn(|| {
+            let area = area_at(own_area_offset());
+            // SAFETY: this thread's own area, live while the thread runs; aligned fields.
+            unsafe {
+                (
+                    own_area_offset(),
+                    core::ptr::addr_of!((*area).cpu_id).read_volatile(),
+                    core::ptr::addr_of!((*area).rseq_cs).read_volatile(),
+                )
+            }
+        })
+        .join()
+        .unwrap();
+        assert_eq!(offset, own, "the offset is the same in every thread");
+        assert_eq!((cpu_id, rseq_cs), (-1, 0));
+    }
+
+    #[test]
+    fn active_offset_follows_the_registrar() {
+        let process = registration::process();
+        match process.registrar {
+            Registrar::Glibc => assert_eq!(Some(active_offset()), process.glibc_rseq_offset),
+            _ => assert_eq!(active_offset(), own_area_offset()),
+        }
+        assert_eq!(section_offset(), active_offset());
+    }
+
+    #[test]
+    fn fast_path_reads_the_active_area() {
+        crate::cpu::decide_fallback();
+        let registered = registration::ensure_registered();
+        let area = area_at(active_offset());
+        for _ in 0..1000 {
+            // SAFETY: the active area is this thread's; aligned 32-bit fields.
+            let (start, id) = unsafe {
+                (
+                    core::ptr::addr_of!((*area).cpu_id_start).read_volatile(),
+                    core::ptr::addr_of!((*area).cpu_id).read_volatile(),
+                )
+            };
+            let fast = rseq_cpu_id();
+            let start_field = rseq_field::<{ offset::CPU_ID_START }>();
+            if fast == id && start_field == start {
+                // Unregistered (no rseq in this process): the fast path sees -1 or -2 and
+                // takes the slow path.
+                assert_eq!(fast >= 0, registered, "cpu_id {fast}");
+                return;
+            }
+        }
+        panic!("the fast path never agreed with the area it should read");
+    }
+}

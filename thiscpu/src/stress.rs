@@ -210,6 +210,38 @@ impl Drop for HandlerGuard {
     }
 }
 
+/// Short-lived threads made during a run: at most 16 alive, the oldest joined as new ones
+/// come. Every thread's operation count is added up and a panic in one is a panic of the run.
+#[derive(Default)]
+struct Churn {
+    running: Vec<std::thread::JoinHandle<u64>>,
+    operations: u64,
+    created: u64,
+}
+
+impl Churn {
+    fn spawn(&mut self, work: impl FnOnce() -> u64 + Send + 'static) {
+        self.running.push(std::thread::spawn(work));
+        self.created += 1;
+        if self.running.len() >= 16 {
+            let oldest: Vec<_> = self.running.drain(..8).collect();
+            self.operations += Churn::join(oldest);
+        }
+    }
+
+    /// Joins the threads still running; the operations of all.
+    fn finish(self) -> u64 {
+        self.operations + Churn::join(self.running)
+    }
+
+    fn join(threads: Vec<std::thread::JoinHandle<u64>>) -> u64 {
+        threads
+            .into_iter()
+            .map(|handle| handle.join().expect("a short-lived stress thread panicked"))
+            .sum()
+    }
+}
+
 /// Runs the stress on a fresh [`Counter`] and reports. Only one run at a time in a process.
 ///
 /// ```
@@ -262,21 +294,16 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
     let began = Instant::now();
     let deadline = began + config.duration;
     let mut disturber = Disturber::new(config);
-    let mut churned = Vec::new();
-    let mut threads_created = 0u64;
+    let mut churn = Churn::default();
     while Instant::now() < deadline {
         disturber.round(&tids, &cpus);
         if config.churn {
             let counter = counter.clone();
-            churned.push(std::thread::spawn(move || {
+            churn.spawn(move || {
                 let n = 2_000;
                 (0..n).for_each(|_| counter.inc());
                 n
-            }));
-            threads_created += 1;
-            if churned.len() >= 16 {
-                churned.drain(..8).for_each(|handle| drop(handle.join()));
-            }
+            });
         }
         std::thread::sleep(Duration::from_micros(200));
     }
@@ -285,8 +312,8 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
         .into_iter()
         .map(|handle| handle.join().expect("stress worker panicked"))
         .sum();
-    operations += 2_000 * threads_created;
-    churned.into_iter().for_each(|handle| drop(handle.join()));
+    let threads_created = churn.created;
+    operations += churn.finish();
     let elapsed = began.elapsed();
     // Signals go only to workers, all joined now: no handler can run any more. A signal still
     // pending when its worker exited was discarded with it, neither handled nor counted.
@@ -521,21 +548,16 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
     let began = Instant::now();
     let deadline = began + stress.duration;
     let mut disturber = Disturber::new(stress);
-    let mut churned = Vec::new();
-    let mut threads_created = 0u64;
+    let mut churn = Churn::default();
     while Instant::now() < deadline {
         disturber.round(&tids, &cpus);
         if stress.churn {
             let (pool, held, doubles) = (pool.clone(), held.clone(), doubles.clone());
-            churned.push(std::thread::spawn(move || {
+            churn.spawn(move || {
                 (0..200)
                     .map(|round| pool_round(&pool, &held, &doubles, 1 + round % hold))
                     .sum::<u64>()
-            }));
-            threads_created += 1;
-            if churned.len() >= 16 {
-                churned.drain(..8).for_each(|handle| drop(handle.join()));
-            }
+            });
         }
         std::thread::sleep(Duration::from_micros(200));
     }
@@ -544,10 +566,8 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
         .into_iter()
         .map(|handle| handle.join().expect("pool stress worker panicked"))
         .sum();
-    operations += churned
-        .into_iter()
-        .map(|handle| handle.join().expect("pool stress thread panicked"))
-        .sum::<u64>();
+    let threads_created = churn.created;
+    operations += churn.finish();
     let (drains, drains_unavailable, drained_objects, drain_method) = drainer
         .map(|handle| handle.join().expect("pool drainer panicked"))
         .unwrap_or_default();

@@ -419,19 +419,8 @@ pub(crate) mod native {
     /// `(cpu, node)` from the `getcpu` system call.
     #[inline]
     pub(crate) fn cpu_node() -> (u32, u32) {
-        let mut cpu = 0u32;
-        let mut node = 0u32;
-        // SAFETY: getcpu writes two `unsigned int`s through valid pointers; the third argument
-        // (the unused cache) may be null.
-        unsafe {
-            libc::syscall(
-                libc::SYS_getcpu,
-                &mut cpu,
-                &mut node,
-                core::ptr::null_mut::<u8>(),
-            );
-        }
-        (cpu, node)
+        let here = crate::cpu::via::syscall();
+        (here.cpu, here.node)
     }
 }
 

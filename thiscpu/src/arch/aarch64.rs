@@ -73,7 +73,8 @@ macro_rules! rseq_descriptor {
 /// Emits an abort handler at `$label` in the `__rseq_failure` section, preceded by the
 /// signature as an instruction word (instructions are little-endian even on big-endian
 /// aarch64), followed by the given instructions. Out of line, so the committing path runs no
-/// branch over it.
+/// branch over it. Aligned to 4 explicitly: some assemblers give a pushed section alignment 1,
+/// and an abort address off an instruction boundary would fault on the first abort.
 ///
 /// The handlers end in an unconditional `b` back into the function; if the linker ever places
 /// `__rseq_failure` out of `b`'s ±128 MiB range it inserts a veneer, which may use x16 and
@@ -83,6 +84,7 @@ macro_rules! rseq_abort {
     ($label:literal, $($insn:literal),*) => {
         concat!(
             ".pushsection __rseq_failure, \"ax\"\n",
+            ".balign 4\n",
             ".inst 0xd428bc00\n",
             $label, ":\n",
             $($insn, "\n",)*
@@ -158,20 +160,8 @@ macro_rules! rseq_asm {
 /// `RSEQ_SIG` for aarch64, the same in glibc, librseq and the kernel selftests: the data value
 /// of the `brk #0x45e0` instruction word placed before each abort label, as the kernel reads it
 /// (a data load, hence byte-swapped on big-endian aarch64, where instructions stay
-/// little-endian).
-#[cfg(target_endian = "little")]
-pub(crate) const RSEQ_SIG: u32 = 0xd428_bc00;
-/// `RSEQ_SIG` for aarch64, the same in glibc, librseq and the kernel selftests: the data value
-/// of the `brk #0x45e0` instruction word placed before each abort label, as the kernel reads it
-/// (a data load, hence byte-swapped on big-endian aarch64, where instructions stay
-/// little-endian).
-#[cfg(target_endian = "big")]
-pub(crate) const RSEQ_SIG: u32 = 0x00bc_28d4;
-
-const _: () = assert!(
-    RSEQ_SIG.to_le() == 0xd428_bc00,
-    "rseq_abort! hard-codes the signature instruction"
-);
+/// little-endian). `rseq_abort!` emits that word as `.inst 0xd428bc00`.
+pub(crate) const RSEQ_SIG: u32 = u32::from_le(0xd428_bc00);
 
 // thiscpu's own rseq area lives in static TLS (`.tdata`), so its memory is released only
 // after the kernel has reported the thread dead: an area registered by a thread that exits is
@@ -265,22 +255,8 @@ pub(crate) fn area_at(offset: isize) -> *mut Rseq {
 /// to its start, so that reading `cpu_id` takes one register-offset load).
 #[inline(always)]
 pub(crate) fn section_offset() -> isize {
-    let offset: isize;
-    // SAFETY: the own area's offset (see `own_area_offset`) plus a relaxed load of an aligned
-    // word in `.data` that only this module writes, atomically.
-    unsafe {
-        asm!(
-            "adrp {o}, :gottprel:__thiscpu_0_1_own_area",
-            "ldr {o}, [{o}, :gottprel_lo12:__thiscpu_0_1_own_area]",
-            "adrp {d}, __thiscpu_0_1_cpu_id_delta",
-            "ldr {d}, [{d}, :lo12:__thiscpu_0_1_cpu_id_delta]",
-            "add {o}, {o}, {d}",
-            o = out(reg) offset,
-            d = out(reg) _,
-            options(readonly, nostack, preserves_flags),
-        );
-    }
-    offset
+    // SAFETY: the symbol is an 8-byte aligned word in `.data`, only accessed atomically.
+    own_area_offset() + unsafe { __thiscpu_0_1_cpu_id_delta.load(Ordering::Relaxed) }
 }
 
 /// The 32-bit field `FIELD` (`cpu_id`, `node_id` or `mm_cid`) of the area whose `cpu_id` is at
@@ -497,7 +473,7 @@ pub(crate) unsafe fn load_cbne_store<const FIELD: usize>(
     newv: u64,
 ) -> Outcome<()> {
     // SAFETY: the caller's contract; the section follows the frame described above, and its
-    // early exit (label `mismatch`) is listed as an exit point.
+    // early exits (labels `mismatch` and `abort`) are listed as exit points.
     unsafe {
         rseq_asm!(
             rseq_descriptor!("2", "4", "5"),

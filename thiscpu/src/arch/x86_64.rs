@@ -259,8 +259,6 @@ pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
         asm!(
             rseq_descriptor!("2", "4", "5"),
             "xor {aborted:e}, {aborted:e}",
-            "mov {off}, qword ptr [rip + __thiscpu_0_1_own_area@GOTTPOFF]",
-            "add {off}, qword ptr [rip + __thiscpu_0_1_area_delta]",
             "lea {cs}, [rip + 3b]",
             "mov qword ptr fs:[{off} + {rseq_cs}], {cs}",
             "2:",
@@ -268,7 +266,7 @@ pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
             "mov {node:e}, dword ptr fs:[{off} + {node_id}]",
             "4:",
             rseq_abort!("5", "mov {aborted:e}, 1", "jmp 4b"),
-            off = out(reg) _,
+            off = in(reg) section_offset(),
             cs = out(reg) _,
             cpu = out(reg) cpu,
             node = out(reg) node,
@@ -346,18 +344,8 @@ pub(crate) mod native {
 /// same area.
 #[inline(always)]
 pub(crate) fn section_offset() -> isize {
-    let offset: isize;
-    // SAFETY: the own area's offset (see `own_area_offset`) plus a relaxed load of an aligned
-    // word in `.data` that only `set_active_offset` writes, atomically.
-    unsafe {
-        asm!(
-            "mov {}, qword ptr [rip + __thiscpu_0_1_own_area@GOTTPOFF]",
-            "add {0}, qword ptr [rip + __thiscpu_0_1_area_delta]",
-            out(reg) offset,
-            options(nostack, readonly),
-        );
-    }
-    offset
+    // SAFETY: the symbol is an 8-byte aligned word in `.data`, only accessed atomically.
+    own_area_offset() + unsafe { __thiscpu_0_1_area_delta.load(Ordering::Relaxed) }
 }
 
 /// The 32-bit field `FIELD` (`cpu_id` or `mm_cid`) of the area at `offset`.

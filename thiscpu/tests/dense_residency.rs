@@ -1,19 +1,9 @@
 //! Slots of a CPU that never ran the program are not backed by memory. Alone in its own test
 //! binary, so that no other test's counters share (and touch) its pages.
 
-use thiscpu::{Counter, dense};
+mod common;
 
-fn pin_to(cpu: usize) -> bool {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; `cpu` is checked against its size.
-    unsafe {
-        let mut set: libc::cpu_set_t = core::mem::zeroed();
-        if cpu >= libc::CPU_SETSIZE as usize {
-            return false;
-        }
-        libc::CPU_SET(cpu, &mut set);
-        libc::sched_setaffinity(0, core::mem::size_of::<libc::cpu_set_t>(), &set) == 0
-    }
-}
+use thiscpu::{Counter, dense};
 
 /// Slots of a CPU that never ran the program are not backed by memory: write from one CPU only
 /// and ask the kernel (mincore) which pages of the other rows are resident.
@@ -38,7 +28,7 @@ fn rows_of_cpus_that_never_ran_stay_unbacked() {
     };
     std::thread::scope(|s| {
         s.spawn(|| {
-            assert!(pin_to(here));
+            common::pin(here as u32);
             counters.iter().for_each(Counter::inc);
         });
     });

@@ -2,6 +2,8 @@
 //! thread keeps draining every CPU's cache; and the drain's fallback where membarrier is
 //! refused (`THISCPU_MEMBARRIER=off`, run in a child process).
 
+mod common;
+
 use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 use thiscpu::pool::DrainMethod;
@@ -50,13 +52,19 @@ fn drain_while_working(total_ops: u64) -> (u64, u64, Option<DrainMethod>) {
     let (drains, drained, method) = std::thread::scope(|s| {
         let drainer = s.spawn(|| {
             let (mut drains, mut drained, mut method) = (0u64, 0u64, None);
-            while !stop.load(Ordering::Relaxed) {
+            // One full pass after the workers stopped, however late this thread got to run:
+            // their last objects are in the caches then.
+            loop {
+                let last = stop.load(Ordering::Relaxed);
                 for cpu in 0..thiscpu::topology::possible_cpus() as u32 {
                     if let Ok(done) = pool.drain_cpu(cpu) {
                         drains += 1;
                         drained += done.objects as u64;
                         method = Some(done.method);
                     }
+                }
+                if last {
+                    break;
                 }
                 std::thread::yield_now();
             }
@@ -120,7 +128,7 @@ fn drain_while_working(total_ops: u64) -> (u64, u64, Option<DrainMethod>) {
     // refilled into the first CPU's cache behind, and rightly create new ones.
     std::thread::scope(|s| {
         s.spawn(|| {
-            pin_to(thiscpu::current_cpu());
+            common::pin(thiscpu::current_cpu());
             for _ in 0..in_pool {
                 let id = Pooled::into_inner(pool.get());
                 assert!(
@@ -162,16 +170,20 @@ fn drains_racing_delayed_sections_lose_and_duplicate_nothing() {
 /// to the CPU (or use the locks when rseq is off) and stay exact.
 #[test]
 fn drains_fall_back_when_membarrier_is_refused() {
-    if std::env::var_os("THISCPU_MEMBARRIER").is_some() {
+    const CHILD: &str = "THISCPU_TEST_FENCE_FALLBACK_CHILD";
+    if std::env::var_os(CHILD).is_some() {
         assert_eq!(
             fence::register().map_err(|why| why.errno()),
             Err(libc::EPERM)
         );
         let (drains, _, method) = drain_while_working(1_000_000);
         eprintln!("fallback drains {drains}, method {method:?}");
-        if thiscpu::ops::position().is_some() {
-            assert_eq!(method, Some(DrainMethod::Migrate));
-        }
+        let expected = if thiscpu::ops::position().is_some() {
+            DrainMethod::Migrate
+        } else {
+            DrainMethod::Lock
+        };
+        assert_eq!(method, Some(expected));
         return;
     }
     let status = std::process::Command::new(std::env::current_exe().unwrap())
@@ -181,20 +193,8 @@ fn drains_fall_back_when_membarrier_is_refused() {
             "--nocapture",
         ])
         .env("THISCPU_MEMBARRIER", "off")
+        .env(CHILD, "1")
         .status()
         .expect("run the test binary again");
     assert!(status.success(), "the fallback run failed: {status}");
-}
-
-fn pin_to(cpu: u32) {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; `cpu` is below CPU_SETSIZE (checked).
-    unsafe {
-        let mut set: libc::cpu_set_t = core::mem::zeroed();
-        assert!((cpu as usize) < libc::CPU_SETSIZE as usize);
-        libc::CPU_SET(cpu as usize, &mut set);
-        assert_eq!(
-            libc::sched_setaffinity(0, core::mem::size_of::<libc::cpu_set_t>(), &set),
-            0
-        );
-    }
 }

@@ -30,7 +30,8 @@ fn bits_across_words_behave_like_a_set() {
 fn setting_a_cpu_beyond_the_capacity_panics() {
     let mask = CpuMask::with_capacity(10);
     assert_eq!(mask.capacity(), 64);
-    mask.set(63);
+    assert!(mask.set(63));
+    assert!(mask.contains(63));
     mask.set(64);
 }
 

@@ -650,17 +650,18 @@ impl<T> Pool<T> {
         lock(&self.shared).len()
     }
 
-    /// The CPUs whose cache has ever held an object. Readers that visit every cache
-    /// ([`cached`](Pool::cached), [`drain_all`](Pool::drain_all), dropping the pool) skip the
-    /// others, which matters on machines with hundreds of possible CPUs.
+    /// The CPUs whose cache has ever held an object, as a copy taken now. Readers that visit
+    /// every cache ([`cached`](Pool::cached), [`drain_all`](Pool::drain_all), dropping the
+    /// pool) skip the others, which matters on machines with hundreds of possible CPUs. A copy,
+    /// because those readers rely on bits never being cleared.
     ///
     /// ```
     /// let pool = thiscpu::Pool::new(|| 0u8);
     /// drop(pool.get());
     /// assert!(pool.touched().count() <= 1);
     /// ```
-    pub fn touched(&self) -> &CpuMask {
-        &self.touched
+    pub fn touched(&self) -> CpuMask {
+        self.touched.clone()
     }
 
     /// Moves CPU `cpu`'s cached objects to the shared list, while threads on `cpu` keep using
@@ -713,7 +714,7 @@ impl<T> Pool<T> {
     }
 
     /// Drains every touched CPU's cache ([`drain_cpu`](Pool::drain_cpu)); returns how many
-    /// objects moved, or the first error.
+    /// objects moved, or the first error. A CPU that cannot be drained does not stop the others.
     ///
     /// ```
     /// let pool = thiscpu::Pool::new(|| 0u8);
@@ -725,10 +726,16 @@ impl<T> Pool<T> {
     /// ```
     pub fn drain_all(&self) -> Result<usize, DrainError> {
         let mut moved = 0;
+        let mut first_error = None;
         for cpu in self.touched.iter() {
-            moved += self.drain_cpu(cpu)?.objects;
+            match self.drain_cpu(cpu) {
+                Ok(drained) => moved += drained.objects,
+                Err(why) => {
+                    first_error.get_or_insert(why);
+                }
+            }
         }
-        Ok(moved)
+        first_error.map_or(Ok(moved), Err)
     }
 
     /// Steps 1-4 of the drain protocol. The caller holds the drain lock.

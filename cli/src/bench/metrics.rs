@@ -84,11 +84,11 @@ impl<R: Readable> Workload for MetricsCase<R> {
     }
 
     fn verify(&self, ops: u64) -> Result<(), String> {
-        let counted = self.recorder.value() - self.base.load(Ordering::Relaxed);
-        if counted == ops {
-            Ok(())
-        } else {
-            Err(format!("counted {counted} increments of {ops}"))
+        let (now, base) = (self.recorder.value(), self.base.load(Ordering::Relaxed));
+        match now.checked_sub(base) {
+            Some(counted) if counted == ops => Ok(()),
+            Some(counted) => Err(format!("counted {counted} increments of {ops}")),
+            None => Err(format!("the counter went down from {base} to {now}")),
         }
     }
 }

@@ -9,7 +9,9 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 out=target/bench-smoke
 mkdir -p "$out"
 cargo build --release -q -p thiscpu-cli
-bin=target/release/thiscpu
+# Where cargo put it (CARGO_TARGET_DIR may move the target directory).
+bin=$(cargo metadata --format-version 1 --no-deps |
+    python3 -c 'import json, sys; print(json.load(sys.stdin)["target_directory"])')/release/thiscpu
 
 "$bin" info
 "$bin" info --json >"$out/info.json"

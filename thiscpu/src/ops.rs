@@ -49,7 +49,7 @@ pub const BY_MM_CID: usize = offset::MM_CID;
 /// `mm_cid`, by `FIELD`) and the area the section must check it against.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Position<const FIELD: usize = BY_CPU> {
-    offset: isize,
+    offset: arch::SectionOffset,
     index: u32,
 }
 

@@ -153,7 +153,7 @@ enum Caches<T> {
 
 /// The calling thread's rseq area offset and CPU, or `None` if this thread has no rseq.
 #[inline]
-fn here() -> Option<(isize, u32)> {
+fn here() -> Option<(arch::SectionOffset, u32)> {
     let offset = arch::section_offset();
     let cpu = arch::field_at::<BY_CPU>(offset);
     if cpu >= 0 {
@@ -164,7 +164,7 @@ fn here() -> Option<(isize, u32)> {
 
 #[cold]
 #[inline(never)]
-fn here_slow() -> Option<(isize, u32)> {
+fn here_slow() -> Option<(arch::SectionOffset, u32)> {
     // Registers this thread's own area when thiscpu owns rseq in the process.
     ops::position()?;
     let offset = arch::section_offset();
@@ -403,7 +403,12 @@ impl<T> Pool<T> {
 
     /// Pops CPU `cpu`'s stack in one restartable sequence.
     #[inline(always)]
-    fn pop_at(&self, stacks: &Stacks, offset: isize, cpu: u32) -> Result<Box<T>, StackOutcome> {
+    fn pop_at(
+        &self,
+        stacks: &Stacks,
+        offset: arch::SectionOffset,
+        cpu: u32,
+    ) -> Result<Box<T>, StackOutcome> {
         let head: &StackHead = &stacks.heads[cpu as usize];
         let slots = stacks.slots_ptr(cpu as usize);
         let mut out = 0usize;
@@ -429,7 +434,7 @@ impl<T> Pool<T> {
     fn push_at(
         &self,
         stacks: &Stacks,
-        offset: isize,
+        offset: arch::SectionOffset,
         cpu: u32,
         object: Box<T>,
     ) -> Result<(), (Box<T>, StackOutcome)> {

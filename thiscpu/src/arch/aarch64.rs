@@ -39,6 +39,7 @@
 //! glibc's thread descriptor), memory the caller vouches for, and its own registers, as each
 //! block's comment details.
 
+use super::SectionOffset;
 use crate::abi::{Rseq, offset};
 use crate::ops::Outcome;
 use core::arch::{asm, global_asm};
@@ -234,7 +235,7 @@ pub(crate) fn own_area_offset() -> isize {
 
 /// Offset from the thread pointer to the area the fast path reads.
 pub(crate) fn active_offset() -> isize {
-    section_offset() - offset::CPU_ID as isize
+    section_offset().0 - offset::CPU_ID as isize
 }
 
 /// Points the fast path at another area, e.g. glibc's. Every thread must have a live,
@@ -254,24 +255,24 @@ pub(crate) fn area_at(offset: isize) -> *mut Rseq {
 /// section use the same area: the offset from the thread pointer to its `cpu_id` field (not
 /// to its start, so that reading `cpu_id` takes one register-offset load).
 #[inline(always)]
-pub(crate) fn section_offset() -> isize {
+pub(crate) fn section_offset() -> SectionOffset {
     // SAFETY: the symbol is an 8-byte aligned word in `.data`, only accessed atomically.
-    own_area_offset() + unsafe { __thiscpu_0_1_cpu_id_delta.load(Ordering::Relaxed) }
+    SectionOffset(own_area_offset() + unsafe { __thiscpu_0_1_cpu_id_delta.load(Ordering::Relaxed) })
 }
 
 /// The 32-bit field `FIELD` (`cpu_id`, `node_id` or `mm_cid`) of the area whose `cpu_id` is at
 /// `offset` (from `section_offset`).
 #[inline(always)]
-pub(crate) fn field_at<const FIELD: usize>(offset: isize) -> i32 {
+pub(crate) fn field_at<const FIELD: usize>(offset: SectionOffset) -> i32 {
     let value: i32;
     if FIELD == offset::CPU_ID {
-        // SAFETY: `offset` names the `cpu_id` field of a live area of this thread (see
-        // `section_offset`); one naturally aligned 32-bit load.
+        // SAFETY: a `SectionOffset` always names the `cpu_id` field of a live area in the
+        // calling thread (see its definition in `arch`); one naturally aligned 32-bit load.
         unsafe {
             asm!(
                 "mrs {tp}, tpidr_el0",
                 "ldr {v:w}, [{tp}, {off}]",
-                off = in(reg) offset,
+                off = in(reg) offset.0,
                 tp = out(reg) _,
                 v = lateout(reg) value,
                 options(readonly, nostack, preserves_flags),
@@ -285,7 +286,7 @@ pub(crate) fn field_at<const FIELD: usize>(offset: isize) -> i32 {
                 "mrs {tp}, tpidr_el0",
                 "add {tp}, {tp}, {off}",
                 "ldur {v:w}, [{tp}, #{field}]",
-                off = in(reg) offset,
+                off = in(reg) offset.0,
                 tp = out(reg) _,
                 v = lateout(reg) value,
                 field = const FIELD as isize - offset::CPU_ID as isize,
@@ -337,7 +338,7 @@ pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
             "ldur {node:w}, [{base}, #{node_id}]",
             "4:",
             rseq_abort!("5", "mov {aborted:w}, #1", "b 4b"),
-            off = in(reg) offset,
+            off = in(reg) offset.0,
             base = out(reg) _,
             cs = out(reg) _,
             cpu = out(reg) cpu,
@@ -417,7 +418,7 @@ pub(crate) mod native {
 /// indexed by `index` write.
 #[inline(always)]
 pub(crate) unsafe fn load_add_store<const FIELD: usize>(
-    offset: isize,
+    offset: SectionOffset,
     index: u32,
     v: *mut u64,
     count: u64,
@@ -443,7 +444,7 @@ pub(crate) unsafe fn load_add_store<const FIELD: usize>(
             "str {cur}, [{v}]",
             "4:",
             rseq_abort!("5", "b {abort}");
-            off = in(reg) offset,
+            off = in(reg) offset.0,
             index = in(reg) index,
             v = in(reg) v,
             count = in(reg) count,
@@ -466,7 +467,7 @@ pub(crate) unsafe fn load_add_store<const FIELD: usize>(
 /// As for `load_add_store`.
 #[inline(always)]
 pub(crate) unsafe fn load_cbne_store<const FIELD: usize>(
-    offset: isize,
+    offset: SectionOffset,
     index: u32,
     v: *mut u64,
     expect: u64,
@@ -495,7 +496,7 @@ pub(crate) unsafe fn load_cbne_store<const FIELD: usize>(
             "stlr {newv}, [{v}]",
             "4:",
             rseq_abort!("5", "b {abort}");
-            off = in(reg) offset,
+            off = in(reg) offset.0,
             index = in(reg) index,
             v = in(reg) v,
             expect = in(reg) expect,
@@ -521,7 +522,7 @@ pub(crate) unsafe fn load_cbne_store<const FIELD: usize>(
 /// a node whose word at byte offset `NEXT` is readable; `out` is valid for a pointer write.
 #[inline(always)]
 pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>(
-    offset: isize,
+    offset: SectionOffset,
     index: u32,
     head: *mut usize,
     out: *mut usize,
@@ -553,7 +554,7 @@ pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>
             "str {node}, [{head}]",
             "4:",
             rseq_abort!("5", "b {abort}");
-            off = in(reg) offset,
+            off = in(reg) offset.0,
             index = in(reg) index,
             head = in(reg) head,
             out = in(reg) out,
@@ -614,7 +615,7 @@ fn stack_words(head: *const StackHead) -> (*const u64, *const u64) {
 /// while `stopped` is set.
 #[inline(always)]
 pub(crate) unsafe fn stack_push<const FIELD: usize>(
-    offset: isize,
+    offset: SectionOffset,
     index: u32,
     head: *const StackHead,
     slots: *mut usize,
@@ -652,7 +653,7 @@ pub(crate) unsafe fn stack_push<const FIELD: usize>(
             "stlr {n}, [{count_at}]",
             "4:",
             rseq_abort!("5", "b {abort}");
-            off = in(reg) offset,
+            off = in(reg) offset.0,
             index = in(reg) index,
             count_at = in(reg) count,
             stopped_at = in(reg) stopped,
@@ -681,7 +682,7 @@ pub(crate) unsafe fn stack_push<const FIELD: usize>(
 /// a commit).
 #[inline(always)]
 pub(crate) unsafe fn stack_pop<const FIELD: usize>(
-    offset: isize,
+    offset: SectionOffset,
     index: u32,
     head: *const StackHead,
     slots: *const usize,
@@ -718,7 +719,7 @@ pub(crate) unsafe fn stack_pop<const FIELD: usize>(
             "str {n}, [{count_at}]",
             "4:",
             rseq_abort!("5", "b {abort}");
-            off = in(reg) offset,
+            off = in(reg) offset.0,
             index = in(reg) index,
             count_at = in(reg) count,
             stopped_at = in(reg) stopped,
@@ -813,7 +814,10 @@ mod tests {
             Registrar::Glibc => assert_eq!(Some(active_offset()), process.glibc_rseq_offset),
             _ => assert_eq!(active_offset(), own_area_offset()),
         }
-        assert_eq!(section_offset(), active_offset() + offset::CPU_ID as isize);
+        assert_eq!(
+            section_offset().0,
+            active_offset() + offset::CPU_ID as isize
+        );
     }
 
     #[test]
@@ -862,7 +866,7 @@ mod tests {
 
     /// Runs `section` at the current position until it ends with `want` and the area is still
     /// armed right after it, then checks the descriptor it armed.
-    fn until_armed(want: Outcome<()>, mut section: impl FnMut(isize, u32) -> Outcome<()>) {
+    fn until_armed(want: Outcome<()>, mut section: impl FnMut(SectionOffset, u32) -> Outcome<()>) {
         for _ in 0..10_000 {
             let offset = section_offset();
             let index = field_at::<{ offset::CPU_ID }>(offset);

@@ -17,3 +17,12 @@ mod imp;
 compile_error!("thiscpu supports x86_64 and aarch64 Linux");
 
 pub(crate) use imp::*;
+
+/// Where the active rseq area is, as `section_offset` loaded it: the offset from the thread
+/// pointer (on aarch64, to the area's `cpu_id` field). Only the architecture files can make one,
+/// so every value names a live area in whichever thread holds it: the process-wide offset is
+/// the same for every thread, and an offset that was active once (thiscpu's own area, before
+/// the switch to glibc's) stays valid, since every thread keeps its own area. That is what lets
+/// `field_at` be a safe function.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct SectionOffset(isize);

@@ -19,6 +19,7 @@
 //! that always names a live, 32-byte area in this thread's static TLS or glibc's thread
 //! descriptor) and its own registers, as each block's comment details.
 
+use super::SectionOffset;
 use crate::abi::{Rseq, offset};
 use core::arch::{asm, global_asm};
 use core::sync::atomic::{AtomicIsize, Ordering};
@@ -196,7 +197,7 @@ pub(crate) fn own_area_offset() -> isize {
 
 /// Offset from the thread pointer to the area the fast path reads.
 pub(crate) fn active_offset() -> isize {
-    section_offset()
+    section_offset().0
 }
 
 /// Points the fast path at another area, e.g. glibc's. Every thread must have a live,
@@ -266,7 +267,7 @@ pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
             "mov {node:e}, dword ptr fs:[{off} + {node_id}]",
             "4:",
             rseq_abort!("5", "mov {aborted:e}, 1", "jmp 4b"),
-            off = in(reg) section_offset(),
+            off = in(reg) section_offset().0,
             cs = out(reg) _,
             cpu = out(reg) cpu,
             node = out(reg) node,
@@ -343,21 +344,21 @@ pub(crate) mod native {
 /// The active offset, loaded once before a section so that the CPU read and the section use the
 /// same area.
 #[inline(always)]
-pub(crate) fn section_offset() -> isize {
+pub(crate) fn section_offset() -> SectionOffset {
     // SAFETY: the symbol is an 8-byte aligned word in `.data`, only accessed atomically.
-    own_area_offset() + unsafe { __thiscpu_0_1_area_delta.load(Ordering::Relaxed) }
+    SectionOffset(own_area_offset() + unsafe { __thiscpu_0_1_area_delta.load(Ordering::Relaxed) })
 }
 
 /// The 32-bit field `FIELD` (`cpu_id` or `mm_cid`) of the area at `offset`.
 #[inline(always)]
-pub(crate) fn field_at<const FIELD: usize>(offset: isize) -> i32 {
+pub(crate) fn field_at<const FIELD: usize>(offset: SectionOffset) -> i32 {
     let value: i32;
-    // SAFETY: `offset` was read from the active offset, which always names a live area in this
-    // thread; FIELD is an aligned 32-bit field inside it.
+    // SAFETY: a `SectionOffset` always names a live area in the calling thread (see its
+    // definition in `arch`); FIELD is an aligned 32-bit field inside it.
     unsafe {
         asm!(
             "mov {v:e}, dword ptr fs:[{off} + {field}]",
-            off = in(reg) offset,
+            off = in(reg) offset.0,
             v = lateout(reg) value,
             field = const FIELD,
             options(nostack, readonly, preserves_flags),
@@ -382,7 +383,7 @@ use crate::ops::Outcome;
 /// valid for reads and writes of a `u64` that only sections indexed by `index` write.
 #[inline(always)]
 pub(crate) unsafe fn load_add_store<const FIELD: usize>(
-    offset: isize,
+    offset: SectionOffset,
     index: u32,
     v: *mut u64,
     count: u64,
@@ -400,7 +401,7 @@ pub(crate) unsafe fn load_add_store<const FIELD: usize>(
             "add qword ptr [{v}], {count}",
             "4:",
             rseq_abort!("5", "jmp {abort}");
-            off = in(reg) offset,
+            off = in(reg) offset.0,
             index = in(reg) index,
             v = in(reg) v,
             count = in(reg) count,
@@ -420,7 +421,7 @@ pub(crate) unsafe fn load_add_store<const FIELD: usize>(
 /// As for `load_add_store`.
 #[inline(always)]
 pub(crate) unsafe fn load_cbne_store<const FIELD: usize>(
-    offset: isize,
+    offset: SectionOffset,
     index: u32,
     v: *mut u64,
     expect: u64,
@@ -443,7 +444,7 @@ pub(crate) unsafe fn load_cbne_store<const FIELD: usize>(
             "mov qword ptr [{v}], {newv}",
             "4:",
             rseq_abort!("5", "jmp {abort}");
-            off = in(reg) offset,
+            off = in(reg) offset.0,
             index = in(reg) index,
             v = in(reg) v,
             expect = in(reg) expect,
@@ -467,7 +468,7 @@ pub(crate) unsafe fn load_cbne_store<const FIELD: usize>(
 /// a node whose word at byte offset `NEXT` is readable; `out` is valid for a pointer write.
 #[inline(always)]
 pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>(
-    offset: isize,
+    offset: SectionOffset,
     index: u32,
     head: *mut usize,
     out: *mut usize,
@@ -494,7 +495,7 @@ pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>
             "mov qword ptr [{head}], {node}",
             "4:",
             rseq_abort!("5", "jmp {abort}");
-            off = in(reg) offset,
+            off = in(reg) offset.0,
             index = in(reg) index,
             head = in(reg) head,
             out = in(reg) out,
@@ -544,7 +545,7 @@ use crate::pool::{StackHead, StackOutcome};
 /// while `stopped` is set.
 #[inline(always)]
 pub(crate) unsafe fn stack_push<const FIELD: usize>(
-    offset: isize,
+    offset: SectionOffset,
     index: u32,
     head: *const StackHead,
     slots: *mut usize,
@@ -576,7 +577,7 @@ pub(crate) unsafe fn stack_push<const FIELD: usize>(
             "mov qword ptr [{head} + {count_at}], {n}",
             "4:",
             rseq_abort!("5", "jmp {abort}");
-            off = in(reg) offset,
+            off = in(reg) offset.0,
             index = in(reg) index,
             head = in(reg) head,
             slots = in(reg) slots,
@@ -605,7 +606,7 @@ pub(crate) unsafe fn stack_push<const FIELD: usize>(
 /// a commit).
 #[inline(always)]
 pub(crate) unsafe fn stack_pop<const FIELD: usize>(
-    offset: isize,
+    offset: SectionOffset,
     index: u32,
     head: *const StackHead,
     slots: *const usize,
@@ -637,7 +638,7 @@ pub(crate) unsafe fn stack_pop<const FIELD: usize>(
             "mov qword ptr [{head} + {count_at}], {n}",
             "4:",
             rseq_abort!("5", "jmp {abort}");
-            off = in(reg) offset,
+            off = in(reg) offset.0,
             index = in(reg) index,
             head = in(reg) head,
             slots = in(reg) slots,
@@ -697,7 +698,7 @@ mod tests {
             Registrar::Glibc => assert_eq!(Some(active_offset()), process.glibc_rseq_offset),
             _ => assert_eq!(active_offset(), own_area_offset()),
         }
-        assert_eq!(section_offset(), active_offset());
+        assert_eq!(section_offset().0, active_offset());
     }
 
     #[test]

@@ -465,19 +465,11 @@ impl<T> Pool<T> {
     #[inline(never)]
     fn get_slow(&self) -> Box<T> {
         match &self.caches {
-            Caches::Rseq(stacks) => {
-                while let Some((offset, cpu)) = here() {
-                    if cpu as usize >= stacks.heads.len() {
-                        break;
-                    }
-                    match self.pop_at(stacks, offset, cpu) {
-                        Ok(object) => return object,
-                        Err(StackOutcome::Aborted) => ops::note_abort(),
-                        Err(StackOutcome::Refused) => return self.refill(stacks),
-                        Err(_) => break,
-                    }
-                }
-            }
+            Caches::Rseq(stacks) => match self.pop_here(stacks) {
+                Ok(object) => return object,
+                Err(StackOutcome::Refused) => return self.refill(stacks),
+                Err(_) => {}
+            },
             Caches::Locked(lists) => {
                 if let Some(object) = lock(&lists[self.locked_index(lists.len())]).pop() {
                     return object;
@@ -499,7 +491,7 @@ impl<T> Pool<T> {
             return self.make_new();
         };
         while let Some(object) = batch.pop() {
-            if let Err(object) = self.push_here(stacks, object) {
+            if let Err((object, _)) = self.push_here(stacks, object) {
                 batch.push(object);
                 lock(&self.shared).append(&mut batch);
                 break;
@@ -508,9 +500,10 @@ impl<T> Pool<T> {
         first
     }
 
-    /// Pushes onto the current CPU's cache, retrying aborts; gives the object back if the
-    /// cache is full or stopped or this thread has no rseq.
-    fn push_here(&self, stacks: &Stacks, mut object: Box<T>) -> Result<(), Box<T>> {
+    /// Pushes onto the current CPU's cache, retrying aborts. Gives the object back with
+    /// `Refused` if the cache is full, or `Stopped` if a drainer owns it or this thread cannot
+    /// use a cache (no rseq, a CPU beyond the caches).
+    fn push_here(&self, stacks: &Stacks, mut object: Box<T>) -> Result<(), (Box<T>, StackOutcome)> {
         while let Some((offset, cpu)) = here() {
             if cpu as usize >= stacks.heads.len() {
                 break;
@@ -521,52 +514,37 @@ impl<T> Pool<T> {
                     ops::note_abort();
                     object = back;
                 }
-                Err((back, _)) => return Err(back),
+                Err(refused_or_stopped) => return Err(refused_or_stopped),
             }
         }
-        Err(object)
+        Err((object, StackOutcome::Stopped))
     }
 
-    /// Pops the current CPU's cache, retrying aborts; `None` if empty, stopped or no rseq.
-    fn pop_here(&self, stacks: &Stacks) -> Option<Box<T>> {
+    /// Pops the current CPU's cache, retrying aborts: `Refused` if it is empty, `Stopped` as for
+    /// `push_here`.
+    fn pop_here(&self, stacks: &Stacks) -> Result<Box<T>, StackOutcome> {
         while let Some((offset, cpu)) = here() {
             if cpu as usize >= stacks.heads.len() {
                 break;
             }
             match self.pop_at(stacks, offset, cpu) {
-                Ok(object) => return Some(object),
+                Ok(object) => return Ok(object),
                 Err(StackOutcome::Aborted) => ops::note_abort(),
-                Err(_) => break,
+                Err(refused_or_stopped) => return Err(refused_or_stopped),
             }
         }
-        None
+        Err(StackOutcome::Stopped)
     }
 
     #[cold]
     #[inline(never)]
     fn put_slow(&self, object: Box<T>) {
         match &self.caches {
-            Caches::Rseq(stacks) => {
-                let mut object = object;
-                while let Some((offset, cpu)) = here() {
-                    if cpu as usize >= stacks.heads.len() {
-                        break;
-                    }
-                    match self.push_at(stacks, offset, cpu, object) {
-                        Ok(()) => return,
-                        Err((back, StackOutcome::Aborted)) => {
-                            ops::note_abort();
-                            object = back;
-                        }
-                        Err((back, StackOutcome::Refused)) => return self.overflow(stacks, back),
-                        Err((back, _)) => {
-                            object = back;
-                            break;
-                        }
-                    }
-                }
-                lock(&self.shared).push(object);
-            }
+            Caches::Rseq(stacks) => match self.push_here(stacks, object) {
+                Ok(()) => {}
+                Err((back, StackOutcome::Refused)) => self.overflow(stacks, back),
+                Err((back, _)) => lock(&self.shared).push(back),
+            },
             Caches::Locked(lists) => {
                 let index = self.locked_index(lists.len());
                 self.touched.set(index as u32);
@@ -589,8 +567,8 @@ impl<T> Pool<T> {
         let mut spill = Vec::with_capacity(self.batch + 1);
         while spill.len() < self.batch {
             match self.pop_here(stacks) {
-                Some(cached) => spill.push(cached),
-                None => break,
+                Ok(cached) => spill.push(cached),
+                Err(_) => break,
             }
         }
         spill.push(object);
@@ -751,21 +729,33 @@ impl<T> Pool<T> {
             head.stopped.store(0, Ordering::Release);
             return Err(refused);
         }
-        // The fence returned: no section on `cpu` that missed the flag can commit any more,
-        // and every later one leaves at the flag. The count and slots are ours until the flag
-        // is cleared; the fence also made the sections' plain stores visible here.
-        let count = (head.count.load(Ordering::Acquire) as usize).min(self.capacity);
-        let taken = stacks.slots(cpu as usize)[..count]
-            .iter()
-            // SAFETY: the slots below the count hold pointers from `Box::into_raw` of committed
-            // pushes, not popped since; resetting the count below gives them to this call.
-            .map(|slot| unsafe { Box::from_raw(slot.load(Ordering::Relaxed) as *mut T) })
-            .collect();
-        head.count.store(0, Ordering::Relaxed);
+        // SAFETY: the fence returned: no section on `cpu` that missed the flag can commit any
+        // more, and every later one leaves at the flag, so the count and slots are ours until
+        // the flag is cleared; the fence also made the sections' plain stores visible here.
+        let taken = unsafe { self.take_stack(stacks, cpu) };
         // Pairs with the sections' load of `stopped` (a load-acquire on aarch64): a section that
         // sees the flag clear sees the count of 0.
         head.stopped.store(0, Ordering::Release);
         Ok(taken)
+    }
+
+    /// Empties CPU `cpu`'s stack and returns its objects.
+    ///
+    /// # Safety
+    /// No restartable sequence may commit on that stack until this returns: the stack is
+    /// stopped and its CPU fenced, or the pool is exclusively borrowed.
+    unsafe fn take_stack(&self, stacks: &Stacks, cpu: u32) -> Vec<Box<T>> {
+        let head = &stacks.heads[cpu as usize];
+        let count = (head.count.load(Ordering::Acquire) as usize).min(self.capacity);
+        let taken = stacks.slots(cpu as usize)[..count]
+            .iter()
+            // SAFETY: the slots below the count hold pointers from `Box::into_raw` of committed
+            // pushes, not popped since (nothing else runs on this stack, by the contract);
+            // resetting the count below gives them to this call.
+            .map(|slot| unsafe { Box::from_raw(slot.load(Ordering::Relaxed) as *mut T) })
+            .collect();
+        head.count.store(0, Ordering::Relaxed);
+        taken
     }
 
     /// The fallback: run on `cpu` and pop its stack there. `None` if this thread cannot.
@@ -813,8 +803,8 @@ impl Affinity {
     }
 
     fn only(cpu: u32) -> Affinity {
-        // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET ignores ids beyond it
-        // (libc's CPU_SET checks the bound), and an empty set is then refused by the kernel.
+        // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET is called only for an id
+        // inside it. A CPU beyond it leaves the set empty, which the kernel refuses.
         unsafe {
             let mut set: libc::cpu_set_t = core::mem::zeroed();
             if (cpu as usize) < 8 * size_of::<libc::cpu_set_t>() {
@@ -836,14 +826,8 @@ impl<T> Drop for Pool<T> {
             // `&mut self`: no guard is alive, so no section on these stacks is running. Every
             // push set its CPU's touched bit first, so untouched stacks are empty.
             for cpu in self.touched.iter() {
-                let head = &stacks.heads[cpu as usize];
-                let count = (head.count.load(Ordering::Acquire) as usize).min(self.capacity);
-                head.count.store(0, Ordering::Relaxed);
-                for slot in &stacks.slots(cpu as usize)[..count] {
-                    // SAFETY: as in `drain_fenced`: each pointer below the count is owned by
-                    // the stack, and the count was reset so that nothing takes it again.
-                    drop(unsafe { Box::from_raw(slot.load(Ordering::Relaxed) as *mut T) });
-                }
+                // SAFETY: the pool is exclusively borrowed: no section runs on its stacks.
+                drop(unsafe { self.take_stack(stacks, cpu) });
             }
         }
     }

@@ -10,7 +10,7 @@
 //! of `fetch_add` is not routed through `black_box`: that would add a store per operation that
 //! `Counter::inc` (which returns nothing) does not pay.
 
-use super::{Case, Family, Measured, Stats, Unit, Workload};
+use super::{Case, Family, Measured, Stats, Unit, Workload, verdict};
 use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render};
 use contatori::counters::Observable;
 use std::cell::Cell;
@@ -298,16 +298,9 @@ fn mapped(result: &Measured, f: impl Fn(f64) -> f64) -> Stats {
     Stats::of(&values)
 }
 
-fn find<'a>(results: &'a [Measured], case: &str, threads: usize) -> Option<&'a Measured> {
-    results
-        .iter()
-        .find(|m| m.case == case && m.threads == threads)
-}
-
 /// Median ns per increment of one thread of `case` run with `threads` threads.
 fn ns_per_op(results: &[Measured], case: &str, threads: usize) -> Option<f64> {
-    let result = find(results, case, threads)?;
-    Some(result.stats().median)
+    super::median_of(results, case, threads)
 }
 
 /// Million operations per second from ns per operation.
@@ -315,10 +308,6 @@ fn mops(ns: f64) -> f64 {
     1e3 / ns.max(1e-12)
 }
 
-/// `met` or `NOT met`.
-fn verdict(met: bool) -> &'static str {
-    if met { "met" } else { "NOT met" }
-}
 
 /// Throughput per thread and in total beside the ns/op table, then the targets.
 fn report(results: &[Measured]) -> String {

@@ -13,7 +13,7 @@
 //! it), `alternate` (every call changes it). After each chunk every worker checks that its bit
 //! holds the value its last call asked for: a lost update fails the run.
 
-use super::{Case, Family, Measured, Stats, Unit, Workload};
+use super::{Case, Family, Measured, Unit, Workload, median_of as median, verdict};
 use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use thiscpu::{CachePadded, CpuMask};
@@ -230,20 +230,6 @@ fn cases() -> Vec<Case> {
     cases
 }
 
-fn find<'a>(results: &'a [Measured], case: &str, threads: usize) -> Option<&'a Measured> {
-    results
-        .iter()
-        .find(|m| m.case == case && m.threads == threads)
-}
-
-/// Median ns of `case` with `threads` threads.
-fn median(results: &[Measured], case: &str, threads: usize) -> Option<f64> {
-    Some(Stats::of(&find(results, case, threads)?.rounds).median)
-}
-
-fn verdict(met: bool) -> &'static str {
-    if met { "met" } else { "NOT met" }
-}
 
 /// Cost of each strategy relative to `always-rmw` under the same pattern and thread count,
 /// then the targets.

@@ -129,17 +129,6 @@ impl Snapshot {
     }
 }
 
-/// CPU time of the calling thread, in nanoseconds: creation times count the work done, not
-/// the time other load on the machine took the CPU away.
-fn thread_cpu_ns() -> f64 {
-    let mut now = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: `now` is a valid timespec for the kernel to fill.
-    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
-    now.tv_sec as f64 * 1e9 + now.tv_nsec as f64
-}
 
 /// The calling thread's affinity, restored when dropped.
 struct Affinity(libc::cpu_set_t);
@@ -212,11 +201,11 @@ fn measure_dense(cpus: &[u32]) -> Result<Figures, String> {
     let mut batch: Vec<Option<Counter>> = Vec::with_capacity(DENSE_BATCH);
     batch.resize_with(DENSE_BATCH, || None);
     let before = Snapshot::take()?;
-    let start = thread_cpu_ns();
+    let start = super::thread_cpu_time().as_nanos() as f64;
     for slot in &mut batch {
         *slot = Some(Counter::new());
     }
-    let create_ns = (thread_cpu_ns() - start) / DENSE_BATCH as f64;
+    let create_ns = (super::thread_cpu_time().as_nanos() as f64 - start) / DENSE_BATCH as f64;
     on_each_cpu(cpus, || {
         for counter in batch.iter().flatten() {
             black_box(counter).inc();
@@ -245,11 +234,11 @@ fn measure_padded(cpus: &[u32]) -> Result<Figures, String> {
     let mut batch: Vec<Option<PerCpu<AtomicU64>>> = Vec::with_capacity(PADDED_BATCH);
     batch.resize_with(PADDED_BATCH, || None);
     let before = Snapshot::take()?;
-    let start = thread_cpu_ns();
+    let start = super::thread_cpu_time().as_nanos() as f64;
     for slot in &mut batch {
         *slot = Some(PerCpu::default());
     }
-    let create_ns = (thread_cpu_ns() - start) / PADDED_BATCH as f64;
+    let create_ns = (super::thread_cpu_time().as_nanos() as f64 - start) / PADDED_BATCH as f64;
     on_each_cpu(cpus, || {
         for counter in batch.iter().flatten() {
             black_box(counter).current().fetch_add(1, Relaxed);
@@ -422,7 +411,7 @@ fn report(results: &[Measured]) -> String {
                 "  dense resident: {} B per counter per CPU that ran ({ran}) (target ≤ 8 B plus \
                  a small constant): {}",
                 bytes(each),
-                if each <= 8.5 { "met" } else { "NOT met" }
+                super::verdict(each <= 8.5)
             ));
         }
         if let Some(reserved) = median("dense/reserved", threads) {
@@ -434,7 +423,7 @@ fn report(results: &[Measured]) -> String {
                  {} B is expected here; the rest comes from where a batch starts and ends in \
                  partly used 64 KiB ranges",
                 bytes(each),
-                if each <= 8.0 { "met" } else { "NOT met" },
+                super::verdict(each <= 8.0),
                 bytes(expected)
             ));
         }

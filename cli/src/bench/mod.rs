@@ -671,6 +671,19 @@ impl Sample {
     }
 }
 
+/// The median of `case` run with `threads` threads, for the families' reports.
+fn median_of(results: &[Measured], case: &str, threads: usize) -> Option<f64> {
+    let result = results
+        .iter()
+        .find(|m| m.case == case && m.threads == threads)?;
+    Some(result.stats().median)
+}
+
+/// `met` or `NOT met`, for the families' target lines.
+fn verdict(met: bool) -> &'static str {
+    if met { "met" } else { "NOT met" }
+}
+
 /// CPU time the calling thread has used (`CLOCK_THREAD_CPUTIME_ID`).
 fn thread_cpu_time() -> Duration {
     let mut now = libc::timespec {

@@ -7,7 +7,7 @@
 //! After every round each pool must hold exactly the objects it ever made: a lost or doubled
 //! object fails the run.
 
-use super::{Case, Family, Measured, Stats, Unit, Workload};
+use super::{Case, Family, Measured, Unit, Workload, median_of as median};
 use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render};
 use crossbeam_queue::{ArrayQueue, SegQueue};
 use std::hint::black_box;
@@ -213,12 +213,6 @@ fn cases() -> Vec<Case> {
     ]
 }
 
-fn median(results: &[Measured], case: &str, threads: usize) -> Option<f64> {
-    let result = results
-        .iter()
-        .find(|m| m.case == case && m.threads == threads)?;
-    Some(Stats::of(&result.rounds).median)
-}
 
 /// Every competitor's cost relative to thiscpu's, per thread count.
 fn report(results: &[Measured]) -> String {

@@ -256,8 +256,23 @@ pub(crate) fn area_at(offset: isize) -> *mut Rseq {
 /// to its start, so that reading `cpu_id` takes one register-offset load).
 #[inline(always)]
 pub(crate) fn section_offset() -> SectionOffset {
-    // SAFETY: the symbol is an 8-byte aligned word in `.data`, only accessed atomically.
-    SectionOffset(own_area_offset() + unsafe { __thiscpu_0_1_cpu_id_delta.load(Ordering::Relaxed) })
+    let offset: isize;
+    // SAFETY: the own area's offset (see `own_area_offset`) plus a relaxed load of an aligned
+    // word in `.data` that only this module writes, atomically. In one `asm!` because a Rust
+    // load of the extern static goes through the GOT (one more instruction on the fast path).
+    unsafe {
+        asm!(
+            "adrp {o}, :gottprel:__thiscpu_0_1_own_area",
+            "ldr {o}, [{o}, :gottprel_lo12:__thiscpu_0_1_own_area]",
+            "adrp {d}, __thiscpu_0_1_cpu_id_delta",
+            "ldr {d}, [{d}, :lo12:__thiscpu_0_1_cpu_id_delta]",
+            "add {o}, {o}, {d}",
+            o = out(reg) offset,
+            d = out(reg) _,
+            options(readonly, nostack, preserves_flags),
+        );
+    }
+    SectionOffset(offset)
 }
 
 /// The 32-bit field `FIELD` (`cpu_id`, `node_id` or `mm_cid`) of the area whose `cpu_id` is at

@@ -345,8 +345,19 @@ pub(crate) mod native {
 /// same area.
 #[inline(always)]
 pub(crate) fn section_offset() -> SectionOffset {
-    // SAFETY: the symbol is an 8-byte aligned word in `.data`, only accessed atomically.
-    SectionOffset(own_area_offset() + unsafe { __thiscpu_0_1_area_delta.load(Ordering::Relaxed) })
+    let offset: isize;
+    // SAFETY: the own area's offset (see `own_area_offset`) plus a relaxed load of an aligned
+    // word in `.data` that only `set_active_offset` writes, atomically. In one `asm!` because a
+    // Rust load of the extern static goes through the GOT (one more instruction per section).
+    unsafe {
+        asm!(
+            "mov {}, qword ptr [rip + __thiscpu_0_1_own_area@GOTTPOFF]",
+            "add {0}, qword ptr [rip + __thiscpu_0_1_area_delta]",
+            out(reg) offset,
+            options(nostack, readonly),
+        );
+    }
+    SectionOffset(offset)
 }
 
 /// The 32-bit field `FIELD` (`cpu_id` or `mm_cid`) of the area at `offset`.

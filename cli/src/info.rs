@@ -111,7 +111,7 @@ pub fn gather() -> Info {
                 source
                     .unavailable
                     .map_or("not registered in this thread".to_owned(), |why| {
-                        machine::describe_unavailable(why)
+                        why.to_string()
                     })
             }),
         },
@@ -133,7 +133,7 @@ pub fn gather() -> Info {
         machine: Machine::describe(),
         rseq: RseqDetail {
             registered_by: source.registrar.name().to_owned(),
-            unavailable: source.unavailable.map(machine::describe_unavailable),
+            unavailable: source.unavailable.map(|why| why.to_string()),
             glibc_rseq_size: source.glibc_rseq_size,
             glibc_rseq_offset: source.glibc_rseq_offset,
             kernel_feature_size: source.kernel_feature_size,

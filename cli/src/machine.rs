@@ -2,7 +2,7 @@
 //! CPUs, and the state of rseq.
 
 use serde::{Deserialize, Serialize};
-use thiscpu::{Source, Unavailable};
+use thiscpu::Source;
 
 /// The machine description shared by `info --json` and every benchmark report.
 ///
@@ -95,7 +95,7 @@ impl RseqState {
             feature_size: source.kernel_feature_size,
             node_id: source.node_id,
             mm_cid: source.mm_cid,
-            unavailable: source.unavailable.map(describe_unavailable),
+            unavailable: source.unavailable.map(|why| why.to_string()),
         }
     }
 
@@ -114,22 +114,6 @@ impl RseqState {
             "rseq registered by {}, kernel feature size {}, {}",
             self.registered_by, self.feature_size, fields
         )
-    }
-}
-
-/// Why rseq is not in use, in words.
-pub fn describe_unavailable(why: Unavailable) -> String {
-    match why {
-        Unavailable::TurnedOff => "turned off with THISCPU_RSEQ=off".to_owned(),
-        Unavailable::NoSyscall => "the kernel has no rseq system call".to_owned(),
-        Unavailable::RegisteredElsewhere => {
-            "threads already have an rseq area thiscpu cannot find (static glibc or another library)"
-                .to_owned()
-        }
-        Unavailable::Refused(errno) => format!(
-            "the rseq system call was refused ({})",
-            std::io::Error::from_raw_os_error(errno)
-        ),
     }
 }
 

@@ -36,7 +36,14 @@ impl Registrar {
 }
 
 /// Why rseq is not used, when it is not.
+///
+/// ```
+/// if let Some(why) = thiscpu::source().unavailable {
+///     println!("rseq unavailable: {why}");
+/// }
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Unavailable {
     /// `THISCPU_RSEQ=off` was set.
     TurnedOff,
@@ -48,6 +55,26 @@ pub enum Unavailable {
     /// library, or by a libc that does not publish `__rseq_offset`.
     RegisteredElsewhere,
 }
+
+impl core::fmt::Display for Unavailable {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            Unavailable::TurnedOff => f.write_str("turned off with THISCPU_RSEQ=off"),
+            Unavailable::NoSyscall => f.write_str("the kernel has no rseq system call"),
+            Unavailable::Refused(errno) => write!(
+                f,
+                "the rseq system call was refused ({})",
+                std::io::Error::from_raw_os_error(*errno)
+            ),
+            Unavailable::RegisteredElsewhere => f.write_str(
+                "threads already have an rseq area thiscpu cannot find \
+                 (static glibc or another library)",
+            ),
+        }
+    }
+}
+
+impl std::error::Error for Unavailable {}
 
 /// The process-wide facts, gathered once.
 #[derive(Clone, Copy, Debug)]

@@ -167,10 +167,7 @@ fn cases() -> Vec<Case> {
         Case::skipped(
             "mm_cid",
             ns,
-            format!(
-                "rseq not in use: {}",
-                crate::machine::describe_unavailable(why)
-            ),
+            format!("rseq not in use: {why}"),
         )
     } else {
         Case::skipped(

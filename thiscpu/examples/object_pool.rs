@@ -63,7 +63,10 @@ pub fn main() {
                         trims += 1;
                         moved += n;
                     }
-                    Err(why) => println!("trim skipped: {why}"),
+                    Err(partial) => {
+                        moved += partial.moved;
+                        println!("trim incomplete: {partial}");
+                    }
                 }
             }
             (trims, moved)

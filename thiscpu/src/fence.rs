@@ -50,6 +50,10 @@ pub struct FenceUnavailable {
 }
 
 impl FenceUnavailable {
+    pub(crate) fn refused(errno: i32) -> Self {
+        FenceUnavailable { errno }
+    }
+
     /// The errno the kernel returned (`ENOSYS`, `EINVAL` on kernels before 5.10, `EPERM` or
     /// another under seccomp), or `EPERM` when `THISCPU_MEMBARRIER=off` turned fences off.
     pub fn errno(self) -> i32 {
@@ -104,7 +108,7 @@ pub fn register() -> Result<(), FenceUnavailable> {
     static REGISTERED: OnceLock<Result<(), FenceUnavailable>> = OnceLock::new();
     *REGISTERED.get_or_init(|| {
         if turned_off() {
-            return Err(FenceUnavailable { errno: libc::EPERM });
+            return Err(FenceUnavailable::refused(libc::EPERM));
         }
         membarrier(CMD_REGISTER_PRIVATE_EXPEDITED_RSEQ, 0, 0)
     })

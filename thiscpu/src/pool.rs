@@ -181,6 +181,7 @@ fn lock<V>(mutex: &Mutex<V>) -> MutexGuard<'_, V> {
 
 /// How [`Pool::drain_cpu`] reached the cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum DrainMethod {
     /// The `stopped` flag and a membarrier fence of the CPU.
     Fence,
@@ -192,6 +193,7 @@ pub enum DrainMethod {
 
 /// What a drain moved.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct Drained {
     /// Objects moved from the CPU's cache to the shared list.
     pub objects: usize,
@@ -201,6 +203,7 @@ pub struct Drained {
 
 /// Why a drain did nothing.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum DrainError {
     /// The CPU is beyond the pool's caches (not a possible CPU).
     NoSuchCpu(u32),
@@ -221,7 +224,48 @@ impl core::fmt::Display for DrainError {
     }
 }
 
-impl std::error::Error for DrainError {}
+impl std::error::Error for DrainError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            DrainError::NoSuchCpu(_) => None,
+            DrainError::Unavailable(why) => Some(why),
+        }
+    }
+}
+
+/// What [`Pool::drain_all`] did when some CPU's cache could not be drained: the objects it
+/// moved from the others, and each CPU it could not reach with the reason.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DrainAllError {
+    /// Objects moved to the shared list from the caches that could be drained.
+    pub moved: usize,
+    /// The CPUs whose cache stayed as it was, in CPU order, each with its reason.
+    pub failed: Vec<(u32, DrainError)>,
+}
+
+impl core::fmt::Display for DrainAllError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        write!(
+            f,
+            "moved {} objects, but {} CPU caches could not be drained",
+            self.moved,
+            self.failed.len()
+        )?;
+        if let Some((cpu, why)) = self.failed.first() {
+            write!(f, " (CPU {cpu}: {why})")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for DrainAllError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.failed
+            .first()
+            .map(|(_, why)| why as &(dyn std::error::Error + 'static))
+    }
+}
 
 /// Default objects cached per CPU.
 pub const DEFAULT_CAPACITY: usize = 64;
@@ -328,6 +372,7 @@ impl<T> Pool<T> {
     /// assert_eq!(*pool.get(), 8, "the same object, as it was left");
     /// ```
     #[inline]
+    #[must_use = "dropping the guard at once puts the object straight back"]
     pub fn get(&self) -> Pooled<'_, T> {
         let object = match self.pop_fast() {
             Some(object) => object,
@@ -697,28 +742,32 @@ impl<T> Pool<T> {
     }
 
     /// Drains every touched CPU's cache ([`drain_cpu`](Pool::drain_cpu)); returns how many
-    /// objects moved, or the first error. A CPU that cannot be drained does not stop the others.
+    /// objects moved. A CPU that cannot be drained does not stop the others: the error then
+    /// says what was moved anyway and which CPUs were not reached.
     ///
     /// ```
     /// let pool = thiscpu::Pool::new(|| 0u8);
     /// pool.put(1);
-    /// if let Ok(moved) = pool.drain_all() {
-    ///     assert_eq!(moved, 1);
-    ///     assert_eq!(pool.shared_len(), 1);
-    /// }
+    /// let moved = match pool.drain_all() {
+    ///     Ok(moved) => moved,
+    ///     Err(partial) => partial.moved,
+    /// };
+    /// assert_eq!(pool.shared_len(), moved);
     /// ```
-    pub fn drain_all(&self) -> Result<usize, DrainError> {
+    pub fn drain_all(&self) -> Result<usize, DrainAllError> {
         let mut moved = 0;
-        let mut first_error = None;
+        let mut failed = Vec::new();
         for cpu in self.touched.iter() {
             match self.drain_cpu(cpu) {
                 Ok(drained) => moved += drained.objects,
-                Err(why) => {
-                    first_error.get_or_insert(why);
-                }
+                Err(why) => failed.push((cpu, why)),
             }
         }
-        first_error.map_or(Ok(moved), Err)
+        if failed.is_empty() {
+            Ok(moved)
+        } else {
+            Err(DrainAllError { moved, failed })
+        }
     }
 
     /// Steps 1-4 of the drain protocol. The caller holds the drain lock.
@@ -854,6 +903,7 @@ impl<T> core::fmt::Debug for Pool<T> {
 /// let kept: Vec<u32> = thiscpu::Pooled::into_inner(list);
 /// assert_eq!(kept, [1]);
 /// ```
+#[must_use = "dropping the guard puts the object back into the pool at once"]
 pub struct Pooled<'a, T> {
     pool: &'a Pool<T>,
     object: ManuallyDrop<Box<T>>,
@@ -905,5 +955,58 @@ impl<T> Drop for Pooled<'_, T> {
 impl<T: core::fmt::Debug> core::fmt::Debug for Pooled<'_, T> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_tuple("Pooled").field(&**self.object).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pool with locked caches for `caches` CPUs, whose touched mask also names CPUs beyond
+    /// them, as a CPU whose drain fails.
+    fn pool_with_unreachable_cpus(caches: usize, touched: &[u32]) -> Pool<u8> {
+        let pool = Pool {
+            caches: Caches::Locked(
+                (0..caches)
+                    .map(|_| CachePadded(Mutex::new(Vec::new())))
+                    .collect(),
+            ),
+            capacity: 8,
+            batch: 4,
+            touched: CpuMask::with_capacity(caches + touched.len()),
+            shared: CachePadded(Mutex::new(Vec::new())),
+            drains: Mutex::new(()),
+            created: AtomicU64::new(0),
+            make: Box::new(|| 0),
+        };
+        for &cpu in touched {
+            pool.touched.set(cpu);
+        }
+        pool
+    }
+
+    #[test]
+    fn drain_all_reports_what_it_moved_when_a_cpu_fails() {
+        let pool = pool_with_unreachable_cpus(1, &[0, 1]);
+        let Caches::Locked(lists) = &pool.caches else {
+            unreachable!()
+        };
+        lock(&lists[0]).extend([Box::new(1), Box::new(2), Box::new(3)]);
+        let partial = pool.drain_all().expect_err("CPU 1 has no cache");
+        assert_eq!(partial.moved, 3);
+        assert_eq!(partial.failed, vec![(1, DrainError::NoSuchCpu(1))]);
+        assert_eq!(pool.shared_len(), 3);
+        let source = std::error::Error::source(&partial).expect("the first failure");
+        assert_eq!(source.to_string(), DrainError::NoSuchCpu(1).to_string());
+        assert!(partial.to_string().contains("moved 3 objects"), "{partial}");
+    }
+
+    #[test]
+    fn drain_error_names_the_fence_error_as_its_source() {
+        let refused = crate::fence::FenceUnavailable::refused(libc::EPERM);
+        let error = DrainError::Unavailable(refused);
+        let source = std::error::Error::source(&error).expect("the fence's error");
+        assert_eq!(source.to_string(), refused.to_string());
+        assert!(std::error::Error::source(&DrainError::NoSuchCpu(7)).is_none());
     }
 }

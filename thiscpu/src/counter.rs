@@ -99,6 +99,7 @@ impl Counter<ByCpu> {
     /// ```
     /// assert_eq!(thiscpu::Counter::new().sum(), 0);
     /// ```
+    #[must_use]
     pub fn new() -> Self {
         Counter::allocate()
     }
@@ -112,6 +113,7 @@ impl Counter<ByMmCid> {
     /// c.inc();
     /// assert_eq!(c.sum(), 1);
     /// ```
+    #[must_use]
     pub fn by_mm_cid() -> Self {
         Counter::allocate()
     }

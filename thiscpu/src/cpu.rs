@@ -23,6 +23,7 @@ pub struct CpuNode {
 
 /// The mechanism that answers "which CPU am I on".
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum CpuSource {
     /// One load from the rseq area that glibc registered.
     RseqGlibc,
@@ -39,6 +40,7 @@ pub enum CpuSource {
 
 impl CpuSource {
     /// The name used in reports and JSON.
+    #[must_use]
     pub fn name(self) -> &'static str {
         match self {
             CpuSource::RseqGlibc => "rseq (glibc)",
@@ -52,6 +54,7 @@ impl CpuSource {
 
 /// What answers thiscpu's questions in this process and thread, and what the kernel offers.
 #[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
 pub struct Source {
     /// Who registered the rseq areas thiscpu reads.
     pub registrar: Registrar,
@@ -150,6 +153,7 @@ fn arch_native_cpu_node() -> CpuNode {
 /// assert!((cpu as usize) < thiscpu::topology::possible_cpus());
 /// ```
 #[inline]
+#[must_use]
 pub fn current_cpu() -> u32 {
     let cpu = arch::rseq_cpu_id();
     if cpu >= 0 {
@@ -185,6 +189,7 @@ fn current_cpu_slow() -> u32 {
 /// assert_eq!(thiscpu::topology::node_of_cpu(here.cpu), Some(here.node));
 /// ```
 #[inline]
+#[must_use]
 pub fn getcpu() -> CpuNode {
     if NODE_ID_USABLE.load(Ordering::Relaxed)
         && let Some((cpu, node)) = arch::load_cpu_node()
@@ -236,6 +241,7 @@ fn getcpu_slow() -> CpuNode {
 /// assert_eq!(thiscpu::current_node(), thiscpu::getcpu().node);
 /// ```
 #[inline]
+#[must_use]
 pub fn current_node() -> u32 {
     if NODE_ID_USABLE.load(Ordering::Relaxed) && arch::rseq_cpu_id() >= 0 {
         return arch::rseq_field::<{ offset::NODE_ID }>();
@@ -256,6 +262,7 @@ pub fn current_node() -> u32 {
 /// }
 /// ```
 #[inline]
+#[must_use]
 pub fn mm_cid() -> Option<u32> {
     if MM_CID_USABLE.load(Ordering::Relaxed) && arch::rseq_cpu_id() >= 0 {
         return Some(arch::rseq_field::<{ offset::MM_CID }>());
@@ -279,6 +286,7 @@ fn mm_cid_slow() -> Option<u32> {
 /// let source = thiscpu::source();
 /// println!("rseq registered by {}, answering: {}", source.registrar.name(), source.this_thread.name());
 /// ```
+#[must_use]
 pub fn source() -> Source {
     let fallback = decide_fallback();
     let process = registration::process();

@@ -46,7 +46,11 @@
 //! - [`ops`]: the raw restartable operations (add, compare-and-store, list pop and push) for
 //!   building other per-CPU structures; [`dense`]: the allocator that packs per-CPU words.
 //! - [`topology`]: possible and online CPUs, and their NUMA nodes, from `/sys`.
-//! - [`stress`]: the self-test behind `thiscpu stress`.
+//!
+//!
+//! Two public modules are hidden from the documentation and outside the stable surface (they
+//! may change in any release): `abi`, the kernel's rseq structures as thiscpu uses them, and
+//! `stress`, the self-test behind `thiscpu stress`.
 //! - `metrics` (feature `metrics`): a backend for the `metrics` facade whose counters are
 //!   per-CPU, so that `metrics::counter!(..).increment(1)` makes no atomic read-modify-write.
 //!
@@ -83,6 +87,7 @@
 
 #![deny(unsafe_code)]
 
+#[doc(hidden)]
 #[allow(unsafe_code)]
 pub mod abi;
 #[allow(unsafe_code)]
@@ -105,6 +110,7 @@ mod percpu;
 pub mod pool;
 #[allow(unsafe_code)]
 mod registration;
+#[doc(hidden)]
 #[allow(unsafe_code)]
 pub mod stress;
 #[allow(unsafe_code)]

@@ -500,6 +500,7 @@ impl Hasher for KeyHasher {
 
 /// A histogram's summary: count, sum, minimum and maximum of the recorded values.
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct Summary {
     /// Number of values recorded.
     pub count: u64,
@@ -586,6 +587,7 @@ impl HistogramFn for PerCpuSummary {
 
 /// Which kind of metric a [`Description`] is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum MetricKind {
     /// A counter.
     Counter,
@@ -609,6 +611,7 @@ pub enum MetricKind {
 /// assert_eq!(&*described.text, "Worker threads running");
 /// ```
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct Description {
     /// The kind of metric described.
     pub kind: MetricKind,
@@ -632,6 +635,7 @@ pub struct Description {
 /// assert_eq!(snapshot.counter("hits"), None); // that key has labels
 /// ```
 #[derive(Clone, Debug, Default)]
+#[non_exhaustive]
 pub struct Snapshot {
     /// Counters and their values.
     pub counters: Vec<(Key, u64)>,

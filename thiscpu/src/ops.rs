@@ -23,6 +23,7 @@
 use crate::abi::offset;
 use crate::arch;
 use crate::registration;
+use core::marker::PhantomData;
 use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 /// How a restartable operation ended.
@@ -47,13 +48,30 @@ pub const BY_MM_CID: usize = offset::MM_CID;
 
 /// Where the calling thread is, read from its rseq area just before an operation: the CPU (or
 /// `mm_cid`, by `FIELD`) and the area the section must check it against.
+///
+/// A position names the calling thread's own area, so it is neither `Send` nor `Sync`:
+///
+/// ```compile_fail
+/// fn send<T: Send>(_: T) {}
+/// send(thiscpu::ops::position());
+/// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Position<const FIELD: usize = BY_CPU> {
     offset: arch::SectionOffset,
     index: u32,
+    this_thread_only: PhantomData<*const ()>,
 }
 
 impl<const FIELD: usize> Position<FIELD> {
+    #[inline(always)]
+    fn new(offset: arch::SectionOffset, index: u32) -> Self {
+        Position {
+            offset,
+            index,
+            this_thread_only: PhantomData,
+        }
+    }
+
     /// The CPU (or concurrency id) to address data for.
     #[inline]
     pub fn index(self) -> u32 {
@@ -74,10 +92,7 @@ pub fn position() -> Option<Position<BY_CPU>> {
     let offset = arch::section_offset();
     let cpu = arch::field_at::<BY_CPU>(offset);
     if cpu >= 0 {
-        return Some(Position {
-            offset,
-            index: cpu as u32,
-        });
+        return Some(Position::new(offset, cpu as u32));
     }
     position_slow()
 }
@@ -92,10 +107,7 @@ fn position_slow() -> Option<Position<BY_CPU>> {
     }
     let offset = arch::section_offset();
     let cpu = arch::field_at::<BY_CPU>(offset);
-    (cpu >= 0).then_some(Position {
-        offset,
-        index: cpu as u32,
-    })
+    (cpu >= 0).then_some(Position::new(offset, cpu as u32))
 }
 
 /// The calling thread's `mm_cid`, for an operation indexed by concurrency id, or `None` where
@@ -113,16 +125,13 @@ pub fn mm_cid_position() -> Option<Position<BY_MM_CID>> {
         return None;
     }
     let cid = arch::field_at::<BY_MM_CID>(cpu.offset);
-    Some(Position {
-        offset: cpu.offset,
-        index: cid as u32,
-    })
+    Some(Position::new(cpu.offset, cid as u32))
 }
 
 /// Adds `count` to `*v` on the position's CPU: load, add, store, with the store committing.
 ///
 /// # Safety
-/// - `at` was read by the calling thread (positions are not to be sent to other threads).
+/// - `at` was read by the calling thread (the type keeps a position in the thread that read it).
 /// - `v` is valid for reads and writes of a `u64` (8-byte aligned) for the whole call.
 /// - `v` is the word for `at.index()`: every write to it is made by an operation whose position
 ///   has the same index and field (so that only one CPU ever runs a committing section on it),

@@ -54,9 +54,10 @@ impl<T> PerCpu<T> {
     /// let ids = thiscpu::PerCpu::new(|cpu| cpu);
     /// assert_eq!(ids[0], 0);
     /// ```
-    pub fn new(mut init: impl FnMut(usize) -> T) -> Self {
+    pub fn new(mut init: impl FnMut(u32) -> T) -> Self {
+        // CPU ids come from /sys as u32s, so every one below the count fits in a u32.
         let slots = (0..topology::possible_cpus())
-            .map(|cpu| CachePadded(init(cpu)))
+            .map(|cpu| CachePadded(init(cpu as u32)))
             .collect();
         PerCpu { slots }
     }
@@ -82,11 +83,11 @@ impl<T> PerCpu<T> {
     ///
     /// ```
     /// let slots = thiscpu::PerCpu::<u8>::default();
-    /// assert!(slots.get(slots.len()).is_none());
+    /// assert!(slots.get(slots.len() as u32).is_none());
     /// ```
     #[inline]
-    pub fn get(&self, index: usize) -> Option<&T> {
-        self.slots.get(index).map(|slot| &slot.0)
+    pub fn get(&self, index: u32) -> Option<&T> {
+        self.slots.get(index as usize).map(|slot| &slot.0)
     }
 
     /// The slot of the CPU this thread runs on now. The thread may migrate right after: the
@@ -113,7 +114,7 @@ impl<T> PerCpu<T> {
     ///
     /// ```
     /// let slots = thiscpu::PerCpu::new(|cpu| cpu);
-    /// assert!(slots.iter().enumerate().all(|(cpu, &value)| cpu == value));
+    /// assert!(slots.iter().zip(0..).all(|(&value, cpu)| cpu == value));
     /// ```
     pub fn iter(&self) -> impl ExactSizeIterator<Item = &T> + '_ {
         self.slots.iter().map(|slot| &slot.0)
@@ -131,12 +132,12 @@ impl<T: Default> Default for PerCpu<T> {
     }
 }
 
-impl<T> core::ops::Index<usize> for PerCpu<T> {
+impl<T> core::ops::Index<u32> for PerCpu<T> {
     type Output = T;
 
     /// The slot of CPU `index`; panics if `index` is not a possible CPU.
-    fn index(&self, index: usize) -> &T {
-        &self.slots[index].0
+    fn index(&self, index: u32) -> &T {
+        &self.slots[index as usize].0
     }
 }
 

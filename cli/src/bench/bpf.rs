@@ -145,7 +145,7 @@ impl<S: CpuId> Shape for ArrInc<S> {
     fn increments(&self, ops: u64) {
         let map = black_box(&self.0);
         for _ in 0..ops {
-            if let Some(slot) = map.get(S::cpu() as usize) {
+            if let Some(slot) = map.get(S::cpu()) {
                 slot.fetch_add(1, Relaxed);
             }
         }

@@ -26,6 +26,7 @@
 //! The module makes the `membarrier` system call, which takes no pointer, and reads one
 //! environment variable with `getenv`; each block states why it holds.
 
+use core::sync::atomic::{AtomicU64, Ordering};
 use std::ffi::CStr;
 use std::sync::OnceLock;
 
@@ -152,4 +153,80 @@ pub fn fence_cpu(cpu: u32) -> Result<(), FenceUnavailable> {
 pub fn fence_all() -> Result<(), FenceUnavailable> {
     register()?;
     membarrier(CMD_PRIVATE_EXPEDITED_RSEQ, 0, 0)
+}
+
+/// Per-CPU data that the calling thread took over with [`take_over`]: until this is dropped, no
+/// restartable sequence can commit on it. Dropping it gives the data back to the sections by
+/// storing the flag's running value with release ordering, so a section that then finds the
+/// flag cleared also sees every store made under this guard.
+#[derive(Debug)]
+pub struct TakenOver<'a> {
+    flag: &'a AtomicU64,
+    running: u64,
+}
+
+impl Drop for TakenOver<'_> {
+    fn drop(&mut self) {
+        self.flag.store(self.running, Ordering::Release);
+    }
+}
+
+/// Takes per-CPU data over from the restartable sequences of `cpu` (or, for `cpu` `None`, of
+/// every CPU, for data indexed by `mm_cid`): the protocol [`crate::Pool::drain_cpu`] and
+/// [`crate::Sharded`]'s readers share.
+///
+/// `flag` is a word that every section writing the data compares before it commits, and
+/// leaves the data alone unless it reads `running`: the pool's `stopped` flag, or a shard's
+/// lock word (whose sections commit by writing it). The call
+/// 1. swaps `flag` from `running` to `stopped` (`Ok(None)` if it did not hold `running`);
+/// 2. fences the CPU (every CPU for `None`): a section that read `running` before the swap is
+///    aborted or has committed by then, and every later one reads `stopped` and leaves;
+/// 3. checks that `flag` still holds `stopped`. A section that read `running` before the swap
+///    may have committed a store to `flag` after it, and then owns the data: the call returns
+///    `Ok(None)` and leaves `flag` as that section wrote it.
+///
+/// With `Ok(Some(guard))` the data is the caller's until the guard is dropped; the fence also
+/// made the sections' plain stores visible to the caller. With `Err`, `flag` is back to
+/// `running` (unless a section wrote it meanwhile) and nothing was taken.
+///
+/// `running` and `stopped` must differ; nothing but the sections, the takers and whoever owns the
+/// data through them may write `flag`; and calls on one flag must not overlap (callers
+/// serialize them with a lock): step 3 cannot tell its own `stopped` from another taker's.
+///
+/// ```
+/// use core::sync::atomic::AtomicU64;
+/// let flag = AtomicU64::new(0);
+/// if let Ok(Some(taken)) = thiscpu::fence::take_over(Some(0), &flag, 0, 1) {
+///     assert_eq!(flag.load(core::sync::atomic::Ordering::Relaxed), 1);
+///     drop(taken);
+///     assert_eq!(flag.load(core::sync::atomic::Ordering::Relaxed), 0);
+/// }
+/// ```
+pub fn take_over(
+    cpu: Option<u32>,
+    flag: &AtomicU64,
+    running: u64,
+    stopped: u64,
+) -> Result<Option<TakenOver<'_>>, FenceUnavailable> {
+    debug_assert_ne!(running, stopped);
+    register()?;
+    if flag
+        .compare_exchange(running, stopped, Ordering::SeqCst, Ordering::Relaxed)
+        .is_err()
+    {
+        return Ok(None);
+    }
+    let fenced = match cpu {
+        Some(cpu) => fence_cpu(cpu),
+        None => fence_all(),
+    };
+    if let Err(refused) = fenced {
+        let _ = flag.compare_exchange(stopped, running, Ordering::Release, Ordering::Relaxed);
+        return Err(refused);
+    }
+    // Acquire: what a section's committed stores published, and what the last holder released.
+    if flag.load(Ordering::Acquire) != stopped {
+        return Ok(None);
+    }
+    Ok(Some(TakenOver { flag, running }))
 }

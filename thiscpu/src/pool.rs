@@ -18,8 +18,9 @@
 //! 1. the drainer sets `c`'s `stopped` flag (only drainers write it, atomically; drains of one
 //!    pool are serialized);
 //! 2. it fences CPU `c` with `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ)` targeted at
-//!    `c` ([`crate::fence`]): every section on `c` that started before the flag was visible is
-//!    aborted or already committed, and every later one sees the flag and leaves;
+//!    `c`: every section on `c` that started before the flag was visible is aborted or already
+//!    committed, and every later one sees the flag and leaves (steps 1, 2 and 4 are
+//!    [`crate::fence::take_over`], which [`crate::Sharded`]'s readers use too);
 //! 3. `c`'s count and slots are now the drainer's alone: it takes the objects and stores 0
 //!    into the count;
 //! 4. it clears the flag with a release store; sections on `c` resume with an empty stack.
@@ -773,19 +774,18 @@ impl<T> Pool<T> {
     /// Steps 1-4 of the drain protocol. The caller holds the drain lock.
     fn drain_fenced(&self, stacks: &Stacks, cpu: u32) -> Result<Vec<Box<T>>, FenceUnavailable> {
         let head = &stacks.heads[cpu as usize];
-        head.stopped.store(1, Ordering::SeqCst);
-        if let Err(refused) = fence::fence_cpu(cpu) {
-            head.stopped.store(0, Ordering::Release);
-            return Err(refused);
-        }
-        // SAFETY: the fence returned: no section on `cpu` that missed the flag can commit any
-        // more, and every later one leaves at the flag, so the count and slots are ours until
-        // the flag is cleared; the fence also made the sections' plain stores visible here.
-        let taken = unsafe { self.take_stack(stacks, cpu) };
-        // Pairs with the sections' load of `stopped` (a load-acquire on aarch64): a section that
-        // sees the flag clear sees the count of 0.
-        head.stopped.store(0, Ordering::Release);
-        Ok(taken)
+        // Sections never write `stopped`, and drains are serialized, so the flag is 0 here and
+        // still 1 after the fence: the take-over cannot come back empty-handed.
+        let Some(_taken_over) = fence::take_over(Some(cpu), &head.stopped, 0, 1)? else {
+            debug_assert!(false, "only drainers write the stopped flag, one at a time");
+            return Ok(Vec::new());
+        };
+        // SAFETY: the take-over returned: no section on `cpu` that missed the flag can commit
+        // any more, and every later one leaves at the flag, so the count and slots are ours
+        // until the guard clears the flag (with a release store, paired with the sections'
+        // load of `stopped`, a load-acquire on aarch64: a section that sees the flag clear
+        // sees the count of 0); the fence also made the sections' plain stores visible here.
+        Ok(unsafe { self.take_stack(stacks, cpu) })
     }
 
     /// Empties CPU `cpu`'s stack and returns its objects.

@@ -19,8 +19,8 @@ mod sealed {
     pub trait Sealed {}
 }
 
-/// What a [`Counter`]'s increments are spread by: the CPU ([`ByCpu`], the default) or the
-/// memory-map concurrency id ([`ByMmCid`]).
+/// What a [`Counter`]'s increments (or a [`crate::Sharded`]'s shards) are spread by: the CPU
+/// ([`ByCpu`], the default) or the memory-map concurrency id ([`ByMmCid`]).
 pub trait Spread: sealed::Sealed + Send + Sync + 'static {
     /// The rseq field the sections compare (`ops::BY_CPU` or `ops::BY_MM_CID`).
     #[doc(hidden)]

@@ -41,6 +41,9 @@
 //! - [`PerCpu`] and [`CachePadded`]: one value per possible CPU, each on its own cache lines.
 //! - [`Pool`]: an object pool with a bounded cache per CPU, `get` and `put` as restartable
 //!   sequences, and caches that another thread can drain while they are in use.
+//! - [`Sharded`]: one value of any type per CPU (a map, a histogram, a free list), taken on the
+//!   current CPU by a restartable sequence and released with one store; readers visit every
+//!   shard.
 //! - [`CpuMask`]: a set of CPUs whose `set` skips the atomic write when the bit already holds.
 //! - [`fence`]: `membarrier`-based fences that let one thread take over another CPU's data.
 //! - [`ops`]: the raw restartable operations (add, compare-and-store, list pop and push) for
@@ -112,6 +115,8 @@ pub mod pool;
 mod registration;
 #[doc(hidden)]
 #[allow(unsafe_code)]
+mod sharded;
+#[allow(unsafe_code)]
 pub mod stress;
 #[allow(unsafe_code)]
 pub mod topology;
@@ -122,3 +127,4 @@ pub use mask::CpuMask;
 pub use percpu::{CachePadded, PerCpu};
 pub use pool::{Pool, Pooled};
 pub use registration::{Registrar, Unavailable};
+pub use sharded::{ShardGuard, Sharded};

@@ -166,7 +166,9 @@ pub unsafe fn load_add_store<const FIELD: usize>(
 /// Stores `newv` into `*v` if `*v` still holds `expect`, on the position's CPU.
 ///
 /// # Safety
-/// As for [`load_add_store`].
+/// As for [`load_add_store`], except that other threads may also write `*v` atomically at any
+/// time `*v` differs from `expect` (no section can commit then): a lock word, whose holder
+/// releases it from any CPU, is such a word ([`crate::Sharded`]).
 #[inline]
 pub unsafe fn load_cbne_store<const FIELD: usize>(
     at: Position<FIELD>,

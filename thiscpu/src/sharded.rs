@@ -1,0 +1,595 @@
+//! `Sharded<T>`: one `T` per possible CPU (or per `mm_cid`), taken on the current CPU by a
+//! restartable sequence instead of a `lock`-prefixed instruction.
+//!
+//! # The protocol
+//! Each shard is a lock word and a `T`, alone on their cache lines. The word is `FREE` (0), or
+//! holds the *token* of the thread that holds the shard: the address of a thread-local byte,
+//! unique among live threads and never 0.
+//!
+//! - **Taking the current CPU's shard** is one restartable sequence on that CPU
+//!   ([`ops::load_cbne_store`]): compare the shard's word with `FREE`, leave if it differs,
+//!   store the token as the commit. Plain load and store: no atomic read-modify-write. An
+//!   acquire fence after the commit orders the holder's accesses to `T` after it (free on
+//!   x86_64; a `dmb ishld` on aarch64, where the section's load is a plain `ldr`).
+//! - **Releasing** is one store of `FREE` with release ordering, from whatever CPU the holder
+//!   runs on by then. While the word holds a token no section commits on it (every section
+//!   compares it with `FREE` first), so nothing races that store.
+//! - **Two holders never meet.** Two sections on one CPU cannot interleave: the kernel aborts
+//!   a section whose thread is preempted, migrated or signalled before its commit, and a
+//!   section compares the CPU it was positioned for before it starts. For shards indexed by
+//!   `mm_cid` the same holds because no two threads run with one concurrency id at once.
+//!
+//! # A holder that is preempted or migrates
+//! It keeps the shard: the token stays in the word until its guard is dropped, wherever the
+//! thread runs then. A thread that finds the current shard taken (its section leaves at the
+//! comparison) backs off: it spins a little (the holder is most often a thread that migrated
+//! away and is finishing), then yields its CPU a few times (the holder is most often a thread
+//! preempted on this very CPU, which the yield lets run), then sleeps for growing periods, from
+//! 10 µs up to 1 ms. It never spins for long, and it notices a release at most about 1 ms
+//! late. No waiter queue: releasing stays a single store. A thread that finds its own token
+//! in the word (it takes a shard it already holds) panics instead of waiting forever.
+//!
+//! # Readers and threads without rseq: taking a shard from another CPU
+//! Another CPU's sections write the lock word with plain stores, so a thread elsewhere cannot
+//! simply compare-and-swap it: a section that read `FREE` just before the swap would commit
+//! over it. It uses the pool's drain protocol instead ([`crate::fence::take_over`]): swap the
+//! word from `FREE` to its own token, fence the shard's CPU with `membarrier` (every CPU
+//! running this process's threads, for shards indexed by `mm_cid`), then check the word still
+//! holds its token; if a section committed in between, that section's thread holds the shard
+//! and the reader backs off as above and tries again. The fence costs a few microseconds (an
+//! inter-processor interrupt when a thread of the process runs on that CPU), so readers visiting
+//! every shard ([`Sharded::for_each`], [`Sharded::fold`]) pay that per possible CPU. A thread
+//! that has no rseq while the rest of the process has (one made by a raw `clone`) takes the
+//! shard of the CPU it reads from the fallback the same way.
+//!
+//! # Without rseq or without fences
+//! Where the process has no rseq (old kernel, valgrind, `THISCPU_RSEQ=off`), or `membarrier`
+//! is refused (kernels before 5.10, seccomp, `THISCPU_MEMBARRIER=off`, without which readers
+//! could not take a shard safely), a `Sharded` decides at construction to take shards with a
+//! compare-and-swap of the same word, `FREE` to the token, on the shard of the CPU the fallback
+//! reports: the same API and guarantees, at the cost of an atomic read-modify-write per take.
+//! [`Sharded::uses_rseq`] says which.
+//!
+//! # A panic inside the closure
+//! No poisoning: unwinding drops the guard, which releases the shard, and `T` stays as the
+//! closure left it, as with `parking_lot`'s mutex. A `T` whose invariants a panic can break
+//! should restore them itself (or the program should abort on panic).
+//!
+//! # Costs, and when not to use it
+//! - Memory: one shard of at least 128 bytes (`T` and the word, rounded up to 128) per
+//!   possible CPU, whatever the number of threads; `T`'s own heap memory per shard that was
+//!   used.
+//! - Reads visit every shard and fence each one: use it where writes are frequent and reads
+//!   rare (statistics, caches, free lists), not where every operation needs the total.
+//! - The shards are not a snapshot of one instant: a fold sees shard 0 at one moment and the
+//!   last shard later.
+//! - A closure that blocks (I/O, a lock, a long computation) keeps its CPU's shard held: the
+//!   next thread on that CPU waits, sleeping, until it ends. Keep closures short.
+//! - Not async-signal-safe: a signal handler taking the shard its thread holds panics.
+//! - A guard leaked with `mem::forget` keeps its shard held for good; after `fork` in a
+//!   multi-threaded program, shards held by other threads stay held in the child.
+//!
+//! # Safety
+//! The module runs [`ops::load_cbne_store`] on the shards' lock words and hands out `&mut T`
+//! to the holder of a shard; each block states why it holds.
+
+use crate::counter::{ByCpu, ByMmCid, Spread};
+use crate::fence;
+use crate::ops::{self, BY_MM_CID, Outcome, Position};
+use crate::percpu::CachePadded;
+use crate::registration::{self, Registrar};
+use crate::topology;
+use core::cell::UnsafeCell;
+use core::marker::PhantomData;
+use core::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+/// The lock word of a shard nobody holds.
+const FREE: u64 = 0;
+
+/// One shard: the lock word and the value.
+struct Shard<T> {
+    lock: AtomicU64,
+    value: UnsafeCell<T>,
+}
+
+thread_local! {
+    /// The byte whose address is this thread's token.
+    static TOKEN_BYTE: u8 = const { 0 };
+}
+
+/// The calling thread's token: distinct among live threads, never `FREE`.
+#[inline(always)]
+fn token() -> u64 {
+    TOKEN_BYTE.with(|byte| byte as *const u8 as u64)
+}
+
+/// Waiting for a shard another thread holds: spin, then yield, then sleep.
+struct Backoff {
+    step: u32,
+}
+
+impl Backoff {
+    const SPINS: u32 = 6;
+    const YIELDS: u32 = 6;
+
+    fn new() -> Backoff {
+        Backoff { step: 0 }
+    }
+
+    fn wait(&mut self) {
+        self.step = self.step.saturating_add(1);
+        if self.step <= Self::SPINS {
+            for _ in 0..(4u32 << self.step) {
+                core::hint::spin_loop();
+            }
+        } else if self.step <= Self::SPINS + Self::YIELDS {
+            std::thread::yield_now();
+        } else {
+            let doublings = (self.step - Self::SPINS - Self::YIELDS - 1).min(7);
+            std::thread::sleep(
+                Duration::from_micros(10 << doublings).min(Duration::from_millis(1)),
+            );
+        }
+    }
+}
+
+/// One `T` per possible CPU (or per concurrency id, [`Sharded::by_mm_cid`]); a thread takes the
+/// shard of the CPU it runs on with a restartable sequence (no lock prefix), updates it, and
+/// gives it back with one store. Readers visit every shard.
+///
+/// - [`with_current`](Sharded::with_current) and [`lock_current`](Sharded::lock_current) take
+///   the current CPU's shard; a thread that finds it held (its holder was preempted or moved
+///   away) waits, spinning briefly, then yielding, then sleeping.
+/// - [`lock`](Sharded::lock), [`for_each`](Sharded::for_each) and [`fold`](Sharded::fold) take
+///   any shard from any thread, with a `membarrier` fence per shard;
+///   [`iter_mut`](Sharded::iter_mut), [`get_mut`](Sharded::get_mut) and
+///   [`into_inner`](Sharded::into_inner) need no lock at all.
+/// - No poisoning: a panic inside the closure releases the shard (see the module's
+///   documentation for the protocol, costs, and when not to use it).
+///
+/// ```
+/// use std::collections::HashMap;
+/// let seen: thiscpu::Sharded<HashMap<u64, u64>> = thiscpu::Sharded::default();
+/// std::thread::scope(|s| {
+///     for t in 0..4u64 {
+///         let seen = &seen;
+///         s.spawn(move || {
+///             for i in 0..1000 {
+///                 seen.with_current(|map| *map.entry(i % 10).or_default() += t);
+///             }
+///         });
+///     }
+/// });
+/// let total = seen.fold(0, |sum, map| sum + map.values().sum::<u64>());
+/// assert_eq!(total, 1000 * (0 + 1 + 2 + 3));
+/// ```
+pub struct Sharded<T, S: Spread = ByCpu> {
+    shards: Box<[CachePadded<Shard<T>>]>,
+    /// Shards are taken by restartable sequences (else by compare-and-swap).
+    rseq: bool,
+    /// Shards are indexed by `mm_cid` (only when `S` is `ByMmCid` and the kernel has it).
+    by_mm_cid: bool,
+    spread: PhantomData<S>,
+}
+
+// SAFETY: a `Sharded` owns its values; sending it sends them.
+unsafe impl<T: Send, S: Spread> Send for Sharded<T, S> {}
+// SAFETY: through `&Sharded` a value is reached only by the one thread holding its shard (the
+// lock word says which), as with `Mutex<T>`, which is `Sync` for `T: Send`.
+unsafe impl<T: Send, S: Spread> Sync for Sharded<T, S> {}
+
+impl<T: Default> Default for Sharded<T, ByCpu> {
+    fn default() -> Self {
+        Sharded::new(|_| T::default())
+    }
+}
+
+impl<T> Sharded<T, ByCpu> {
+    /// One shard per possible CPU, `init(cpu)` giving each value.
+    ///
+    /// ```
+    /// let sums = thiscpu::Sharded::new(|_cpu| 0u64);
+    /// sums.with_current(|sum| *sum += 5);
+    /// assert_eq!(sums.fold(0, |total, sum| total + sum), 5);
+    /// ```
+    pub fn new(init: impl FnMut(usize) -> T) -> Self {
+        Sharded::build(init)
+    }
+}
+
+impl<T> Sharded<T, ByMmCid> {
+    /// One shard per possible concurrency id, indexed by `mm_cid` (Linux 6.3+), so the shards
+    /// in use follow the threads running at once rather than the CPUs. Where the kernel has no
+    /// `mm_cid`, shards are indexed by CPU. Readers fence every CPU per shard, not one.
+    ///
+    /// ```
+    /// let hits = thiscpu::Sharded::by_mm_cid(|_| 0u64);
+    /// hits.with_current(|n| *n += 1);
+    /// assert_eq!(hits.fold(0, |total, n| total + n), 1);
+    /// ```
+    pub fn by_mm_cid(init: impl FnMut(usize) -> T) -> Self {
+        Sharded::build(init)
+    }
+}
+
+impl<T, S: Spread> Sharded<T, S> {
+    fn build(mut init: impl FnMut(usize) -> T) -> Self {
+        let shards = (0..topology::possible_cpus().max(1))
+            .map(|index| {
+                CachePadded(Shard {
+                    lock: AtomicU64::new(FREE),
+                    value: UnsafeCell::new(init(index)),
+                })
+            })
+            .collect();
+        // Readers need fences to take a shard from sections; registering for them once here
+        // keeps that system call (which may wait for an RCU grace period) off the first read.
+        let rseq = registration::process().registrar != Registrar::None && fence::available();
+        Sharded {
+            shards,
+            rseq,
+            by_mm_cid: rseq && S::FIELD == BY_MM_CID && crate::cpu::mm_cid_usable(),
+            spread: PhantomData,
+        }
+    }
+
+    /// Number of shards: the number of possible CPUs.
+    ///
+    /// ```
+    /// let s = thiscpu::Sharded::new(|_| ());
+    /// assert_eq!(s.len(), thiscpu::topology::possible_cpus());
+    /// ```
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// Always false: there is at least one shard.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.shards.is_empty()
+    }
+
+    /// Whether shards are taken with restartable sequences (`false`: with compare-and-swap,
+    /// where rseq or `membarrier` is missing).
+    ///
+    /// ```
+    /// let s = thiscpu::Sharded::new(|_| 0u8);
+    /// if thiscpu::source().registrar == thiscpu::Registrar::None {
+    ///     assert!(!s.uses_rseq());
+    /// }
+    /// ```
+    pub fn uses_rseq(&self) -> bool {
+        self.rseq
+    }
+
+    /// Whether shards are indexed by `mm_cid` (a [`Sharded::by_mm_cid`] on a kernel that
+    /// provides it, with rseq); otherwise by CPU.
+    pub fn indexed_by_mm_cid(&self) -> bool {
+        self.by_mm_cid
+    }
+
+    /// Runs `f` on the current CPU's shard, held for the duration of the call.
+    ///
+    /// Panics if the calling thread already holds that shard (a nested call).
+    ///
+    /// ```
+    /// let counts = thiscpu::Sharded::new(|_| [0u64; 4]);
+    /// let old = counts.with_current(|c| {
+    ///     c[1] += 1;
+    ///     c[1] - 1
+    /// });
+    /// assert_eq!(old, 0);
+    /// ```
+    #[inline]
+    pub fn with_current<R>(&self, f: impl FnOnce(&mut T) -> R) -> R {
+        let mut guard = self.lock_current();
+        f(&mut guard)
+    }
+
+    /// Takes the current CPU's shard until the guard is dropped. The thread may migrate while
+    /// it holds the guard; the shard stays its own, and other threads on the shard's CPU wait.
+    /// Keep the guard briefly.
+    ///
+    /// Panics if the calling thread already holds that shard.
+    ///
+    /// ```
+    /// let lists = thiscpu::Sharded::new(|_| Vec::<u32>::new());
+    /// let mut mine = lists.lock_current();
+    /// mine.push(7);
+    /// let index = mine.index();
+    /// drop(mine);
+    /// assert_eq!(*lists.lock(index).unwrap(), [7]);
+    /// ```
+    #[inline]
+    pub fn lock_current(&self) -> ShardGuard<'_, T> {
+        if self.rseq {
+            let taken = if S::FIELD == BY_MM_CID && self.by_mm_cid {
+                ops::mm_cid_position().and_then(|at| self.try_section(at, token()))
+            } else {
+                ops::position().and_then(|at| self.try_section(at, token()))
+            };
+            if let Some(guard) = taken {
+                return guard;
+            }
+        }
+        self.lock_current_slow()
+    }
+
+    /// One restartable take of the shard at `at`: `None` if it is held, out of range, or the
+    /// section was aborted.
+    #[inline(always)]
+    fn try_section<const FIELD: usize>(
+        &self,
+        at: Position<FIELD>,
+        token: u64,
+    ) -> Option<ShardGuard<'_, T>> {
+        let index = at.index();
+        let shard = self.shards.get(index as usize)?;
+        // SAFETY: `at` was just read by this thread; the word is an aligned `u64` that lives as
+        // long as `self`. Shards are indexed by FIELD for the whole life of `self` (decided at
+        // construction), so sections commit on this word only from `index`'s CPU (or
+        // concurrency id), one at a time. Every other write to it is atomic and happens while
+        // no section can commit there: takers (`fence::take_over`, after its fence) and the
+        // release store, made while the word holds a token that every section's comparison
+        // rejects.
+        let outcome = unsafe { ops::load_cbne_store(at, shard.lock.as_ptr(), FREE, token) };
+        if outcome == Outcome::Committed(()) {
+            // The section's load is the acquiring read of the last release.
+            core::sync::atomic::fence(Ordering::Acquire);
+            return Some(ShardGuard::new(shard, index));
+        }
+        if outcome == Outcome::Aborted {
+            ops::note_abort();
+        }
+        None
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn lock_current_slow(&self) -> ShardGuard<'_, T> {
+        let token = token();
+        let mut backoff = Backoff::new();
+        loop {
+            let index = if self.rseq {
+                let at = if S::FIELD == BY_MM_CID && self.by_mm_cid {
+                    ops::mm_cid_position().map(|at| (at.index(), self.try_section(at, token)))
+                } else {
+                    ops::position().map(|at| (at.index(), self.try_section(at, token)))
+                };
+                match at {
+                    Some((_, Some(guard))) => return guard,
+                    Some((index, None)) => {
+                        let shard = self.shard(index);
+                        if shard.lock.load(Ordering::Relaxed) == FREE {
+                            continue; // aborted: retry at once
+                        }
+                        index
+                    }
+                    // No rseq on this thread (made by a raw `clone`): take a shard as readers do.
+                    None => match self.take(self.fallback_index(), token) {
+                        Some(guard) => return guard,
+                        None => self.fallback_index(),
+                    },
+                }
+            } else {
+                let index = self.fallback_index();
+                if let Some(guard) = self.take(index, token) {
+                    return guard;
+                }
+                index
+            };
+            self.check_not_held_by(index, token);
+            backoff.wait();
+        }
+    }
+
+    /// The shard for the CPU the fallback reports (without rseq).
+    fn fallback_index(&self) -> u32 {
+        crate::current_cpu() % self.shards.len() as u32
+    }
+
+    /// The shard at `index`, which sections may only have produced in range.
+    fn shard(&self, index: u32) -> &Shard<T> {
+        &self.shards[(index as usize).min(self.shards.len() - 1)]
+    }
+
+    fn check_not_held_by(&self, index: u32, token: u64) {
+        if self.shard(index).lock.load(Ordering::Relaxed) == token {
+            panic!("thiscpu::Sharded: this thread already holds shard {index} (a nested take)");
+        }
+    }
+
+    /// One try at taking shard `index` from any thread: a fenced take-over with rseq, a
+    /// compare-and-swap without. `None` if the shard is held.
+    fn take(&self, index: u32, token: u64) -> Option<ShardGuard<'_, T>> {
+        let shard = self.shards.get(index as usize)?;
+        if !self.rseq {
+            shard
+                .lock
+                .compare_exchange(FREE, token, Ordering::Acquire, Ordering::Relaxed)
+                .ok()?;
+            return Some(ShardGuard::new(shard, index));
+        }
+        let cpu = (!self.by_mm_cid).then_some(index);
+        // Concurrent take-overs of one word are told apart by their tokens, so they need no
+        // lock. A fence refused now (it worked at construction) counts as a held shard.
+        let taken = fence::take_over(cpu, &shard.lock, FREE, token).ok()??;
+        // The guard releases with the same store of FREE, with release ordering.
+        core::mem::forget(taken);
+        Some(ShardGuard::new(shard, index))
+    }
+
+    /// Takes shard `index` (a CPU, or a concurrency id for [`Sharded::by_mm_cid`]) from any
+    /// thread, waiting while another thread holds it; `None` if there is no such shard. With
+    /// rseq this fences the shard's CPU (a few microseconds).
+    ///
+    /// Panics if the calling thread already holds that shard.
+    ///
+    /// ```
+    /// let s = thiscpu::Sharded::new(|cpu| cpu);
+    /// assert_eq!(*s.lock(0).unwrap(), 0);
+    /// assert!(s.lock(s.len()).is_none());
+    /// ```
+    pub fn lock(&self, index: usize) -> Option<ShardGuard<'_, T>> {
+        let index = u32::try_from(index)
+            .ok()
+            .filter(|&i| (i as usize) < self.len())?;
+        let token = token();
+        let mut backoff = Backoff::new();
+        loop {
+            if let Some(guard) = self.take(index, token) {
+                return Some(guard);
+            }
+            self.check_not_held_by(index, token);
+            backoff.wait();
+        }
+    }
+
+    /// Calls `f` with each shard's index and value, taking the shards one at a time (see
+    /// [`lock`](Sharded::lock)), while other threads keep using them.
+    ///
+    /// ```
+    /// let s = thiscpu::Sharded::new(|_| 0u64);
+    /// s.with_current(|n| *n += 2);
+    /// s.for_each(|_, n| *n *= 10);
+    /// assert_eq!(s.fold(0, |total, n| total + n), 20);
+    /// ```
+    pub fn for_each(&self, mut f: impl FnMut(usize, &mut T)) {
+        for index in 0..self.len() {
+            if let Some(mut guard) = self.lock(index) {
+                f(index, &mut guard);
+            }
+        }
+    }
+
+    /// Folds over every shard, taking them one at a time: not a snapshot of one instant.
+    ///
+    /// ```
+    /// let s = thiscpu::Sharded::new(|_| 1u64);
+    /// assert_eq!(s.fold(0, |total, one| total + one), s.len() as u64);
+    /// ```
+    pub fn fold<B>(&self, init: B, mut f: impl FnMut(B, &T) -> B) -> B {
+        let mut acc = init;
+        for index in 0..self.len() {
+            if let Some(guard) = self.lock(index) {
+                acc = f(acc, &guard);
+            }
+        }
+        acc
+    }
+
+    /// Shard `index`'s value, without locking: `&mut self` excludes every other access.
+    ///
+    /// ```
+    /// let mut s = thiscpu::Sharded::new(|cpu| cpu);
+    /// *s.get_mut(0).unwrap() += 10;
+    /// assert_eq!(*s.lock(0).unwrap(), 10);
+    /// ```
+    pub fn get_mut(&mut self, index: usize) -> Option<&mut T> {
+        self.shards
+            .get_mut(index)
+            .map(|shard| shard.0.value.get_mut())
+    }
+
+    /// Every shard's value, in index order, without locking.
+    ///
+    /// ```
+    /// let mut s = thiscpu::Sharded::new(|_| 0u32);
+    /// s.iter_mut().for_each(|n| *n = 3);
+    /// assert_eq!(s.fold(0, |total, n| total + n), 3 * s.len() as u32);
+    /// ```
+    pub fn iter_mut(&mut self) -> impl Iterator<Item = &mut T> {
+        self.shards.iter_mut().map(|shard| shard.0.value.get_mut())
+    }
+
+    /// The values, in index order.
+    ///
+    /// ```
+    /// let s = thiscpu::Sharded::new(|cpu| cpu);
+    /// assert_eq!(s.into_inner(), (0..thiscpu::topology::possible_cpus()).collect::<Vec<_>>());
+    /// ```
+    pub fn into_inner(self) -> Vec<T> {
+        self.shards
+            .into_vec()
+            .into_iter()
+            .map(|shard| shard.0.value.into_inner())
+            .collect()
+    }
+}
+
+impl<T, S: Spread> core::fmt::Debug for Sharded<T, S> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Sharded")
+            .field("shards", &self.len())
+            .field("uses_rseq", &self.rseq)
+            .field("indexed_by_mm_cid", &self.by_mm_cid)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A shard of a [`Sharded`] held by the calling thread; dereferences to its value and releases
+/// it when dropped (one store, from whatever CPU the thread is on). Not `Send`: the shard's
+/// word names the thread that holds it.
+pub struct ShardGuard<'a, T> {
+    shard: &'a Shard<T>,
+    index: u32,
+    not_send: PhantomData<*const ()>,
+}
+
+// SAFETY: sharing the guard shares only `&T` (as `MutexGuard` does, for `T: Sync`).
+unsafe impl<T: Sync> Sync for ShardGuard<'_, T> {}
+
+impl<'a, T> ShardGuard<'a, T> {
+    #[inline(always)]
+    fn new(shard: &'a Shard<T>, index: u32) -> Self {
+        ShardGuard {
+            shard,
+            index,
+            not_send: PhantomData,
+        }
+    }
+
+    /// The shard's index: the CPU (or concurrency id) it belongs to.
+    #[inline]
+    pub fn index(&self) -> usize {
+        self.index as usize
+    }
+}
+
+impl<T> core::ops::Deref for ShardGuard<'_, T> {
+    type Target = T;
+    #[inline]
+    fn deref(&self) -> &T {
+        // SAFETY: this guard holds the shard (its word holds our token), so no other reference
+        // to the value exists until it is dropped.
+        unsafe { &*self.shard.value.get() }
+    }
+}
+
+impl<T> core::ops::DerefMut for ShardGuard<'_, T> {
+    #[inline]
+    fn deref_mut(&mut self) -> &mut T {
+        // SAFETY: as in `deref`; `&mut self` makes this the only reference the guard gives.
+        unsafe { &mut *self.shard.value.get() }
+    }
+}
+
+impl<T> Drop for ShardGuard<'_, T> {
+    #[inline]
+    fn drop(&mut self) {
+        // Pairs with the acquiring read of the next holder (a section's load and its fence,
+        // a take-over's swap, or a compare-and-swap).
+        self.shard.lock.store(FREE, Ordering::Release);
+    }
+}
+
+impl<T: core::fmt::Debug> core::fmt::Debug for ShardGuard<'_, T> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("ShardGuard")
+            .field("index", &self.index)
+            .field("value", &**self)
+            .finish()
+    }
+}

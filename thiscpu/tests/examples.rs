@@ -24,3 +24,11 @@ fn per_cpu_stats_reports_exact_totals() {
 fn object_pool_loses_and_shares_no_buffer() {
     object_pool::main();
 }
+
+#[path = "../examples/per_cpu_histogram.rs"]
+mod per_cpu_histogram;
+
+#[test]
+fn per_cpu_histogram_merges_every_sample() {
+    per_cpu_histogram::main();
+}

@@ -69,7 +69,11 @@ pub fn main() {
         .sum();
     assert_eq!(total.samples(), workers * per_worker);
     assert_eq!(total.sum, expected_sum);
-    let used = latencies.into_inner().iter().filter(|h| h.samples() > 0).count();
+    let used = latencies
+        .into_inner()
+        .iter()
+        .filter(|h| h.samples() > 0)
+        .count();
     println!(
         "{} samples, mean {} ns, from {used} CPU shard(s)",
         total.samples(),

@@ -97,7 +97,7 @@ fn storm<S: Spread>(sharded: Sharded<Tally, S>, duration: Duration) -> Report {
                 start.wait();
                 let mut made = 0u64;
                 while !stop.load(Ordering::Relaxed) {
-                    sharded.with_current(|tally| update(tally, made % 256 == 0));
+                    sharded.with_current(|tally| update(tally, made.is_multiple_of(256)));
                     made += 1;
                 }
                 made
@@ -154,8 +154,8 @@ fn storm<S: Spread>(sharded: Sharded<Tally, S>, duration: Duration) -> Report {
         }
         let sharded = sharded.clone();
         churn.push(std::thread::spawn(move || {
-            for i in 0..500 {
-                sharded.with_current(|tally| update(tally, i % 64 == 0));
+            for i in 0..500u32 {
+                sharded.with_current(|tally| update(tally, i.is_multiple_of(64)));
             }
             500
         }));
@@ -315,10 +315,8 @@ fn thread_cpu_time() -> Duration {
         tv_nsec: 0,
     };
     // SAFETY: clock_gettime writes one timespec through a valid pointer.
-    assert_eq!(
-        unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) },
-        0
-    );
+    let ret = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut now) };
+    assert_eq!(ret, 0);
     Duration::new(now.tv_sec as u64, now.tv_nsec as u32)
 }
 

@@ -53,6 +53,8 @@ pub enum Unit {
     NsPerOp,
     /// Bytes per counter, a size the workload measured itself (lower is better).
     BytesPerCounter,
+    /// Bytes, a size the workload measured itself (lower is better).
+    Bytes,
 }
 
 impl Unit {
@@ -61,12 +63,13 @@ impl Unit {
         match self {
             Unit::NsPerOp => "ns/op",
             Unit::BytesPerCounter => "B/counter",
+            Unit::Bytes => "bytes",
         }
     }
 
     /// Whether a smaller number is an improvement.
     pub fn lower_is_better(self) -> bool {
-        matches!(self, Unit::NsPerOp | Unit::BytesPerCounter)
+        matches!(self, Unit::NsPerOp | Unit::BytesPerCounter | Unit::Bytes)
     }
 }
 
@@ -643,7 +646,7 @@ impl Sample {
                 nanos / self.ops.max(1) as f64
             }
             // A size comes from `reading`; without one nothing was measured.
-            Unit::BytesPerCounter => 0.0,
+            Unit::BytesPerCounter | Unit::Bytes => 0.0,
         }
     }
 }
@@ -853,7 +856,7 @@ macro_rules! families {
     };
 }
 
-families![getcpu, counter, bpf, memory, mask, pool];
+families![getcpu, counter, bpf, memory, mask, pool, sharded];
 
 /// The text of `thiscpu bench --list`: every family and case, and why a case is left out here.
 pub fn list(families: &[&'static Family]) -> String {

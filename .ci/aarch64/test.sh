@@ -14,7 +14,7 @@
 #   test-own     the same with GLIBC_TUNABLES=glibc.pthread.rseq=0: thiscpu registers its own
 #   test-off     the library's tests with THISCPU_RSEQ=off: the fallback without rseq
 #   test-static  the core tests linked with -C target-feature=+crt-static
-#   inject       the counter, pool and fence tests built with --cfg thiscpu_inject (delays
+#   inject       the counter, pool, fence and sharded tests built with --cfg thiscpu_inject (delays
 #                inside sections), as .ci/run does on x86_64
 #   cli          `thiscpu --help`, `info`, `stress` and `bench --quick`
 #   fast-path    .ci/check_fast_path.py on the aarch64 probe, through aarch64-linux-gnu-objdump
@@ -122,7 +122,7 @@ step test-static test_static
 # Same layout as .ci/run: an instrumented build in a directory of its own.
 inject() (
     export RUSTFLAGS="--cfg thiscpu_inject" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/inject"
-    run cargo test -p thiscpu --target "$triple" --test counter --test pool --test fence
+    run cargo test -p thiscpu --target "$triple" --test counter --test pool --test fence --test sharded
 )
 step inject inject
 

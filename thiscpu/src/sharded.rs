@@ -193,7 +193,8 @@ impl<T> Sharded<T, ByCpu> {
     /// sums.with_current(|sum| *sum += 5);
     /// assert_eq!(sums.fold(0, |total, sum| total + sum), 5);
     /// ```
-    pub fn new(init: impl FnMut(usize) -> T) -> Self {
+    #[must_use]
+    pub fn new(init: impl FnMut(u32) -> T) -> Self {
         Sharded::build(init)
     }
 }
@@ -208,18 +209,20 @@ impl<T> Sharded<T, ByMmCid> {
     /// hits.with_current(|n| *n += 1);
     /// assert_eq!(hits.fold(0, |total, n| total + n), 1);
     /// ```
-    pub fn by_mm_cid(init: impl FnMut(usize) -> T) -> Self {
+    #[must_use]
+    pub fn by_mm_cid(init: impl FnMut(u32) -> T) -> Self {
         Sharded::build(init)
     }
 }
 
 impl<T, S: Spread> Sharded<T, S> {
-    fn build(mut init: impl FnMut(usize) -> T) -> Self {
+    fn build(mut init: impl FnMut(u32) -> T) -> Self {
+        // CPU ids come from /sys as u32s, so every one below the count fits in a u32.
         let shards = (0..topology::possible_cpus().max(1))
             .map(|index| {
                 CachePadded(Shard {
                     lock: AtomicU64::new(FREE),
-                    value: UnsafeCell::new(init(index)),
+                    value: UnsafeCell::new(init(index as u32)),
                 })
             })
             .collect();
@@ -241,12 +244,14 @@ impl<T, S: Spread> Sharded<T, S> {
     /// assert_eq!(s.len(), thiscpu::topology::possible_cpus());
     /// ```
     #[inline]
+    #[must_use]
     pub fn len(&self) -> usize {
         self.shards.len()
     }
 
     /// Always false: there is at least one shard.
     #[inline]
+    #[must_use]
     pub fn is_empty(&self) -> bool {
         self.shards.is_empty()
     }
@@ -260,12 +265,14 @@ impl<T, S: Spread> Sharded<T, S> {
     ///     assert!(!s.uses_rseq());
     /// }
     /// ```
+    #[must_use]
     pub fn uses_rseq(&self) -> bool {
         self.rseq
     }
 
     /// Whether shards are indexed by `mm_cid` (a [`Sharded::by_mm_cid`] on a kernel that
     /// provides it, with rseq); otherwise by CPU.
+    #[must_use]
     pub fn indexed_by_mm_cid(&self) -> bool {
         self.by_mm_cid
     }
@@ -303,6 +310,7 @@ impl<T, S: Spread> Sharded<T, S> {
     /// assert_eq!(*lists.lock(index).unwrap(), [7]);
     /// ```
     #[inline]
+    #[must_use = "the shard is released as soon as the guard is dropped"]
     pub fn lock_current(&self) -> ShardGuard<'_, T> {
         if self.rseq {
             let taken = if S::FIELD == BY_MM_CID && self.by_mm_cid {
@@ -430,12 +438,12 @@ impl<T, S: Spread> Sharded<T, S> {
     /// ```
     /// let s = thiscpu::Sharded::new(|cpu| cpu);
     /// assert_eq!(*s.lock(0).unwrap(), 0);
-    /// assert!(s.lock(s.len()).is_none());
+    /// assert!(s.lock(s.len() as u32).is_none());
     /// ```
-    pub fn lock(&self, index: usize) -> Option<ShardGuard<'_, T>> {
-        let index = u32::try_from(index)
-            .ok()
-            .filter(|&i| (i as usize) < self.len())?;
+    pub fn lock(&self, index: u32) -> Option<ShardGuard<'_, T>> {
+        if index as usize >= self.len() {
+            return None;
+        }
         let token = token();
         let mut backoff = Backoff::new();
         loop {
@@ -456,8 +464,8 @@ impl<T, S: Spread> Sharded<T, S> {
     /// s.for_each(|_, n| *n *= 10);
     /// assert_eq!(s.fold(0, |total, n| total + n), 20);
     /// ```
-    pub fn for_each(&self, mut f: impl FnMut(usize, &mut T)) {
-        for index in 0..self.len() {
+    pub fn for_each(&self, mut f: impl FnMut(u32, &mut T)) {
+        for index in 0..self.len() as u32 {
             if let Some(mut guard) = self.lock(index) {
                 f(index, &mut guard);
             }
@@ -472,7 +480,7 @@ impl<T, S: Spread> Sharded<T, S> {
     /// ```
     pub fn fold<B>(&self, init: B, mut f: impl FnMut(B, &T) -> B) -> B {
         let mut acc = init;
-        for index in 0..self.len() {
+        for index in 0..self.len() as u32 {
             if let Some(guard) = self.lock(index) {
                 acc = f(acc, &guard);
             }
@@ -487,9 +495,10 @@ impl<T, S: Spread> Sharded<T, S> {
     /// *s.get_mut(0).unwrap() += 10;
     /// assert_eq!(*s.lock(0).unwrap(), 10);
     /// ```
-    pub fn get_mut(&mut self, index: usize) -> Option<&mut T> {
+    #[must_use]
+    pub fn get_mut(&mut self, index: u32) -> Option<&mut T> {
         self.shards
-            .get_mut(index)
+            .get_mut(index as usize)
             .map(|shard| shard.0.value.get_mut())
     }
 
@@ -508,7 +517,7 @@ impl<T, S: Spread> Sharded<T, S> {
     ///
     /// ```
     /// let s = thiscpu::Sharded::new(|cpu| cpu);
-    /// assert_eq!(s.into_inner(), (0..thiscpu::topology::possible_cpus()).collect::<Vec<_>>());
+    /// assert_eq!(s.into_inner(), (0..thiscpu::topology::possible_cpus() as u32).collect::<Vec<_>>());
     /// ```
     pub fn into_inner(self) -> Vec<T> {
         self.shards
@@ -532,6 +541,7 @@ impl<T, S: Spread> core::fmt::Debug for Sharded<T, S> {
 /// A shard of a [`Sharded`] held by the calling thread; dereferences to its value and releases
 /// it when dropped (one store, from whatever CPU the thread is on). Not `Send`: the shard's
 /// word names the thread that holds it.
+#[must_use = "the shard is released as soon as the guard is dropped"]
 pub struct ShardGuard<'a, T> {
     shard: &'a Shard<T>,
     index: u32,
@@ -553,8 +563,9 @@ impl<'a, T> ShardGuard<'a, T> {
 
     /// The shard's index: the CPU (or concurrency id) it belongs to.
     #[inline]
-    pub fn index(&self) -> usize {
-        self.index as usize
+    #[must_use]
+    pub fn index(&self) -> u32 {
+        self.index
     }
 }
 

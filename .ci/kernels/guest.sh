@@ -1,0 +1,223 @@
+#!/bin/sh
+# The checks of one guest of the kernel matrix, run by /init (busybox sh) inside the VM that
+# .ci/kernels/matrix.sh boots. The kernel command line passes:
+#   KM_TOPOLOGY   smp2 | numa | up2of4 (what the host configured; decides the extra checks)
+#   KM_STRESS     seconds of each part of `thiscpu stress` (counter, then pool)
+#   KM_BENCH      bench families for `thiscpu bench --quick`, comma-separated
+#   KM_TIMEOUT    seconds one check may take before it counts as hung
+# Every check prints `=== NAME` and ends with `@@CHECK NAME ok SECONDS` or
+# `@@CHECK NAME FAIL rc=N SECONDS`; the last line is `@@END checks=N failed=M`. The host fails
+# the guest on any FAIL, on a missing @@END and on a count that does not add up.
+#
+# Layout of the initramfs: /opt/t/thiscpu (the command), /opt/t/probe (.ci/kernels/probe),
+# /opt/t/deps/NAME (the library's test executables), /opt/t/examples/ (what they load).
+
+CPU_SYS=/sys/devices/system/cpu
+OWN="GLIBC_TUNABLES=glibc.pthread.rseq=0 THISCPU_EXPECT_REGISTRAR=thiscpu"
+GLIBC="THISCPU_EXPECT_REGISTRAR=glibc"
+
+# Hundredths of a second since boot.
+now_cs() {
+    read -r up _ </proc/uptime
+    echo "${up%.*}${up#*.}" | sed 's/^0*//; s/^$/0/'
+}
+
+# The CPUs of a kernel CPU list ("0-1,3"), one a line.
+expand_list() {
+    echo "$1" | tr ',' '\n' | while IFS=- read -r first last; do
+        [ -n "$first" ] && seq "$first" "${last:-$first}"
+    done
+}
+
+cpus_in() { expand_list "$(cat "$CPU_SYS/$1")"; }
+
+# The node of a CPU from its nodeN link (kept while the CPU is offline).
+sys_node() {
+    for link in "$CPU_SYS/cpu$1"/node*; do
+        [ -e "$link" ] && { echo "${link##*node}"; return 0; }
+    done
+    echo "none"
+}
+
+sys_state() {
+    for f in possible present online offline; do
+        printf '%-8s %s\n' "$f" "$(cat "$CPU_SYS/$f")"
+    done
+    for node in /sys/devices/system/node/node*; do
+        [ -d "$node" ] && printf '%-8s cpus %s\n' "${node##*/}" "$(cat "$node/cpulist")"
+    done
+}
+
+# --- Checks (each runs as its own process: `sh /guest.sh run NAME ARGS`) ----------------------
+
+# pinned WHO ENV...: on every online CPU, `thiscpu` pinned there prints that CPU, its node
+# from /sys, and rseq registered by WHO as the source.
+pinned() {
+    who=$1
+    shift
+    bad=0
+    for cpu in $(cpus_in online); do
+        node=$(sys_node "$cpu")
+        line=$(env "$@" taskset -c "$cpu" thiscpu 2>&1)
+        case $line in
+        "cpu $cpu node $node (from rseq ($who"*) echo "ok   $line" ;;
+        *)
+            echo "FAIL on cpu $cpu: '$line', expected 'cpu $cpu node $node (from rseq ($who))'"
+            bad=1
+            ;;
+        esac
+    done
+    return $bad
+}
+
+set_online() {
+    if echo "$2" >"$CPU_SYS/cpu$1/online"; then
+        return 0
+    fi
+    echo "could not write $2 to cpu$1/online"
+    return 1
+}
+
+# stress_while_hotplug ENV...: `thiscpu stress` while every hot-pluggable present CPU (all
+# but CPU 0, which x86 cannot take offline) is taken offline and brought back in turn.
+stress_while_hotplug() {
+    toggled=""
+    for cpu in $(cpus_in present); do
+        [ -e "$CPU_SYS/cpu$cpu/online" ] && toggled="$toggled $cpu"
+    done
+    [ -n "$toggled" ] || { echo "no hot-pluggable CPU"; return 1; }
+    env "$@" thiscpu stress --seconds "$KM_STRESS" &
+    stress=$!
+    changes=0
+    refused=0
+    while kill -0 "$stress" 2>/dev/null; do
+        for cpu in $toggled; do
+            state=$(cat "$CPU_SYS/cpu$cpu/online")
+            if set_online "$cpu" $((1 - state)); then
+                changes=$((changes + 1))
+            else
+                refused=$((refused + 1))
+            fi
+            sleep 0.2
+        done
+    done
+    wait "$stress"
+    rc=$?
+    echo "hot-plug during stress: CPUs$toggled, $changes state changes, $refused refused"
+    echo "online afterwards: $(cat "$CPU_SYS/online")"
+    [ "$rc" = 0 ] && [ "$changes" -ge 4 ] && [ "$refused" = 0 ]
+}
+
+# node_after_online CPU: a process that started while CPU was offline, moved onto CPU after
+# it comes back, must get CPU's node from getcpu(), current_node() and node_of_cpu().
+node_after_online() {
+    cpu=$1
+    rm -f /tmp/go
+    mkfifo /tmp/go
+    probe wait "$cpu" </tmp/go >/tmp/probe.out 2>&1 &
+    pid=$!
+    exec 3>/tmp/go
+    i=0
+    until grep -q '^started' /tmp/probe.out 2>/dev/null; do
+        i=$((i + 1))
+        [ "$i" -lt 300 ] || { echo "the probe did not start"; kill "$pid"; return 1; }
+        sleep 0.1
+    done
+    set_online "$cpu" 1 || return 1
+    taskset -p -c "$cpu" "$pid" >/dev/null || { echo "taskset -p failed"; return 1; }
+    echo go >&3
+    exec 3>&-
+    wait "$pid"
+    rc=$?
+    cat /tmp/probe.out
+    return $rc
+}
+
+if [ "$1" = run ]; then
+    shift
+    "$@"
+    exit $?
+fi
+
+# --- The sequence ---------------------------------------------------------------------------
+checks=0
+failed=0
+
+# check NAME COMMAND...: runs COMMAND with a time limit and records the result.
+check() {
+    name=$1
+    shift
+    echo "=== $name"
+    start=$(now_cs)
+    timeout "$KM_TIMEOUT" "$@"
+    rc=$?
+    took=$(($(now_cs) - start))
+    seconds=$((took / 100)).$(printf '%02d' $((took % 100)))
+    checks=$((checks + 1))
+    if [ "$rc" = 0 ]; then
+        echo "@@CHECK $name ok $seconds"
+    else
+        failed=$((failed + 1))
+        echo "@@CHECK $name FAIL rc=$rc $seconds"
+    fi
+}
+
+# Runs a shell function of this file as its own process (which `timeout` can stop).
+FN="sh /guest.sh run"
+
+library_tests() {
+    for exe in /opt/t/deps/*; do
+        check "test-${exe##*/}-$1" env $2 "$exe" --test-threads=2 -q
+    done
+}
+
+# After an empty line: the console's first line starts with the firmware's escape sequences.
+echo
+echo "@@KERNEL $(uname -r)"
+echo "topology $KM_TOPOLOGY · stress ${KM_STRESS}s per part · bench $KM_BENCH"
+sys_state
+
+check info-glibc env $GLIBC thiscpu info
+check info-own env $OWN thiscpu info
+check topology probe topology
+check pinned-glibc $FN pinned glibc $GLIBC
+check pinned-own $FN pinned thiscpu $OWN
+library_tests glibc "$GLIBC"
+library_tests own "$OWN"
+
+case $KM_TOPOLOGY in
+up2of4)
+    check stress-glibc-hotplug $FN stress_while_hotplug $GLIBC
+    check stress-own-hotplug $FN stress_while_hotplug $OWN
+    # Every present CPU online (whatever the hot-plug loop left), then what a process
+    # started now sees.
+    for cpu in $(cpus_in present); do
+        [ -e "$CPU_SYS/cpu$cpu/online" ] && echo 1 >"$CPU_SYS/cpu$cpu/online"
+    done
+    sys_state
+    check topology-all-online probe topology
+    check pinned-all-online-glibc $FN pinned glibc $GLIBC
+    check pinned-all-online-own $FN pinned thiscpu $OWN
+    check test-identity-all-online-own env $OWN /opt/t/deps/identity --test-threads=2 -q
+    ;;
+*)
+    check stress-glibc env $GLIBC thiscpu stress --seconds "$KM_STRESS"
+    check stress-own env $OWN thiscpu stress --seconds "$KM_STRESS"
+    ;;
+esac
+
+check bench-quick thiscpu bench --quick $(echo "$KM_BENCH" | tr ',' ' ')
+
+if [ "$KM_TOPOLOGY" = numa ]; then
+    # The last CPU of the last node, offline while a process starts.
+    last=$(cpus_in online | tail -n 1)
+    echo 0 >"$CPU_SYS/cpu$last/online"
+    sys_state
+    check "topology-cpu$last-offline" probe topology
+    check "pinned-cpu$last-offline-glibc" $FN pinned glibc $GLIBC
+    check "node-after-online-cpu$last" $FN node_after_online "$last"
+    sys_state
+fi
+
+echo "@@END checks=$checks failed=$failed"
+[ "$failed" = 0 ]

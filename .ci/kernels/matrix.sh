@@ -1,0 +1,225 @@
+#!/usr/bin/env bash
+# The kernel x topology matrix: thiscpu's tests, `thiscpu info`, `stress`, `bench --quick` and
+# the topology checks of .ci/kernels/guest.sh on Debian's x86_64 kernels of several series
+# (.ci/kernels/setup.sh), each booted in qemu-system-x86_64 in several CPU topologies:
+#
+#   smp2     2 CPUs, one node
+#   numa     4 CPUs in 2 NUMA nodes (0-1 and 2-3), each with 1 GiB; ends with CPU 3 taken
+#            offline while a process starts and brought back
+#   up2of4   4 possible CPUs, 2 online at boot (-smp 4 and the kernel's maxcpus=2); CPUs
+#            1-3 go offline and online while `thiscpu stress` runs
+#
+#   matrix.sh [--kernels "bookworm trixie sid"] [--topologies "smp2 numa up2of4"]
+#
+# Under TCG (qemu's software CPU, `-accel tcg,thread=multi -cpu max`) unless THISCPU_KERNELS_KVM=1
+# asks for KVM (`-enable-kvm -cpu host`), which only helps where the host has real hardware
+# virtualization. Builds the `thiscpu` command (release), the library's test executables
+# (`cargo test -p thiscpu --no-run`) and the probe (.ci/kernels/probe) with the repository's
+# target directory, and one initramfs for every guest. A guest fails on any failed check, a
+# kernel crash, a hang (more than $THISCPU_KERNELS_TIMEOUT seconds, default 600) and on output
+# that ends before its end marker. Full logs go to target/kernels/logs/; the console gets each
+# check's result, the output of failed checks and a summary with each guest's time.
+#
+# Other knobs: THISCPU_KERNELS_STRESS (seconds per part of `stress`, default 3; 5 on up2of4),
+# THISCPU_KERNELS_BENCH (families for `bench --quick`, comma-separated, default getcpu,counter).
+set -euo pipefail
+
+repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
+cd "$repo"
+here=.ci/kernels
+store=$repo/target/kernels
+kernels="bookworm trixie sid"
+topologies="smp2 numa up2of4"
+timeout_s=${THISCPU_KERNELS_TIMEOUT:-600}
+stress_s=${THISCPU_KERNELS_STRESS:-3}
+bench=${THISCPU_KERNELS_BENCH:-getcpu,counter}
+
+while [ $# -gt 0 ]; do
+    case $1 in
+    --kernels) kernels=$2; shift 2 ;;
+    --topologies) topologies=$2; shift 2 ;;
+    *) echo "usage: $0 [--kernels \"SUITE...\"] [--topologies \"smp2 numa up2of4\"]" >&2; exit 2 ;;
+    esac
+done
+
+run() {
+    printf '+'
+    printf ' %q' "$@"
+    printf '\n'
+    "$@"
+}
+
+t_start=$SECONDS
+
+# --- Kernels ---------------------------------------------------------------------------------
+wanted=()
+for suite in $kernels; do wanted+=("amd64/$suite"); done
+mapfile -t kernel_dirs < <(bash "$here/setup.sh" "${wanted[@]}")
+[ ${#kernel_dirs[@]} -eq ${#wanted[@]} ] || { echo "setup.sh did not provide every kernel"; exit 1; }
+
+# --- Executables -------------------------------------------------------------------------------
+run cargo build --locked --release -p thiscpu-cli
+tests_json=$(mktemp)
+trap 'rm -f "$tests_json"' EXIT
+run cargo test --locked -p thiscpu --no-run --message-format=json >"$tests_json"
+run env CARGO_TARGET_DIR="$store/probe" cargo build --locked --release \
+    --manifest-path "$here/probe/Cargo.toml"
+
+# --- initramfs (one for all guests) ------------------------------------------------------------
+root=$store/initramfs
+rm -rf "$root"
+mkdir -p "$root"/{bin,proc,sys,dev,tmp,opt/t/deps,opt/t/examples}
+cp /bin/busybox "$root/bin/busybox"
+
+# Test executables by target name, and the shared libraries the examples build (the
+# shared_library test loads one from ../examples/ next to its own directory).
+python3 - "$tests_json" "$root/opt/t" <<'EOF'
+import json, shutil, sys
+messages, dest = sys.argv[1], sys.argv[2]
+count = 0
+for line in open(messages):
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") != "compiler-artifact":
+        continue
+    if m["profile"]["test"] and m.get("executable"):
+        shutil.copy(m["executable"], f"{dest}/deps/{m['target']['name']}")
+        count += 1
+    elif "cdylib" in m["target"].get("crate_types", []):
+        for path in m["filenames"]:
+            if path.endswith(".so"):
+                shutil.copy(path, f"{dest}/examples/{path.rsplit('/', 1)[1]}")
+if count == 0:
+    sys.exit("cargo test --no-run named no test executable")
+EOF
+cp target/release/thiscpu "$root/opt/t/thiscpu"
+cp "$store/probe/release/thiscpu-topology-probe" "$root/opt/t/probe"
+cp "$here/guest.sh" "$root/guest.sh"
+find "$root/opt/t" -type f -exec objcopy --strip-debug {} \;
+
+# The shared libraries of every executable, at the host's paths (they are the host's glibc),
+# plus libgcc_s, which glibc loads with dlopen when a thread unwinds.
+{
+    find "$root/opt/t" -type f -exec ldd {} \; 2>/dev/null |
+        sed -n 's/.*=> \(\/[^ ]*\).*/\1/p; s/^[[:space:]]*\(\/[^ ]*\) (0x.*/\1/p'
+    ldconfig -p | sed -n 's/.*libgcc_s.so.1 (libc6,x86-64) => //p' | head -n 1
+} | sort -u | while read -r lib; do
+    mkdir -p "$root$(dirname "$lib")"
+    cp -L "$lib" "$root$lib"
+done
+
+cat >"$root/init" <<'EOF'
+#!/bin/busybox sh
+/bin/busybox --install -s /bin
+export PATH=/bin:/opt/t
+mount -t proc proc /proc
+mount -t sysfs sysfs /sys
+mount -t devtmpfs devtmpfs /dev
+mount -t tmpfs tmpfs /tmp
+sh /guest.sh
+echo "@@GUEST_EXIT=$?"
+poweroff -f
+EOF
+chmod +x "$root/init" "$root/bin/busybox"
+(cd "$root" && find . -mindepth 1 | cpio -o -H newc --quiet >"$store/initramfs.cpio")
+echo "initramfs: $(du -m "$store/initramfs.cpio" | cut -f1) MiB," \
+    "$(ls "$root/opt/t/deps" | wc -l) test executables"
+
+# --- Guests -------------------------------------------------------------------------------------
+if [ "${THISCPU_KERNELS_KVM:-0}" = 1 ]; then
+    accel=(-enable-kvm -cpu host)
+else
+    accel=(-accel tcg,thread=multi -cpu max)
+fi
+
+# topology NAME: sets qemu_topology (qemu options) and kernel_topology (kernel arguments).
+topology() {
+    kernel_topology=""
+    case $1 in
+    smp2) qemu_topology=(-smp 2 -m 2G) ;;
+    numa | up2of4)
+        qemu_topology=(-smp 4,sockets=2,cores=2 -m 2G)
+        if [ "$1" = numa ]; then
+            qemu_topology+=(
+                -object memory-backend-ram,id=m0,size=1G -numa node,nodeid=0,cpus=0-1,memdev=m0
+                -object memory-backend-ram,id=m1,size=1G -numa node,nodeid=1,cpus=2-3,memdev=m1
+            )
+        else
+            # -smp 2,maxcpus=N makes possible > online only on 6.1; maxcpus= on the kernel's
+            # command line does it on every kernel.
+            kernel_topology="maxcpus=2"
+        fi
+        ;;
+    *) echo "unknown topology $1"; return 1 ;;
+    esac
+}
+
+# Relays a guest's console: every check's result line, and the output of a check that failed.
+relay() {
+    awk '
+        { sub(/\r$/, "") }
+        /^=== / { buffer = ""; next }
+        /^@@CHECK / {
+            if ($3 != "ok") printf "%s", buffer
+            printf "    %-40s %s %s s\n", $2, $3 == "ok" ? "ok  " : "FAIL", $NF
+            buffer = ""; fflush(); next
+        }
+        /^@@/ { next }
+        { buffer = buffer "      | " $0 "\n" }
+        END { if (buffer != "") printf "%s", buffer }
+    '
+}
+
+mkdir -p "$store/logs"
+summary=()
+failures=0
+for dir in "${kernel_dirs[@]}"; do
+    suite=${dir##*/}
+    release=$(cat "$dir/release")
+    for topo in $topologies; do
+        topology "$topo"
+        stress=$stress_s
+        [ "$topo" = up2of4 ] && stress=$((stress_s > 5 ? stress_s : 5))
+        log=$store/logs/$suite-$topo.log
+        append="console=ttyS0 panic=-1 quiet loglevel=3 rdinit=/init $kernel_topology"
+        append+=" KM_TOPOLOGY=$topo KM_STRESS=$stress KM_BENCH=$bench KM_TIMEOUT=$((timeout_s / 2))"
+        echo
+        echo "=== kernels: $release ($suite), $topo"
+        t0=$SECONDS
+        set +e
+        timeout --foreground -k 10 "$timeout_s" qemu-system-x86_64 "${accel[@]}" \
+            "${qemu_topology[@]}" -nographic -no-reboot -nic none \
+            -kernel "$dir/vmlinuz" -initrd "$store/initramfs.cpio" \
+            -append "$append" \
+            </dev/null 2>&1 | tee "$log" | relay
+        status=${PIPESTATUS[0]}
+        set -e
+        took=$((SECONDS - t0))
+
+        # The verdict, from the log alone.
+        verdict=$(tr -d '\r' <"$log" | awk -v release="$release" -v status="$status" '
+            /@@KERNEL / { sub(/.*@@KERNEL /, ""); kernel = $1 }
+            /^@@CHECK / { checks++; if ($3 != "ok") failed++ }
+            /^@@END / { split($2, c, "="); split($3, f, "="); end_checks = c[2]; end_failed = f[2]; ended = 1 }
+            /^@@GUEST_EXIT=/ { exit_code = substr($0, 14) }
+            END {
+                if (status == 124 || status == 137) { print "FAIL: hung (timeout)"; exit }
+                if (kernel != release) { print "FAIL: booted " (kernel == "" ? "nothing" : kernel) " instead of " release; exit }
+                if (!ended) { print "FAIL: no end marker after " checks + 0 " checks (crash or panic)"; exit }
+                if (end_checks != checks + 0) { print "FAIL: " checks + 0 " check results for " end_checks " checks"; exit }
+                if (failed + 0 > 0 || end_failed != 0 || exit_code != "0") { print "FAIL: " failed + 0 " of " checks " checks failed"; exit }
+                print "ok: " checks " checks passed"
+            }')
+        echo "--- kernels: $release ($suite), $topo: $verdict in $took s (log: ${log#"$repo/"})"
+        summary+=("$(printf '%-28s %-8s %4d s  %s' "$release" "$topo" "$took" "$verdict")")
+        case $verdict in ok*) ;; *) failures=$((failures + 1)) ;; esac
+    done
+done
+
+echo
+echo "=== kernels: summary ($(nproc) host CPUs, ${accel[*]})"
+printf '%s\n' "${summary[@]}"
+echo "total $((SECONDS - t_start)) s, $failures of ${#summary[@]} guests failed"
+[ "$failures" = 0 ]

@@ -21,7 +21,8 @@
 # CARGO_TARGET_TMPDIR. Otherwise the program runs from /.
 #
 # Other knobs: THISCPU_VM_SMP (default 2), THISCPU_VM_MEM (MiB, default 1024),
-# THISCPU_AARCH64_TOOLS (where setup.sh put the kernel and busybox), THISCPU_AARCH64_SYSROOT
+# THISCPU_AARCH64_TOOLS (where setup.sh put the kernel and busybox), THISCPU_VM_KERNEL (another
+# arm64 kernel image to boot instead of setup.sh's), THISCPU_AARCH64_SYSROOT
 # (where the shared libraries come from, default /usr/aarch64-linux-gnu; its lib/ may also
 # hold a program's own shared objects).
 set -euo pipefail
@@ -35,7 +36,7 @@ shift
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 tools=${THISCPU_AARCH64_TOOLS:-$repo/target/aarch64-tools}
-kernel=$tools/guest/vmlinuz
+kernel=${THISCPU_VM_KERNEL:-$tools/guest/vmlinuz}
 busybox=$tools/guest/busybox
 sysroot=${THISCPU_AARCH64_SYSROOT:-/usr/aarch64-linux-gnu}
 timeout_s=${THISCPU_VM_TIMEOUT:-300}

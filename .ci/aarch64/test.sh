@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # Builds thiscpu for aarch64-unknown-linux-gnu and runs its tests and the `thiscpu` command on
-# a real arm64 Linux kernel (Debian's 6.1, which has rseq but not node_id/mm_cid) in
-# qemu-system-aarch64, through .ci/aarch64/runner.sh. Run from anywhere; installs what is
-# missing first (.ci/aarch64/setup.sh, root needed the first time).
+# real arm64 Linux kernels in qemu-system-aarch64, through .ci/aarch64/runner.sh: Debian's 6.1
+# (rseq without node_id/mm_cid) for every step, and the newest kernel of Debian's sid (7.x:
+# rseq feature size 33, alignment 64) for the tests under both registrations and the command.
+# Run from anywhere; installs what is missing first (.ci/aarch64/setup.sh and
+# .ci/kernels/setup.sh, root needed the first time).
 #
 # Steps, each timed:
-#   setup        .ci/aarch64/setup.sh
+#   setup        .ci/aarch64/setup.sh, and sid's arm64 kernel from .ci/kernels/setup.sh
 #   build        every test executable of the workspace, the command, and the fast-path probe;
 #                the workspace's own crates are compiled through Debian's clippy-driver (same
 #                release as the compiler) with -D warnings, so this also lints them for
@@ -18,6 +20,10 @@
 #                inside sections), as .ci/run does on x86_64
 #   cli          `thiscpu --help`, `info`, `stress` and `bench --quick`
 #   fast-path    .ci/check_fast_path.py on the aarch64 probe, through aarch64-linux-gnu-objdump
+#   sid-test-glibc, sid-test-own, sid-cli
+#                test-glibc, test-own and cli again on sid's kernel; the builds are the same,
+#                and the steps that do not depend on the kernel's rseq (test-off, static,
+#                inject's delays, fast-path) run on 6.1 only, to stay within the time budget
 #
 # Doctests run too: Debian's rustdoc (same release as the compiler) builds them for aarch64
 # and cargo hands them to the runner. Nothing is skipped on purpose; a step that cannot run
@@ -49,9 +55,12 @@ run() {
 }
 
 tools=
+new_kernel=
 setup() {
     tools=$(bash .ci/aarch64/setup.sh | tail -n 1)
     echo "tools: $tools"
+    new_kernel=$(bash .ci/kernels/setup.sh arm64/sid)
+    echo "sid kernel: $new_kernel"
 }
 step setup setup
 
@@ -79,7 +88,8 @@ fi
 echo "rustc:  $("$RUSTC" --version)"
 echo "cargo:  $(cargo --version)"
 echo "qemu:   $(qemu-system-aarch64 --version | sed -n 1p)"
-echo "guest:  $(cat "$tools/guest/kernel-package" 2>/dev/null || echo '?')"
+echo "guests: $(cat "$tools/guest/kernel-package" 2>/dev/null || echo '?')," \
+    "$(cat "$new_kernel/package")"
 
 build() {
     run cargo test --workspace --target "$triple" --no-run
@@ -155,6 +165,12 @@ EOF
     rm -rf "$shim"
 }
 step fast-path fast_path
+
+# The same executables on sid's kernel.
+export THISCPU_VM_KERNEL=$new_kernel/vmlinuz
+step sid-test-glibc test_glibc
+step sid-test-own test_own
+step sid-cli cli
 
 echo
 echo "=== aarch64: all steps passed in $((SECONDS - t_start)) s"

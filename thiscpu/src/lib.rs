@@ -38,6 +38,8 @@
 //! # What is inside
 //! - [`current_cpu`], [`getcpu`], [`current_node`], [`mm_cid`]: where this thread runs.
 //! - [`Counter`]: an exact per-CPU counter whose `add` is one restartable sequence.
+//! - [`Histogram`]: an exact per-CPU histogram with fixed buckets, `observe` a restartable add
+//!   and a restartable compare-and-store.
 //! - [`PerCpu`] and [`CachePadded`]: one value per possible CPU, each on its own cache lines.
 //! - [`Pool`]: an object pool with a bounded cache per CPU, `get` and `put` as restartable
 //!   sequences, and caches that another thread can drain while they are in use.
@@ -103,6 +105,8 @@ mod cpu;
 pub mod dense;
 #[allow(unsafe_code)]
 pub mod fence;
+#[allow(unsafe_code)]
+pub mod histogram;
 pub mod mask;
 #[cfg(feature = "metrics")]
 pub mod metrics;
@@ -123,6 +127,7 @@ pub mod topology;
 
 pub use counter::{ByCpu, ByMmCid, Counter, Spread};
 pub use cpu::{CpuNode, CpuSource, Source, current_cpu, current_node, getcpu, mm_cid, source, via};
+pub use histogram::Histogram;
 pub use mask::CpuMask;
 pub use percpu::{CachePadded, PerCpu};
 pub use pool::{Pool, Pooled};

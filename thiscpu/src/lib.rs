@@ -57,7 +57,11 @@
 //! may change in any release): `abi`, the kernel's rseq structures as thiscpu uses them, and
 //! `stress`, the self-test behind `thiscpu stress`.
 //! - `metrics` (feature `metrics`): a backend for the `metrics` facade whose counters are
-//!   per-CPU, so that `metrics::counter!(..).increment(1)` makes no atomic read-modify-write.
+//!   per-CPU, so that `metrics::counter!(..).increment(1)` makes no atomic read-modify-write;
+//!   with feature `metrics-layer`, `metrics::PerCpuLayer` puts per-CPU counters in front of any
+//!   other recorder (an exporter's) and publishes their totals to it.
+//! - `prometheus` (feature `prometheus-client`): a per-CPU counter and histogram for a
+//!   `prometheus_client` registry.
 //!
 //! # When not to use thiscpu
 //! - **Little contention.** A counter that one thread, or a few threads now and then, update is

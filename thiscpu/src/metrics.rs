@@ -5,9 +5,12 @@
 //! - [`PerCpuCounter`]: a [`Counter`] that implements
 //!   [`metrics::CounterFn`], for `metrics::Counter::from_arc`.
 //! - [`PerCpuRecorder`]: a [`metrics::Recorder`] that gives every counter key a
-//!   `PerCpuCounter`, every gauge an atomic `f64`, every histogram a per-CPU count, sum, minimum
-//!   and maximum; [`PerCpuRecorder::snapshot`] reads them all back. Install it once and every
-//!   `metrics::counter!` in the program (and its libraries) becomes per-CPU.
+//!   `PerCpuCounter`, every gauge an atomic `f64`, every histogram a per-CPU
+//!   [`Histogram`](crate::Histogram) with fixed buckets; [`PerCpuRecorder::snapshot`] reads
+//!   them all back. Install it once and every `metrics::counter!` in the program (and its
+//!   libraries) becomes per-CPU.
+//! - `PerCpuLayer` (feature `metrics-layer`): per-CPU counters in front of another recorder,
+//!   such as an exporter's, which receives their totals.
 //!
 //! ```
 //! let recorder = thiscpu::metrics::PerCpuRecorder::new();
@@ -32,7 +35,10 @@
 //! let key = metrics::Key::from_parts("requests", vec![metrics::Label::new("route", "/")]);
 //! assert_eq!(snapshot.counter(key), Some(4000));
 //! assert_eq!(snapshot.gauge("queue_depth"), Some(3.0));
-//! assert_eq!(snapshot.histogram("latency_seconds").map(|h| h.count), Some(1));
+//! let latency = snapshot.histogram("latency_seconds").unwrap();
+//! assert_eq!(latency.count, 1);
+//! // Prometheus' default buckets: 0.25 falls in `le = 0.25`.
+//! assert_eq!(latency.cumulative()[5], (0.25, 1));
 //! ```
 //!
 //! # What it costs
@@ -50,9 +56,15 @@
 //! thread exits, or until it next registers a counter with a new recorder after their own
 //! recorder was dropped: only then is a dropped recorder's memory all returned.
 
-use crate::{CachePadded, Counter, PerCpu};
+#[cfg(feature = "metrics-layer")]
+mod layer;
+#[cfg(feature = "metrics-layer")]
+pub use layer::{PerCpuLayer, PerCpuLayered, Publisher};
+
+pub use crate::histogram::{Bucket, HistogramSnapshot, InvalidBuckets};
+use crate::{CachePadded, Counter, Histogram};
 use metrics::{
-    CounterFn, Gauge, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder, SetRecorderError,
+    CounterFn, Gauge, HistogramFn, Key, KeyName, Metadata, Recorder, SetRecorderError,
     SharedString, Unit,
 };
 use std::cell::RefCell;
@@ -184,7 +196,7 @@ impl core::fmt::Debug for PerCpuCounter {
 pub const THREAD_CACHE_KEYS: usize = 1024;
 
 /// A [`metrics::Recorder`] backed by thiscpu: counters are [`PerCpuCounter`]s, gauges atomic
-/// `f64`s, histograms per-CPU summaries (count, sum, minimum, maximum).
+/// `f64`s, histograms per-CPU [`Histogram`]s with fixed buckets.
 ///
 /// Clones share the same metrics, so one clone can be installed (which moves it into the
 /// facade for good) while another reads [`snapshot`](PerCpuRecorder::snapshot)s.
@@ -192,10 +204,11 @@ pub const THREAD_CACHE_KEYS: usize = 1024;
 /// - Counters keep every increment exactly (see [`PerCpuCounter`] for `absolute`).
 /// - Gauges follow `metrics`' own `AtomicU64` gauge: `set` stores, `increment` and `decrement`
 ///   are compare-and-swap loops on the `f64`'s bits.
-/// - Histograms keep a count, sum, minimum and maximum, exact and without quantiles: each
-///   `record` updates the summary of the current CPU under a lock that threads on other CPUs
-///   do not touch; snapshots merge them. For quantiles or buckets, use an exporter's
-///   recorder for histograms (for example through `metrics-util`'s router layer).
+/// - Histograms count each value in one bucket of fixed upper bounds (Prometheus' defaults,
+///   [`DEFAULT_BUCKETS`](crate::histogram::DEFAULT_BUCKETS), or those given to
+///   [`with_buckets`](PerCpuRecorder::with_buckets)), exactly, and keep the sum, minimum and
+///   maximum: each `record` is a restartable add and compare-and-store on the current CPU's
+///   row of the histogram; snapshots add the rows up. No quantiles.
 /// - Descriptions (`describe_counter!` and the like) are kept, the first one per name and
 ///   kind, and returned with every snapshot.
 /// - Metadata (target, level) is ignored: every metric is recorded.
@@ -224,8 +237,10 @@ struct Shared {
     id: u64,
     counters: RwLock<KeyMap<Arc<PerCpuCounter>>>,
     gauges: RwLock<KeyMap<Arc<AtomicU64>>>,
-    histograms: RwLock<KeyMap<Arc<PerCpuSummary>>>,
+    histograms: RwLock<KeyMap<Arc<MetricsHistogram>>>,
     descriptions: Mutex<Vec<Description>>,
+    /// Bucket bounds of every histogram, checked by `Histogram::new`.
+    buckets: Box<[f64]>,
 }
 
 impl PerCpuRecorder {
@@ -236,6 +251,33 @@ impl PerCpuRecorder {
     /// assert!(recorder.snapshot().counters.is_empty());
     /// ```
     pub fn new() -> Self {
+        PerCpuRecorder::with_checked_buckets(&crate::histogram::DEFAULT_BUCKETS)
+    }
+
+    /// A recorder whose histograms count values in buckets with these upper bounds (strictly
+    /// increasing; a last `+Inf` bucket is implied).
+    ///
+    /// # Errors
+    /// When a bound is NaN or the bounds do not increase.
+    ///
+    /// ```
+    /// let recorder = thiscpu::metrics::PerCpuRecorder::with_buckets(&[1.0, 10.0, 100.0]).unwrap();
+    /// metrics::with_local_recorder(&recorder, || {
+    ///     for size in [3.0, 30.0, 30.0, 300.0] {
+    ///         metrics::histogram!("batch_size").record(size);
+    ///     }
+    /// });
+    /// let batch = recorder.snapshot().histogram("batch_size").unwrap();
+    /// let counts: Vec<u64> = batch.buckets.iter().map(|b| b.count).collect();
+    /// assert_eq!(counts, [0, 1, 2, 1]);
+    /// assert!(thiscpu::metrics::PerCpuRecorder::with_buckets(&[2.0, 1.0]).is_err());
+    /// ```
+    pub fn with_buckets(bounds: &[f64]) -> Result<Self, InvalidBuckets> {
+        Histogram::new(bounds)?;
+        Ok(PerCpuRecorder::with_checked_buckets(bounds))
+    }
+
+    fn with_checked_buckets(bounds: &[f64]) -> Self {
         static NEXT_ID: AtomicU64 = AtomicU64::new(0);
         PerCpuRecorder {
             shared: Arc::new(Shared {
@@ -244,6 +286,7 @@ impl PerCpuRecorder {
                 gauges: RwLock::default(),
                 histograms: RwLock::default(),
                 descriptions: Mutex::default(),
+                buckets: bounds.into(),
             }),
         }
     }
@@ -298,7 +341,7 @@ impl PerCpuRecorder {
             gauges: sorted(&shared.gauges, |g| {
                 f64::from_bits(g.load(Ordering::Relaxed))
             }),
-            histograms: sorted(&shared.histograms, |h| h.summary()),
+            histograms: sorted(&shared.histograms, |h| h.0.snapshot()),
             descriptions: shared
                 .descriptions
                 .lock()
@@ -361,7 +404,7 @@ impl PerCpuRecorder {
 }
 
 /// Looks `key` up under the read lock, and inserts `make()` under the write lock if absent.
-fn get_or_insert<T>(map: &RwLock<KeyMap<Arc<T>>>, key: &Key, make: fn() -> T) -> Arc<T> {
+fn get_or_insert<T>(map: &RwLock<KeyMap<Arc<T>>>, key: &Key, make: impl FnOnce() -> T) -> Arc<T> {
     if let Some(found) = map.read().unwrap_or_else(PoisonError::into_inner).get(key) {
         return found.clone();
     }
@@ -417,12 +460,12 @@ impl Recorder for PerCpuRecorder {
         }))
     }
 
-    fn register_histogram(&self, key: &Key, _metadata: &Metadata<'_>) -> Histogram {
-        Histogram::from_arc(get_or_insert(
-            &self.shared.histograms,
-            key,
-            PerCpuSummary::new,
-        ))
+    fn register_histogram(&self, key: &Key, _metadata: &Metadata<'_>) -> metrics::Histogram {
+        metrics::Histogram::from_arc(get_or_insert(&self.shared.histograms, key, || {
+            MetricsHistogram(
+                Histogram::new(&self.shared.buckets).expect("bounds checked by with_buckets"),
+            )
+        }))
     }
 }
 
@@ -498,90 +541,16 @@ impl Hasher for KeyHasher {
     }
 }
 
-/// A histogram's summary: count, sum, minimum and maximum of the recorded values.
-#[derive(Clone, Copy, Debug, PartialEq)]
-#[non_exhaustive]
-pub struct Summary {
-    /// Number of values recorded.
-    pub count: u64,
-    /// Their sum.
-    pub sum: f64,
-    /// The smallest (`+inf` when none was recorded).
-    pub min: f64,
-    /// The largest (`-inf` when none was recorded).
-    pub max: f64,
-}
+/// A [`Histogram`] as a `metrics` histogram.
+struct MetricsHistogram(Histogram);
 
-impl Summary {
-    const EMPTY: Summary = Summary {
-        count: 0,
-        sum: 0.0,
-        min: f64::INFINITY,
-        max: f64::NEG_INFINITY,
-    };
-
-    /// The mean, or `None` when no value was recorded.
-    ///
-    /// ```
-    /// let recorder = thiscpu::metrics::PerCpuRecorder::new();
-    /// metrics::with_local_recorder(&recorder, || {
-    ///     metrics::histogram!("size").record(1.0);
-    ///     metrics::histogram!("size").record(3.0);
-    /// });
-    /// assert_eq!(recorder.snapshot().histogram("size").unwrap().mean(), Some(2.0));
-    /// ```
-    pub fn mean(&self) -> Option<f64> {
-        (self.count > 0).then(|| self.sum / self.count as f64)
-    }
-
-    fn add(&mut self, value: f64, count: u64) {
-        self.count += count;
-        self.sum += value * count as f64;
-        self.min = self.min.min(value);
-        self.max = self.max.max(value);
-    }
-
-    fn merge(mut self, other: &Summary) -> Summary {
-        self.count += other.count;
-        self.sum += other.sum;
-        self.min = self.min.min(other.min);
-        self.max = self.max.max(other.max);
-        self
-    }
-}
-
-/// A histogram as one summary per CPU, each under its own lock.
-struct PerCpuSummary {
-    slots: PerCpu<Mutex<Summary>>,
-}
-
-impl PerCpuSummary {
-    fn new() -> Self {
-        PerCpuSummary {
-            slots: PerCpu::new(|_| Mutex::new(Summary::EMPTY)),
-        }
-    }
-
-    fn summary(&self) -> Summary {
-        self.slots.iter().fold(Summary::EMPTY, |total, slot| {
-            total.merge(&slot.lock().unwrap_or_else(PoisonError::into_inner))
-        })
-    }
-}
-
-impl HistogramFn for PerCpuSummary {
+impl HistogramFn for MetricsHistogram {
     fn record(&self, value: f64) {
-        self.record_many(value, 1);
+        self.0.observe(value);
     }
 
     fn record_many(&self, value: f64, count: usize) {
-        // The slot is only a place to spread the locks: the lock, not the CPU, makes the
-        // update exclusive, so a migration right after `current()` is harmless.
-        self.slots
-            .current()
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .add(value, count as u64);
+        self.0.observe_many(value, count as u64);
     }
 }
 
@@ -641,8 +610,8 @@ pub struct Snapshot {
     pub counters: Vec<(Key, u64)>,
     /// Gauges and their values.
     pub gauges: Vec<(Key, f64)>,
-    /// Histograms and their summaries.
-    pub histograms: Vec<(Key, Summary)>,
+    /// Histograms and their buckets, count, sum, minimum and maximum.
+    pub histograms: Vec<(Key, HistogramSnapshot)>,
     /// Descriptions, in the order they were first given.
     pub descriptions: Vec<Description>,
 }
@@ -671,15 +640,15 @@ impl Snapshot {
         find(&self.gauges, &key.into()).copied()
     }
 
-    /// The summary of the histogram with exactly this key, if it was registered.
+    /// The contents of the histogram with exactly this key, if it was registered.
     ///
     /// ```
     /// let recorder = thiscpu::metrics::PerCpuRecorder::new();
     /// metrics::with_local_recorder(&recorder, || metrics::histogram!("rtt").record(2.0));
     /// assert_eq!(recorder.snapshot().histogram("rtt").map(|h| h.max), Some(2.0));
     /// ```
-    pub fn histogram(&self, key: impl Into<Key>) -> Option<Summary> {
-        find(&self.histograms, &key.into()).copied()
+    pub fn histogram(&self, key: impl Into<Key>) -> Option<HistogramSnapshot> {
+        find(&self.histograms, &key.into()).cloned()
     }
 }
 

@@ -286,6 +286,35 @@ fn histograms_keep_count_sum_min_max() {
 }
 
 #[test]
+fn histograms_count_every_value_in_its_bucket() {
+    let recorder = PerCpuRecorder::with_buckets(&[1.0, 5.0, 10.0]).unwrap();
+    let n = threads();
+    on_threads(&recorder, n, |t| {
+        for i in 0..1_000u32 {
+            // 0..=9 plus the thread's index: the buckets' shares are known per thread.
+            metrics::histogram!("size").record(f64::from(i % 10) + t as f64);
+        }
+        metrics::histogram!("size").record_many(0.5, 4);
+    });
+    let size = recorder.snapshot().histogram("size").unwrap();
+    let mut expected = [0u64; 4];
+    for t in 0..n {
+        for v in 0..10 {
+            let v = (v + t) as f64;
+            let bucket = [1.0, 5.0, 10.0].iter().position(|&le| v <= le).unwrap_or(3);
+            expected[bucket] += 100;
+        }
+        expected[0] += 4;
+    }
+    let counts: Vec<u64> = size.buckets.iter().map(|b| b.count).collect();
+    assert_eq!(counts, expected);
+    let bounds: Vec<f64> = size.buckets.iter().map(|b| b.le).collect();
+    assert_eq!(bounds, [1.0, 5.0, 10.0, f64::INFINITY]);
+    assert_eq!(size.count, n as u64 * 1_004);
+    assert!(PerCpuRecorder::with_buckets(&[1.0, 1.0]).is_err());
+}
+
+#[test]
 fn descriptions_keep_the_first_per_name_and_kind() {
     let recorder = PerCpuRecorder::new();
     metrics::with_local_recorder(&recorder, || {

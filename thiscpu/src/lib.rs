@@ -119,6 +119,8 @@ pub mod ops;
 mod percpu;
 #[allow(unsafe_code)]
 pub mod pool;
+#[cfg(feature = "prometheus-client")]
+pub mod prometheus;
 #[allow(unsafe_code)]
 mod registration;
 #[doc(hidden)]

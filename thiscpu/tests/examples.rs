@@ -10,6 +10,14 @@ mod per_cpu_stats;
 #[path = "../examples/object_pool.rs"]
 mod object_pool;
 
+#[cfg(feature = "metrics-layer")]
+#[path = "../examples/prometheus_layer.rs"]
+mod prometheus_layer;
+
+#[cfg(feature = "prometheus-client")]
+#[path = "../examples/prometheus_registry.rs"]
+mod prometheus_registry;
+
 #[test]
 fn request_counter_counts_every_request() {
     request_counter::main();
@@ -31,4 +39,16 @@ mod per_cpu_histogram;
 #[test]
 fn per_cpu_histogram_merges_every_sample() {
     per_cpu_histogram::main();
+}
+
+#[cfg(feature = "metrics-layer")]
+#[test]
+fn prometheus_layer_renders_exact_totals() {
+    prometheus_layer::main();
+}
+
+#[cfg(feature = "prometheus-client")]
+#[test]
+fn prometheus_registry_encodes_exact_totals() {
+    prometheus_registry::main();
 }

@@ -38,6 +38,8 @@ const SUM: usize = 0;
 const MIN: usize = 1;
 const MAX: usize = 2;
 const COUNTS: usize = 3;
+/// Up to this many bounds, the bucket is found by counting bounds, beyond by a binary search.
+const BRANCHLESS_BOUNDS: usize = 16;
 /// Words per cache line (128 bytes, as `CachePadded`).
 const LINE_WORDS: usize = 16;
 
@@ -154,13 +156,20 @@ impl Histogram {
         &self.lines[row * self.lines_per_row + word / LINE_WORDS].0[word % LINE_WORDS]
     }
 
-    /// The bucket `value` falls in: the first bound at or above it, else the `+Inf` bucket.
+    /// The bucket `value` falls in: the first bound at or above it, else (NaN too) the `+Inf`
+    /// bucket.
     #[inline]
+    // The negated comparison is the point: it is true for NaN.
+    #[allow(clippy::neg_cmp_op_on_partial_ord)]
     fn bucket_of(&self, value: f64) -> usize {
-        if value.is_nan() {
-            return self.bounds.len();
+        // `!(value <= le)` holds for the bounds below `value`, and for every bound when it is
+        // NaN. A few bounds are counted without branches (values that hop between buckets
+        // would mispredict a search's); many are searched.
+        if self.bounds.len() <= BRANCHLESS_BOUNDS {
+            self.bounds.iter().filter(|&&le| !(value <= le)).count()
+        } else {
+            self.bounds.partition_point(|&le| !(value <= le))
         }
-        self.bounds.partition_point(|&le| le < value)
     }
 
     /// Records one observation of `value`.
@@ -197,28 +206,54 @@ impl Histogram {
         } else {
             value * count as f64
         };
-        loop {
+        let mut at = loop {
             let Some(at) = ops::position().filter(|at| at.index() < self.cpus) else {
                 return self.observe_unregistered(bucket, count, value, added);
             };
-            let row = at.index() as usize;
             // SAFETY: `at` was just read by this thread; the word lives as long as `self`; the
             // rows of CPUs are written only by sections positioned on their CPU (threads
             // without rseq use the last row), and read with atomic loads.
-            match unsafe { ops::load_add_store(at, self.word(row, bucket).as_ptr(), count) } {
-                Outcome::Committed(()) => break,
+            match unsafe {
+                ops::load_add_store(at, self.word(at.index() as usize, bucket).as_ptr(), count)
+            } {
+                Outcome::Committed(()) => break at,
                 Outcome::Mismatch | Outcome::Aborted => continue,
             }
+        };
+        // The sum goes to the row of the CPU the count went to unless the thread moved since
+        // (rows are added up, so any row will do).
+        loop {
+            let slot = self.word(at.index() as usize, SUM);
+            let old = slot.load(Ordering::Relaxed);
+            let new = (f64::from_bits(old) + added).to_bits();
+            // SAFETY: as above.
+            match unsafe { ops::load_cbne_store(at, slot.as_ptr(), old, new) } {
+                Outcome::Committed(()) => break,
+                Outcome::Mismatch | Outcome::Aborted => {
+                    match ops::position().filter(|at| at.index() < self.cpus) {
+                        Some(now) => at = now,
+                        None => {
+                            let row = self.cpus as usize;
+                            return self.update_f64_atomic(row, SUM, |sum| Some(sum + added));
+                        }
+                    }
+                }
+            }
         }
-        self.update_f64(SUM, |sum| Some(sum + added));
-        self.update_f64(MIN, |min| (value < min).then_some(value));
-        self.update_f64(MAX, |max| (value > max).then_some(value));
+        // A new minimum or maximum is rare once a CPU has seen a few values: two loads decide.
+        let row = at.index() as usize;
+        if value < f64::from_bits(self.word(row, MIN).load(Ordering::Relaxed)) {
+            self.update_f64(MIN, |min| (value < min).then_some(value));
+        }
+        if value > f64::from_bits(self.word(row, MAX).load(Ordering::Relaxed)) {
+            self.update_f64(MAX, |max| (value > max).then_some(value));
+        }
     }
 
     /// Replaces the current CPU's `f64` at `word` by `change(old)` when that is `Some`, in a
     /// restartable compare-and-store that retries when another thread of the same CPU changed
     /// the word in between or the thread moved.
-    #[inline(always)]
+    #[cold]
     fn update_f64(&self, word: usize, change: impl Fn(f64) -> Option<f64>) {
         loop {
             let Some(at) = ops::position().filter(|at| at.index() < self.cpus) else {

@@ -28,7 +28,7 @@ machine = bench["machine"]
 for key in ("cpu_model", "kernel", "glibc", "cpus_possible", "cpus_online", "rseq"):
     assert key in machine, f"machine.{key} missing"
 families = {r["bench"] for r in bench["results"]}
-for family in ("getcpu", "counter", "bpf", "mask", "pool", "memory", "sharded"):
+for family in ("getcpu", "counter", "metrics", "bpf", "mask", "pool", "memory", "sharded"):
     assert family in families, f"bench family {family} produced no result"
 for r in bench["results"]:
     for key in ("bench", "case", "threads", "unit", "median", "min", "max", "rounds"):

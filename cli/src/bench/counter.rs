@@ -18,10 +18,6 @@ use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use thiscpu::{ByMmCid, CachePadded, Counter, PerCpu};
 
-/// The `metrics-*` cases: one `metrics::counter!().increment(1)` per operation.
-#[path = "metrics.rs"]
-mod metrics_cases;
-
 /// Every case, in the order they run.
 const CASES: &[&str] = &[
     "atomic-global",
@@ -31,8 +27,6 @@ const CASES: &[&str] = &[
     "tls-plain",
     "thiscpu-counter",
     "thiscpu-counter-mm_cid",
-    "metrics-atomic",
-    "metrics-thiscpu",
 ];
 
 /// The family.
@@ -287,9 +281,6 @@ fn cases() -> Vec<Case> {
             Exact::new(ThiscpuMmCid(Counter::by_mm_cid())),
         ),
     ]
-    .into_iter()
-    .chain(metrics_cases::cases())
-    .collect()
 }
 
 /// Per-round values of one (case, threads) result, mapped through `f`.

@@ -856,7 +856,7 @@ macro_rules! families {
     };
 }
 
-families![getcpu, counter, bpf, memory, mask, pool, sharded];
+families![getcpu, counter, metrics, bpf, memory, mask, pool, sharded];
 
 /// The text of `thiscpu bench --list`: every family and case, and why a case is left out here.
 pub fn list(families: &[&'static Family]) -> String {

@@ -13,6 +13,7 @@ pub const DEFAULT_BUCKETS: [f64; 11] = [
 
 /// Bucket boundaries that a [`Histogram`] cannot use.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum InvalidBuckets {
     /// A boundary is NaN.
     NotANumber,
@@ -147,6 +148,7 @@ impl Histogram {
     }
 
     /// The finite upper bounds, without the last `+Inf`.
+    #[must_use]
     pub fn bounds(&self) -> &[f64] {
         &self.bounds
     }
@@ -299,6 +301,7 @@ impl Histogram {
     /// assert_eq!((s.count, s.sum, s.min, s.max), (2, 33.0, 3.0, 30.0));
     /// assert_eq!(s.mean(), Some(16.5));
     /// ```
+    #[must_use]
     pub fn snapshot(&self) -> HistogramSnapshot {
         let mut snapshot = HistogramSnapshot::empty(&self.bounds);
         for row in 0..=self.cpus as usize {
@@ -328,6 +331,7 @@ impl core::fmt::Debug for Histogram {
 /// One bucket of a [`HistogramSnapshot`]: how many observations fell at or below `le` and above
 /// the previous bucket's bound (not cumulative).
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct Bucket {
     /// The bucket's upper bound (`+Inf` for the last).
     pub le: f64,
@@ -337,6 +341,7 @@ pub struct Bucket {
 
 /// A histogram's contents at one time: buckets, count, sum, minimum and maximum.
 #[derive(Clone, Debug, PartialEq)]
+#[non_exhaustive]
 pub struct HistogramSnapshot {
     /// Number of observations (the sum of the bucket counts).
     pub count: u64,
@@ -366,6 +371,7 @@ impl HistogramSnapshot {
     }
 
     /// The mean, or `None` when nothing was observed.
+    #[must_use]
     pub fn mean(&self) -> Option<f64> {
         (self.count > 0).then(|| self.sum / self.count as f64)
     }
@@ -378,6 +384,7 @@ impl HistogramSnapshot {
     /// [0.5, 1.5, 1.5, 9.0].into_iter().for_each(|v| h.observe(v));
     /// assert_eq!(h.snapshot().cumulative(), [(1.0, 1), (2.0, 3), (f64::INFINITY, 4)]);
     /// ```
+    #[must_use]
     pub fn cumulative(&self) -> Vec<(f64, u64)> {
         let mut below = 0u64;
         self.buckets

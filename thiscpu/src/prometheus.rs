@@ -61,6 +61,7 @@ impl Counter {
     }
 
     /// The total, as [`crate::Counter::sum`] reads it.
+    #[must_use]
     pub fn get(&self) -> u64 {
         self.inner.sum()
     }
@@ -121,6 +122,7 @@ impl Histogram {
     }
 
     /// The buckets, count and sum now.
+    #[must_use]
     pub fn snapshot(&self) -> crate::histogram::HistogramSnapshot {
         self.inner.snapshot()
     }

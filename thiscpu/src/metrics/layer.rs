@@ -61,6 +61,7 @@ pub struct PerCpuLayer {
 
 impl PerCpuLayer {
     /// A layer that publishes every [`DEFAULT_INTERVAL`] from a background thread.
+    #[must_use]
     pub fn new() -> Self {
         PerCpuLayer {
             interval: Some(DEFAULT_INTERVAL),
@@ -68,6 +69,7 @@ impl PerCpuLayer {
     }
 
     /// Publishes every `every` instead (a zero interval is taken as one millisecond).
+    #[must_use]
     pub fn interval(self, every: Duration) -> Self {
         PerCpuLayer {
             interval: Some(every.max(Duration::from_millis(1))),
@@ -85,6 +87,7 @@ impl PerCpuLayer {
     /// drop(layered); // publishes a last time
     /// assert_eq!(inner.snapshot().counter("jobs"), Some(1));
     /// ```
+    #[must_use]
     pub fn on_demand_only(self) -> Self {
         PerCpuLayer { interval: None }
     }
@@ -229,6 +232,7 @@ pub struct PerCpuLayered<R: Recorder + Send + Sync + 'static> {
 
 impl<R: Recorder + Send + Sync + 'static> PerCpuLayered<R> {
     /// A handle that publishes the counters to the inner recorder on demand.
+    #[must_use]
     pub fn publisher(&self) -> Publisher<R> {
         Publisher {
             shared: self.shared.clone(),
@@ -236,6 +240,7 @@ impl<R: Recorder + Send + Sync + 'static> PerCpuLayered<R> {
     }
 
     /// The inner recorder.
+    #[must_use]
     pub fn inner(&self) -> &R {
         &self.shared.inner
     }

@@ -109,11 +109,27 @@ struct Stacks {
 }
 
 impl Stacks {
+    /// Stacks for `cpus` CPUs of `capacity` slots each. Panics, before allocating anything, if
+    /// the slots would not fit in the address space: the sections index them without bounds
+    /// checks, so a wrapped size would let them write past the allocation.
     fn new(cpus: usize, capacity: usize) -> Stacks {
         let chunks_per_cpu = capacity.div_ceil(CHUNK);
+        let chunks = cpus
+            .checked_mul(chunks_per_cpu)
+            .filter(|chunks| {
+                chunks
+                    .checked_mul(size_of::<Chunk>())
+                    .is_some_and(|bytes| bytes <= isize::MAX as usize)
+            })
+            .unwrap_or_else(|| {
+                panic!(
+                    "thiscpu::Pool: {capacity} objects per CPU for {cpus} CPUs do not fit in \
+                     the address space"
+                )
+            });
         Stacks {
             heads: (0..cpus).map(|_| CachePadded::default()).collect(),
-            chunks: (0..cpus * chunks_per_cpu)
+            chunks: (0..chunks)
                 .map(|_| CachePadded([const { AtomicUsize::new(0) }; CHUNK]))
                 .collect(),
             chunks_per_cpu,
@@ -271,6 +287,11 @@ impl std::error::Error for DrainAllError {
 /// Default objects cached per CPU.
 pub const DEFAULT_CAPACITY: usize = 64;
 
+/// The most objects a [`Pool`] caches per CPU: 2^20, 8 MiB of pointers per possible CPU.
+/// [`Pool::with_capacity`] refuses more, so that the caches' size (this times the number of
+/// possible CPUs) can never wrap around.
+pub const MAX_CAPACITY: usize = 1 << 20;
+
 /// An object pool with a bounded cache per CPU.
 ///
 /// - [`get`](Pool::get) returns a [`Pooled`] guard that puts the object back when dropped;
@@ -327,13 +348,21 @@ impl<T> Pool<T> {
     }
 
     /// A pool caching up to `per_cpu` objects per CPU (at least 1). A full cache moves half
-    /// of itself to the shared list; an empty one takes up to half from it.
+    /// of itself to the shared list; an empty one takes up to half from it. The caches are
+    /// allocated up front: one pointer per object per possible CPU.
     ///
     /// ```
     /// let pool = thiscpu::Pool::with_capacity(8, || 0u64);
     /// assert_eq!(pool.capacity(), 8);
     /// ```
+    ///
+    /// # Panics
+    /// When `per_cpu` exceeds [`MAX_CAPACITY`].
     pub fn with_capacity(per_cpu: usize, make: impl Fn() -> T + Send + Sync + 'static) -> Self {
+        assert!(
+            per_cpu <= MAX_CAPACITY,
+            "thiscpu::Pool: {per_cpu} objects per CPU requested, at most {MAX_CAPACITY} allowed"
+        );
         let capacity = per_cpu.max(1);
         let cpus = topology::possible_cpus().max(1);
         let caches = if registration::process().registrar == Registrar::None {
@@ -961,6 +990,13 @@ impl<T: core::fmt::Debug> core::fmt::Debug for Pooled<'_, T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[should_panic(expected = "do not fit in the address space")]
+    fn stacks_refuse_a_size_that_wraps() {
+        // 2^60 chunks per CPU times 16 CPUs is 2^64: 0 once wrapped.
+        let _ = Stacks::new(16, usize::MAX);
+    }
 
     /// A pool with locked caches for `caches` CPUs, whose touched mask also names CPUs beyond
     /// them, as a CPU whose drain fails.

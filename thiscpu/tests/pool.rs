@@ -193,3 +193,18 @@ fn drains_move_a_cpu_cache_to_the_shared_list() {
     .join()
     .unwrap();
 }
+
+#[test]
+fn capacity_beyond_the_cap_is_refused_with_a_clear_message() {
+    for per_cpu in [thiscpu::pool::MAX_CAPACITY + 1, usize::MAX / 2, usize::MAX] {
+        let refused = std::panic::catch_unwind(|| Pool::with_capacity(per_cpu, || 0u8))
+            .expect_err("a pool beyond the cap");
+        let message = refused
+            .downcast_ref::<String>()
+            .expect("a formatted panic message");
+        assert!(message.contains("at most"), "{message}");
+    }
+    let pool = Pool::with_capacity(1000, || 7u8);
+    assert_eq!(pool.capacity(), 1000);
+    assert_eq!(*pool.get(), 7);
+}

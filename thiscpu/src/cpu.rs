@@ -130,9 +130,15 @@ pub(crate) fn decide_fallback() -> CpuSource {
 fn fallback_cpu_node() -> CpuNode {
     match decide_fallback() {
         CpuSource::Rdpid => arch_native_cpu_node(),
-        CpuSource::Vdso => via::vdso().unwrap_or_else(via::syscall),
-        _ => via::syscall(),
+        CpuSource::Vdso => via::vdso().unwrap_or_else(syscall_or_first_cpu),
+        _ => syscall_or_first_cpu(),
     }
+}
+
+/// The system call's answer, or CPU 0 on node 0 where even that is refused (a seccomp
+/// filter): a valid index, so per-CPU data stays correct, only no longer spread.
+fn syscall_or_first_cpu() -> CpuNode {
+    via::syscall().unwrap_or(CpuNode { cpu: 0, node: 0 })
 }
 
 #[inline]
@@ -317,27 +323,29 @@ pub fn source() -> Source {
 pub mod via {
     use super::*;
 
-    /// The `getcpu` system call (about a hundred nanoseconds on a VM).
+    /// The `getcpu` system call (about a hundred nanoseconds on a VM), or `None` if it failed
+    /// (refused by a seccomp filter).
     ///
     /// ```
-    /// let here = thiscpu::via::syscall();
-    /// assert!((here.cpu as usize) < thiscpu::topology::possible_cpus());
+    /// if let Some(here) = thiscpu::via::syscall() {
+    ///     assert!((here.cpu as usize) < thiscpu::topology::possible_cpus());
+    /// }
     /// ```
     #[inline(never)]
-    pub fn syscall() -> CpuNode {
+    pub fn syscall() -> Option<CpuNode> {
         let mut cpu = 0u32;
         let mut node = 0u32;
         // SAFETY: getcpu writes two `unsigned int`s through valid pointers; the third
         // argument (the unused cache) may be null.
-        unsafe {
+        let ret = unsafe {
             libc::syscall(
                 libc::SYS_getcpu,
                 &mut cpu,
                 &mut node,
                 core::ptr::null_mut::<u8>(),
-            );
-        }
-        CpuNode { cpu, node }
+            )
+        };
+        (ret == 0).then_some(CpuNode { cpu, node })
     }
 
     type VdsoGetcpu = unsafe extern "C" fn(*mut u32, *mut u32, *mut libc::c_void) -> libc::c_long;
@@ -425,7 +433,9 @@ pub mod via {
     /// `IA32_TSC_AUX` to `(node << 12) | cpu`, but a hypervisor or emulator may not.
     fn agrees_with_syscall(read: fn() -> u32) -> bool {
         (0..3).any(|_| {
-            let kernel = syscall();
+            let Some(kernel) = syscall() else {
+                return false;
+            };
             let aux = read();
             aux & 0xfff == kernel.cpu && aux >> 12 == kernel.node
         })

@@ -22,7 +22,7 @@ fn every_source_agrees_with_the_kernel_when_pinned() {
         let expected = CpuNode { cpu, node };
         for round in 0..20 {
             let at = format!("pinned to CPU {cpu}, round {round}");
-            assert_eq!(via::syscall(), expected, "via::syscall(), {at}");
+            assert_eq!(via::syscall(), Some(expected), "via::syscall(), {at}");
             if let Some(answer) = via::vdso() {
                 assert_eq!(answer, expected, "via::vdso(), {at}");
                 seen.push("vdso");
@@ -63,7 +63,8 @@ fn the_fallback_is_the_first_source_the_machine_offers() {
 fn sources_answer_for_the_moving_thread_too() {
     for _ in 0..20 {
         let both = |(cpu, node)| CpuNode { cpu, node };
-        agrees_with_kernel(via::syscall, both).unwrap_or_else(|e| panic!("via::syscall(): {e}"));
+        agrees_with_kernel(|| via::syscall().unwrap(), both)
+            .unwrap_or_else(|e| panic!("via::syscall(): {e}"));
         if via::vdso().is_some() {
             agrees_with_kernel(|| via::vdso().unwrap(), both)
                 .unwrap_or_else(|e| panic!("via::vdso(): {e}"));
@@ -77,6 +78,44 @@ fn sources_answer_for_the_moving_thread_too() {
                 .unwrap_or_else(|e| panic!("via::rdtscp(): {e}"));
         }
     }
+}
+
+/// A refused `getcpu` system call is reported as such, and the library still answers with a
+/// valid CPU.
+#[test]
+fn getcpu_refused_by_seccomp_is_reported() {
+    if std::env::var_os(SECCOMP_CHILD).is_some() {
+        assert_eq!(
+            via::syscall(),
+            None,
+            "getcpu is refused, yet via::syscall() answered"
+        );
+        assert_eq!(kernel_getcpu_errno(), Some(libc::EPERM));
+        let cpu = thiscpu::current_cpu();
+        assert!((cpu as usize) < topology::possible_cpus(), "cpu {cpu}");
+        let here = thiscpu::getcpu();
+        assert!((here.cpu as usize) < topology::possible_cpus(), "{here:?}");
+        return;
+    }
+    rerun_under_seccomp(
+        "getcpu_refused_by_seccomp_is_reported",
+        refuse_syscall_program(libc::SYS_getcpu, libc::EPERM),
+    );
+}
+
+/// The errno of the raw `getcpu` system call, `None` if it succeeds.
+fn kernel_getcpu_errno() -> Option<i32> {
+    let (mut cpu, mut node) = (0u32, 0u32);
+    // SAFETY: getcpu writes two `unsigned int`s through valid pointers; the cache may be null.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_getcpu,
+            &mut cpu,
+            &mut node,
+            std::ptr::null_mut::<u8>(),
+        )
+    };
+    (ret != 0).then(|| std::io::Error::last_os_error().raw_os_error().unwrap_or(0))
 }
 
 /// The CPU instructions are only used where CPUID says the CPU has them.

@@ -26,7 +26,7 @@ fn check_pinned(cpu: u32, who: &str) {
         assert_eq!(thiscpu::current_cpu(), cpu, "current_cpu(), {at}");
         assert_eq!(thiscpu::getcpu(), expected, "getcpu(), {at}");
         assert_eq!(thiscpu::current_node(), node, "current_node(), {at}");
-        assert_eq!(via::syscall(), expected, "via::syscall(), {at}");
+        assert_eq!(via::syscall(), Some(expected), "via::syscall(), {at}");
         assert_eq!(kernel_getcpu(), (cpu, node), "getcpu syscall, {at}");
         if let Some(glibc) = via::sched_getcpu() {
             assert_eq!(glibc, cpu, "sched_getcpu(), {at}");

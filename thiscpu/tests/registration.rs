@@ -265,45 +265,6 @@ fn a_thread_someone_else_registered_is_answered_and_left_alone() {
     .expect("a thread registered by another library");
 }
 
-/// Set in the environment of the re-executed test binary that runs under the seccomp filter.
-const SECCOMP_CHILD: &str = "THISCPU_TEST_UNDER_SECCOMP";
-
-/// `AUDIT_ARCH_*` of this target (`EM_*` with the 64-bit and little-endian bits,
-/// linux/audit.h).
-#[cfg(target_arch = "x86_64")]
-const AUDIT_ARCH: u32 = 0xc000_003e;
-#[cfg(target_arch = "aarch64")]
-const AUDIT_ARCH: u32 = 0xc000_00b7;
-
-/// A seccomp program that makes `rseq` fail with `EPERM` and allows everything else.
-fn refuse_rseq_program() -> Vec<libc::sock_filter> {
-    let stmt = |code: u32, k: u32| libc::sock_filter {
-        code: code as u16,
-        jt: 0,
-        jf: 0,
-        k,
-    };
-    let jeq = |k: u32, jt: u8, jf: u8| libc::sock_filter {
-        code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16,
-        jt,
-        jf,
-        k,
-    };
-    // struct seccomp_data: `nr` at offset 0, `arch` at offset 4.
-    let load = |offset: u32| stmt(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, offset);
-    vec![
-        load(4),
-        jeq(AUDIT_ARCH, 0, 3),
-        load(0),
-        jeq(libc::SYS_rseq as u32, 0, 1),
-        stmt(
-            libc::BPF_RET | libc::BPF_K,
-            libc::SECCOMP_RET_ERRNO | libc::EPERM as u32,
-        ),
-        stmt(libc::BPF_RET | libc::BPF_K, libc::SECCOMP_RET_ALLOW),
-    ]
-}
-
 #[test]
 fn rseq_refused_by_seccomp_falls_back() {
     if std::env::var_os(SECCOMP_CHILD).is_some() {
@@ -327,52 +288,11 @@ fn rseq_refused_by_seccomp_falls_back() {
         return;
     }
 
-    let program = refuse_rseq_program();
-    let name = "rseq_refused_by_seccomp_falls_back";
-    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
-    command
-        .args(["--exact", name, "--nocapture", "--test-threads=1"])
-        .env(SECCOMP_CHILD, "1")
-        .env_remove("THISCPU_RSEQ")
-        .env_remove("THISCPU_EXPECT_REGISTRAR");
-    let install = move || {
-        let fprog = libc::sock_fprog {
-            len: program.len() as u16,
-            filter: program.as_ptr().cast_mut(),
-        };
-        // SAFETY: prctl with integer arguments; the filter program outlives the call, and
-        // the kernel copies it. Both are plain system calls, safe between fork and exec.
-        let ok = unsafe {
-            libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
-                && libc::prctl(
-                    libc::PR_SET_SECCOMP,
-                    libc::SECCOMP_MODE_FILTER,
-                    &raw const fprog,
-                ) == 0
-        };
-        if ok {
-            Ok(())
-        } else {
-            Err(std::io::Error::last_os_error())
-        }
-    };
-    // SAFETY: the hook only makes two prctl calls on memory it owns; it allocates nothing.
-    unsafe {
-        std::os::unix::process::CommandExt::pre_exec(&mut command, install);
-    }
-    let output = command.output().expect("re-run the test under seccomp");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        output.status.success(),
-        "under seccomp: {}\n{stdout}\n{stderr}",
-        output.status
+    let stderr = rerun_under_seccomp(
+        "rseq_refused_by_seccomp_falls_back",
+        refuse_syscall_program(libc::SYS_rseq, libc::EPERM),
     );
     eprintln!("{stderr}");
-    assert!(
-        stdout.contains("1 passed"),
-        "the test did not run under seccomp:\n{stdout}\n{stderr}"
-    );
 }
 
 /// Failures a forked child reports through its exit status, one bit each.
@@ -453,7 +373,7 @@ fn child(cpus: &[u32], masks: &[Mask], expect_mm_cid: bool) -> ! {
             failed |= CHILD_NODE;
         }
         if via::syscall()
-            != (CpuNode {
+            != Some(CpuNode {
                 cpu,
                 node: kernel_node,
             })

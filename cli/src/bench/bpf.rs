@@ -75,7 +75,7 @@ impl CpuId for Syscall {
     ];
     #[inline(always)]
     fn cpu() -> u32 {
-        thiscpu::via::syscall().cpu
+        thiscpu::via::syscall().map_or(0, |here| here.cpu)
     }
 }
 

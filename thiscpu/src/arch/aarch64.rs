@@ -408,11 +408,10 @@ pub(crate) fn rdtscp() -> u32 {
 /// The CPU's own instruction for "which CPU am I on": aarch64 has none, so the fallback chain
 /// never selects it; `cpu_node` answers with the system call in case it is ever called.
 pub(crate) mod native {
-    /// `(cpu, node)` from the `getcpu` system call.
+    /// `(cpu, node)` from the `getcpu` system call, `(0, 0)` if it is refused.
     #[inline]
     pub(crate) fn cpu_node() -> (u32, u32) {
-        let here = crate::cpu::via::syscall();
-        (here.cpu, here.node)
+        crate::cpu::via::syscall().map_or((0, 0), |here| (here.cpu, here.node))
     }
 }
 

@@ -384,3 +384,92 @@ pub fn agrees_with_kernel<T: PartialEq + Copy + std::fmt::Debug>(
     }
     Err(last)
 }
+
+/// Set in the environment of a test binary that `rerun_under_seccomp` re-executed.
+pub const SECCOMP_CHILD: &str = "THISCPU_TEST_UNDER_SECCOMP";
+
+/// `AUDIT_ARCH_*` of this target (`EM_*` with the 64-bit and little-endian bits,
+/// linux/audit.h).
+#[cfg(target_arch = "x86_64")]
+const AUDIT_ARCH: u32 = 0xc000_003e;
+#[cfg(target_arch = "aarch64")]
+const AUDIT_ARCH: u32 = 0xc000_00b7;
+
+/// A seccomp program that makes system call `nr` fail with `errno` and allows everything else.
+pub fn refuse_syscall_program(nr: libc::c_long, errno: i32) -> Vec<libc::sock_filter> {
+    let stmt = |code: u32, k: u32| libc::sock_filter {
+        code: code as u16,
+        jt: 0,
+        jf: 0,
+        k,
+    };
+    let jeq = |k: u32, jt: u8, jf: u8| libc::sock_filter {
+        code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16,
+        jt,
+        jf,
+        k,
+    };
+    // struct seccomp_data: `nr` at offset 0, `arch` at offset 4.
+    let load = |offset: u32| stmt(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, offset);
+    vec![
+        load(4),
+        jeq(AUDIT_ARCH, 0, 3),
+        load(0),
+        jeq(nr as u32, 0, 1),
+        stmt(
+            libc::BPF_RET | libc::BPF_K,
+            libc::SECCOMP_RET_ERRNO | errno as u32,
+        ),
+        stmt(libc::BPF_RET | libc::BPF_K, libc::SECCOMP_RET_ALLOW),
+    ]
+}
+
+/// Runs the test `name` of this test binary again, alone, under the seccomp `program` and with
+/// [`SECCOMP_CHILD`] set (the test checks for it and does its part under the filter); fails
+/// unless it ran and passed. Returns its standard error.
+pub fn rerun_under_seccomp(name: &str, program: Vec<libc::sock_filter>) -> String {
+    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+    command
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(SECCOMP_CHILD, "1")
+        .env_remove("THISCPU_RSEQ")
+        .env_remove("THISCPU_EXPECT_REGISTRAR");
+    let install = move || {
+        let fprog = libc::sock_fprog {
+            len: program.len() as u16,
+            filter: program.as_ptr().cast_mut(),
+        };
+        // SAFETY: prctl with integer arguments; the filter program outlives the call, and
+        // the kernel copies it. Both are plain system calls, safe between fork and exec.
+        let ok = unsafe {
+            libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) == 0
+                && libc::prctl(
+                    libc::PR_SET_SECCOMP,
+                    libc::SECCOMP_MODE_FILTER,
+                    &raw const fprog,
+                ) == 0
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    };
+    // SAFETY: the hook only makes two prctl calls on memory it owns; it allocates nothing.
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut command, install);
+    }
+    let output = command.output().expect("re-run the test under seccomp");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success(),
+        "under seccomp: {}\n{stdout}\n{stderr}",
+        output.status
+    );
+    assert!(
+        stdout.contains("1 passed"),
+        "the test did not run under seccomp:\n{stdout}\n{stderr}"
+    );
+    stderr.into_owned()
+}

@@ -16,8 +16,9 @@
 #   test-own     the same with GLIBC_TUNABLES=glibc.pthread.rseq=0: thiscpu registers its own
 #   test-off     the library's tests with THISCPU_RSEQ=off: the fallback without rseq
 #   test-static  the core tests linked with -C target-feature=+crt-static
-#   inject       the counter, pool, fence and sharded tests built with --cfg thiscpu_inject (delays
-#                inside sections), as .ci/run does on x86_64
+#   inject       the counter, pool, fence, sharded and registration tests built with
+#                --cfg thiscpu_inject (delays inside sections, registrations the kernel accepts
+#                without a CPU), as .ci/run does on x86_64
 #   cli          `thiscpu --help`, `info`, `stress` and `bench --quick`
 #   fast-path    .ci/check_fast_path.py on the aarch64 probe, through aarch64-linux-gnu-objdump
 #   sid-test-glibc, sid-test-own, sid-cli
@@ -132,7 +133,8 @@ step test-static test_static
 # Same layout as .ci/run: an instrumented build in a directory of its own.
 inject() (
     export RUSTFLAGS="--cfg thiscpu_inject" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/inject"
-    run cargo test -p thiscpu --target "$triple" --test counter --test pool --test fence --test sharded
+    run cargo test -p thiscpu --target "$triple" --test counter --test pool --test fence --test sharded \
+        --test registration
 )
 step inject inject
 

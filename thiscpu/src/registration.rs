@@ -54,6 +54,8 @@ pub enum Unavailable {
     /// Threads already have an rseq area that thiscpu cannot find: registered by another
     /// library, or by a libc that does not publish `__rseq_offset`.
     RegisteredElsewhere,
+    /// The kernel accepted a registration but did not fill in the CPU; thiscpu withdrew it.
+    NoCpuId,
 }
 
 impl core::fmt::Display for Unavailable {
@@ -70,6 +72,9 @@ impl core::fmt::Display for Unavailable {
                 "threads already have an rseq area thiscpu cannot find \
                  (static glibc or another library)",
             ),
+            Unavailable::NoCpuId => {
+                f.write_str("the kernel accepted the rseq registration but reported no CPU")
+            }
         }
     }
 }
@@ -237,8 +242,11 @@ fn register_deciding_thread() -> Result<(), Unavailable> {
     let _ = REGISTRATION_TRIED.try_with(|tried| tried.set(true));
     match register_own_area() {
         Ok(()) => Ok(()),
-        Err(libc::EINVAL | libc::EBUSY) => Err(Unavailable::RegisteredElsewhere),
-        Err(errno) => Err(Unavailable::Refused(errno)),
+        Err(NotRegistered::Refused(libc::EINVAL | libc::EBUSY)) => {
+            Err(Unavailable::RegisteredElsewhere)
+        }
+        Err(NotRegistered::Refused(errno)) => Err(Unavailable::Refused(errno)),
+        Err(NotRegistered::NoCpuId) => Err(Unavailable::NoCpuId),
     }
 }
 
@@ -306,8 +314,22 @@ pub(crate) fn ensure_registered() -> bool {
     !tried && register_own_area().is_ok()
 }
 
-/// Registers thiscpu's own area for the calling thread; the errno if the kernel refuses.
-fn register_own_area() -> Result<(), i32> {
+/// Why the calling thread's own area is not registered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum NotRegistered {
+    /// The kernel refused the registration with this errno.
+    Refused(i32),
+    /// The kernel accepted it but left `cpu_id` negative; the registration was withdrawn.
+    NoCpuId,
+}
+
+/// Registers thiscpu's own area for the calling thread.
+///
+/// A registration the kernel accepts but whose `cpu_id` stays negative is withdrawn: kept, the
+/// kernel would start filling the area later, and this thread would then run restartable
+/// sequences (plain stores) on data that the rest of the process, told that nobody owns rseq,
+/// updates with atomics.
+fn register_own_area() -> Result<(), NotRegistered> {
     let own = arch::area_at(arch::own_area_offset());
     // SAFETY: `own` is this thread's static-TLS area, which no other thread writes. Callers only
     // come here when it is not registered (a registered area has a non-negative `cpu_id`, and
@@ -323,18 +345,59 @@ fn register_own_area() -> Result<(), i32> {
             node_id: 0,
             mm_cid: 0,
         });
+        own_area_syscall(own, 0)
+    };
+    if ret != 0 {
+        return Err(NotRegistered::Refused(
+            std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
+        ));
+    }
+    // SAFETY: as above.
+    let cpu_id = unsafe { core::ptr::addr_of!((*own).cpu_id).read_volatile() };
+    if cpu_id >= 0 && !inject::no_cpu_id() {
+        return Ok(());
+    }
+    // SAFETY: the area was registered just above, with the same address, length and signature.
+    if unsafe { own_area_syscall(own, abi::FLAG_UNREGISTER) } != 0 {
+        // Still registered: the kernel will fill it in, so it counts as registered.
+        return Ok(());
+    }
+    // SAFETY: as above; no longer registered, so only this thread writes it.
+    unsafe { core::ptr::addr_of_mut!((*own).cpu_id).write_volatile(abi::CPU_ID_UNINITIALIZED) };
+    Err(NotRegistered::NoCpuId)
+}
+
+/// The `rseq` system call on thiscpu's own area with `flags`.
+///
+/// # Safety
+/// `own` is the calling thread's own area; for a registration (`flags == 0`) it is prepared as
+/// the kernel requires, for `FLAG_UNREGISTER` it is registered.
+unsafe fn own_area_syscall(own: *mut Rseq, flags: i32) -> libc::c_long {
+    // SAFETY: the caller's contract.
+    unsafe {
         libc::syscall(
             libc::SYS_rseq,
             own,
             abi::ORIGINAL_AREA_SIZE,
-            0,
+            flags,
             arch::RSEQ_SIG,
         )
-    };
-    if ret != 0 {
-        return Err(std::io::Error::last_os_error().raw_os_error().unwrap_or(0));
     }
-    // SAFETY: as above.
-    let cpu_id = unsafe { core::ptr::addr_of!((*own).cpu_id).read_volatile() };
-    if cpu_id >= 0 { Ok(()) } else { Err(0) }
+}
+
+/// Fault injection for tests, built only with `--cfg thiscpu_inject`.
+mod inject {
+    /// Whether to act as if the kernel left `cpu_id` negative after accepting a registration:
+    /// `THISCPU_INJECT_NO_CPU_ID` is set in the environment.
+    #[cfg(thiscpu_inject)]
+    pub(super) fn no_cpu_id() -> bool {
+        // SAFETY: `getenv` with a NUL-terminated name; only the result's nullness is used.
+        !unsafe { libc::getenv(c"THISCPU_INJECT_NO_CPU_ID".as_ptr()) }.is_null()
+    }
+
+    #[cfg(not(thiscpu_inject))]
+    #[inline(always)]
+    pub(super) fn no_cpu_id() -> bool {
+        false
+    }
 }

@@ -426,3 +426,110 @@ fn forked_child_answers_for_itself() {
     // And the parent is unaffected.
     check_thread("parent after fork");
 }
+
+/// Set in the environment of the re-executed test binary whose registrations the kernel
+/// "accepts without a CPU" (fault injection).
+#[cfg(thiscpu_inject)]
+const NO_CPU_ID_CHILD: &str = "THISCPU_INJECT_NO_CPU_ID";
+
+/// A registration the kernel accepts but that leaves `cpu_id` negative is withdrawn: the
+/// process then has no rseq owner, and no thread may keep a registered area (it would run
+/// sections with plain stores beside other threads' atomic adds).
+#[cfg(thiscpu_inject)]
+#[test]
+fn a_registration_without_a_cpu_is_withdrawn() {
+    if !kernel_has_rseq() {
+        eprintln!("skipped: the kernel has no rseq");
+        return;
+    }
+    if std::env::var_os(NO_CPU_ID_CHILD).is_some() {
+        let source = thiscpu::source();
+        eprintln!("without a CPU: {source:?}");
+        assert_eq!(source.registrar, Registrar::None, "{source:?}");
+        assert_eq!(source.unavailable, Some(Unavailable::NoCpuId), "{source:?}");
+        // The decision ran on the main thread, before `main`; tests run on threads of their own.
+        assert_eq!(
+            main_thread_rseq_state(),
+            KernelRseq::NotRegistered,
+            "the thread that made the decision kept a registered area"
+        );
+        let check = |who: &str| {
+            let counter = thiscpu::Counter::new();
+            for _ in 0..1000 {
+                counter.inc();
+            }
+            assert_eq!(counter.sum(), 1000, "{who}");
+            assert!(thiscpu::ops::position().is_none(), "{who} has a position");
+            assert_eq!(
+                kernel_rseq_state(),
+                KernelRseq::NotRegistered,
+                "{who} kept a registered area"
+            );
+        };
+        check("the test's thread");
+        std::thread::spawn(move || check("a new thread"))
+            .join()
+            .expect("a new thread");
+        return;
+    }
+    let name = "a_registration_without_a_cpu_is_withdrawn";
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(NO_CPU_ID_CHILD, "1")
+        .env("GLIBC_TUNABLES", "glibc.pthread.rseq=0")
+        .env_remove("THISCPU_RSEQ")
+        .env_remove("THISCPU_EXPECT_REGISTRAR")
+        .output()
+        .expect("re-run the test");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        output.status.success() && stdout.contains("1 passed"),
+        "without a CPU: {}\n{stdout}\n{stderr}",
+        output.status
+    );
+    eprintln!("{stderr}");
+}
+
+/// `kernel_rseq_state()` of the process's main thread, asked from a signal handler run there.
+#[cfg(thiscpu_inject)]
+fn main_thread_rseq_state() -> KernelRseq {
+    use std::sync::atomic::{AtomicI32, Ordering};
+    const UNANSWERED: i32 = i32::MIN;
+    static STATE: AtomicI32 = AtomicI32::new(UNANSWERED);
+    extern "C" fn on_signal(_: libc::c_int) {
+        let code = match kernel_rseq_state() {
+            KernelRseq::NotRegistered => 0,
+            KernelRseq::Registered => 1,
+            KernelRseq::NoSyscall => 2,
+            KernelRseq::Refused(errno) => -errno.max(1),
+        };
+        STATE.store(code, Ordering::Release);
+    }
+    // SAFETY: installs a handler that makes two system calls and an atomic store, then sends
+    // the signal to the main thread (whose id is the process id).
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+        action.sa_flags = libc::SA_RESTART;
+        assert_eq!(
+            libc::sigaction(libc::SIGUSR2, &action, std::ptr::null_mut()),
+            0
+        );
+        let pid = libc::getpid();
+        assert_eq!(libc::syscall(libc::SYS_tgkill, pid, pid, libc::SIGUSR2), 0);
+    }
+    let start = std::time::Instant::now();
+    loop {
+        match STATE.load(Ordering::Acquire) {
+            UNANSWERED if start.elapsed() < std::time::Duration::from_secs(10) => {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            UNANSWERED => panic!("the main thread did not handle the signal"),
+            0 => return KernelRseq::NotRegistered,
+            1 => return KernelRseq::Registered,
+            2 => return KernelRseq::NoSyscall,
+            code => return KernelRseq::Refused(-code),
+        }
+    }
+}

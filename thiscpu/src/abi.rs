@@ -18,6 +18,11 @@ pub const AT_RSEQ_ALIGN: libc::c_ulong = 28;
 pub const ORIGINAL_AREA_SIZE: u32 = 32;
 /// Bytes of the area the original ABI fills (up to and including `flags`).
 pub const ORIGINAL_FEATURE_SIZE: u32 = 20;
+/// Bytes reserved for thiscpu's own area in static TLS, and their alignment: room for an
+/// optimized-mode registration on kernels whose feature size rounds up to at most this (Linux
+/// 7.2: feature size 33, alignment 64). A kernel that asks for more gets a 32-byte (legacy)
+/// registration instead.
+pub const OWN_AREA_CAPACITY: u32 = 64;
 
 /// `struct rseq`: the per-thread area the kernel keeps up to date.
 ///
@@ -85,6 +90,8 @@ const _: () = {
     assert!(offset_of!(RseqCs, start_ip) == 8);
     assert!(offset_of!(RseqCs, post_commit_offset) == 16);
     assert!(offset_of!(RseqCs, abort_ip) == 24);
+    assert!(OWN_AREA_CAPACITY >= ORIGINAL_AREA_SIZE);
+    assert!(OWN_AREA_CAPACITY.is_power_of_two());
     assert!(size_of::<RseqCs>() == 32);
     assert!(align_of::<RseqCs>() == 32);
 };
@@ -95,13 +102,37 @@ const _: () = {
 /// glibc reports 20 or 32 (depending on version) even where the kernel fills `node_id` and
 /// `mm_cid` inside the 32 registered bytes; in that case the kernel's feature size, capped at
 /// 32, is what is really kept up to date (librseq decides the same way).
+///
+/// A larger registration (glibc 2.41+ reports the feature size itself; thiscpu's own
+/// optimized-mode area is the feature size rounded up to the alignment) is kept current up to
+/// the kernel's feature size: the bytes past it are padding.
 pub fn usable_size(registered_size: u32, kernel_feature_size: u32) -> u32 {
     if registered_size == ORIGINAL_FEATURE_SIZE || registered_size == ORIGINAL_AREA_SIZE {
         // Written as a clamp on purpose: the equivalent `if k > 20 { k.min(32) } else { 20 }`
         // is miscompiled by rustc 1.95/1.96 (LLVM 22) at -O, returning 0 for k = 0.
         kernel_feature_size.clamp(ORIGINAL_FEATURE_SIZE, ORIGINAL_AREA_SIZE)
     } else {
-        registered_size
+        registered_size.min(kernel_feature_size.max(ORIGINAL_FEATURE_SIZE))
+    }
+}
+
+/// The length thiscpu's own area is registered with, given the kernel's
+/// `AT_RSEQ_FEATURE_SIZE` and `AT_RSEQ_ALIGN`: the feature size rounded up to the alignment
+/// when the feature size exceeds 32 (the kernel then runs the area in its optimized mode, and
+/// requires a length of at least the feature size and an area aligned to `AT_RSEQ_ALIGN`),
+/// otherwise 32, the only length kernels before 6.3 accept. Also 32 when the kernel asks for
+/// more room or alignment than [`OWN_AREA_CAPACITY`], or publishes an alignment that is not a
+/// power of two, or when `legacy` is asked for.
+pub fn own_registration_size(kernel_feature_size: u32, kernel_align: u32, legacy: bool) -> u32 {
+    if legacy || kernel_feature_size <= ORIGINAL_AREA_SIZE {
+        return ORIGINAL_AREA_SIZE;
+    }
+    if !kernel_align.is_power_of_two() || kernel_align > OWN_AREA_CAPACITY {
+        return ORIGINAL_AREA_SIZE;
+    }
+    match kernel_feature_size.checked_next_multiple_of(kernel_align) {
+        Some(size) if size <= OWN_AREA_CAPACITY => size,
+        _ => ORIGINAL_AREA_SIZE,
     }
 }
 
@@ -125,5 +156,32 @@ mod tests {
         assert!(field_usable(28, offset::MM_CID));
         assert!(!field_usable(20, offset::NODE_ID));
         assert!(field_usable(24, offset::NODE_ID));
+        // An optimized-mode area: kept current up to the feature size, not its padding.
+        assert_eq!(usable_size(64, 33), 33);
+        assert_eq!(usable_size(33, 33), 33);
+    }
+
+    #[test]
+    fn own_registration_is_the_feature_size_rounded_up_to_the_alignment() {
+        // Linux 7.2.
+        assert_eq!(own_registration_size(33, 64, false), 64);
+        assert_eq!(own_registration_size(33, 64, true), 32);
+        // Linux 6.3 to 7.1: feature size 28 fits the original 32 bytes.
+        assert_eq!(own_registration_size(28, 32, false), 32);
+        // Before 6.3 (and qemu-user): no auxv entries.
+        assert_eq!(own_registration_size(0, 0, false), 32);
+        // A feature size of exactly 32 is still the original length.
+        assert_eq!(own_registration_size(32, 32, false), 32);
+        // Rounded up to the alignment, whatever it is.
+        assert_eq!(own_registration_size(40, 32, false), 64);
+        assert_eq!(own_registration_size(48, 16, false), 48);
+        // More than the reserved room, or an alignment it cannot meet: legacy, never overflow.
+        assert_eq!(own_registration_size(65, 128, false), 32);
+        assert_eq!(own_registration_size(65, 64, false), 32);
+        assert_eq!(own_registration_size(33, 128, false), 32);
+        assert_eq!(own_registration_size(u32::MAX, 64, false), 32);
+        // A nonsensical alignment.
+        assert_eq!(own_registration_size(33, 0, false), 32);
+        assert_eq!(own_registration_size(33, 48, false), 32);
     }
 }

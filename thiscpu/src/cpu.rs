@@ -8,7 +8,7 @@
 
 use crate::abi::offset;
 use crate::arch;
-use crate::registration::{self, Registrar, Unavailable};
+use crate::registration::{self, Registrar, RseqMode, Unavailable};
 use crate::topology;
 use core::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
@@ -66,6 +66,22 @@ pub struct Source {
     pub fallback: CpuSource,
     /// The kernel's `AT_RSEQ_FEATURE_SIZE` (0 before Linux 6.3).
     pub kernel_feature_size: u32,
+    /// The kernel's `AT_RSEQ_ALIGN` (0 before Linux 6.3).
+    pub kernel_align: u32,
+    /// The length the areas thiscpu reads are registered with: thiscpu's own registration's
+    /// (32, or the feature size rounded up to the alignment where that exceeds 32), or
+    /// glibc's (32, or its `__rseq_size` where that exceeds 32). 0 without rseq.
+    pub registered_size: u32,
+    /// The kernel's mode for those registrations, `None` without rseq.
+    pub mode: Option<RseqMode>,
+    /// The length of an optimized-mode registration of thiscpu's own area on this kernel, when
+    /// the kernel offers that mode (feature size above 32) and the area has room for it;
+    /// thiscpu registers it whenever it registers its own areas (see `THISCPU_RSEQ_AREA` in
+    /// the crate documentation).
+    pub optimized_size: Option<u32>,
+    /// The offset from the thread pointer of the calling thread's area that thiscpu reads,
+    /// the same in every thread. `None` without rseq.
+    pub area_offset: Option<isize>,
     /// Bytes of the area that the kernel keeps current for this registration.
     pub usable_size: u32,
     /// glibc's `__rseq_size`, where glibc exports it.
@@ -310,6 +326,11 @@ pub fn source() -> Source {
         this_thread,
         fallback,
         kernel_feature_size: process.kernel_feature_size,
+        kernel_align: process.kernel_align,
+        registered_size: process.registered_size,
+        mode: process.mode(),
+        optimized_size: process.optimized_size(),
+        area_offset: (process.registrar != Registrar::None).then(arch::active_offset),
         usable_size: process.usable_size,
         glibc_rseq_size: process.glibc_rseq_size,
         glibc_rseq_offset: process.glibc_rseq_offset,

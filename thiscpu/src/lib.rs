@@ -137,5 +137,5 @@ pub use histogram::Histogram;
 pub use mask::CpuMask;
 pub use percpu::{CachePadded, PerCpu};
 pub use pool::{Pool, Pooled};
-pub use registration::{Registrar, Unavailable};
+pub use registration::{Registrar, RseqMode, Unavailable};
 pub use sharded::{ShardGuard, Sharded};

@@ -1,6 +1,7 @@
 //! Who owns rseq in this process, decided once: glibc (when it registered every thread),
 //! thiscpu (its own per-thread area, registered lazily on first use in each thread), or nobody
-//! (rseq missing, refused, or turned off with `THISCPU_RSEQ=off`).
+//! (rseq missing, refused, or turned off with `THISCPU_RSEQ=off`); and which of the kernel's
+//! two modes the registration gets.
 //!
 //! # Safety
 //! This module calls `dlsym`, `getauxval`, `getenv` and the `rseq` syscall, and writes the
@@ -31,6 +32,55 @@ impl Registrar {
             Registrar::Glibc => "glibc",
             Registrar::Thiscpu => "thiscpu",
             Registrar::None => "none",
+        }
+    }
+}
+
+/// How the kernel treats a registration, chosen by its length (Linux 7.1 and later, and the
+/// stable kernels that took the change).
+///
+/// A registration of the original 32 bytes runs in *legacy* mode: after every context switch
+/// and before every signal the kernel rewrites the CPU, node and concurrency id fields and
+/// evaluates `rseq_cs`, even when nothing changed. A registration longer than 32 bytes and at
+/// least `AT_RSEQ_FEATURE_SIZE` runs in *optimized* mode ("rseq ABI v2"): the id fields are
+/// written only when they change, `rseq_cs` only when user space was interrupted, and a
+/// write by user space to an id field kills the process. Kernels older than the split, and
+/// architectures whose entry code is not the kernel's generic one, treat every length the
+/// legacy way; the kernel offers no way to ask, so the mode is the one the registration asks
+/// for.
+///
+/// ```
+/// if let Some(mode) = thiscpu::source().mode {
+///     println!("rseq in {} mode", mode.name());
+/// }
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum RseqMode {
+    /// The original behaviour: a 32-byte registration.
+    Legacy,
+    /// Updates only on change, read-only id fields enforced: a registration of more than 32
+    /// bytes and at least the kernel's feature size.
+    Optimized,
+}
+
+impl RseqMode {
+    /// The mode a registration of `registered_size` bytes gets from a kernel whose
+    /// `AT_RSEQ_FEATURE_SIZE` is `kernel_feature_size`.
+    #[must_use]
+    pub fn of_registration(registered_size: u32, kernel_feature_size: u32) -> RseqMode {
+        if registered_size > abi::ORIGINAL_AREA_SIZE && registered_size >= kernel_feature_size {
+            RseqMode::Optimized
+        } else {
+            RseqMode::Legacy
+        }
+    }
+
+    /// The name used in reports and JSON: `"legacy"` or `"optimized"`.
+    #[must_use]
+    pub fn name(self) -> &'static str {
+        match self {
+            RseqMode::Legacy => "legacy",
+            RseqMode::Optimized => "optimized",
         }
     }
 }
@@ -88,6 +138,10 @@ pub(crate) struct Process {
     pub unavailable: Option<Unavailable>,
     /// `AT_RSEQ_FEATURE_SIZE`, 0 on kernels before 6.3.
     pub kernel_feature_size: u32,
+    /// `AT_RSEQ_ALIGN`, 0 on kernels before 6.3.
+    pub kernel_align: u32,
+    /// The length the registrar's areas are registered with (0 without rseq).
+    pub registered_size: u32,
     /// Bytes of the area the kernel keeps current for the registrar.
     pub usable_size: u32,
     /// glibc's `__rseq_size`, if the symbol exists.
@@ -97,6 +151,19 @@ pub(crate) struct Process {
 }
 
 impl Process {
+    /// The mode of the registrar's areas, `None` without rseq.
+    pub fn mode(&self) -> Option<RseqMode> {
+        (self.registrar != Registrar::None)
+            .then(|| RseqMode::of_registration(self.registered_size, self.kernel_feature_size))
+    }
+
+    /// The length of an optimized-mode registration of thiscpu's own area on this kernel, if
+    /// the kernel offers that mode and the area has room for it.
+    pub fn optimized_size(&self) -> Option<u32> {
+        let size = abi::own_registration_size(self.kernel_feature_size, self.kernel_align, false);
+        (size > abi::ORIGINAL_AREA_SIZE).then_some(size)
+    }
+
     pub fn node_id_usable(&self) -> bool {
         self.registrar != Registrar::None
             && abi::field_usable(self.usable_size, abi::offset::NODE_ID)
@@ -135,16 +202,28 @@ extern "C" fn decide_at_startup() {
     crate::cpu::decide_fallback();
 }
 
-fn rseq_turned_off() -> bool {
+/// Whether the environment variable `name` holds one of `values`.
+fn env_is(name: &CStr, values: &[&[u8]]) -> bool {
     // SAFETY: `getenv` with a NUL-terminated name; the result is read before any other call
     // that could change the environment in this function.
-    let value = unsafe { libc::getenv(c"THISCPU_RSEQ".as_ptr()) };
+    let value = unsafe { libc::getenv(name.as_ptr()) };
     if value.is_null() {
         return false;
     }
     // SAFETY: a non-null `getenv` result is a NUL-terminated string.
     let value = unsafe { CStr::from_ptr(value) }.to_bytes();
-    matches!(value, b"off" | b"0" | b"false" | b"no")
+    values.contains(&value)
+}
+
+fn rseq_turned_off() -> bool {
+    env_is(c"THISCPU_RSEQ", &[b"off", b"0", b"false", b"no"])
+}
+
+/// `THISCPU_RSEQ_AREA=legacy`: register thiscpu's own area with the original 32 bytes even
+/// where the kernel offers the optimized mode (for comparisons; glibc's registration is not
+/// affected).
+fn legacy_area_asked() -> bool {
+    env_is(c"THISCPU_RSEQ_AREA", &[b"legacy"])
 }
 
 /// Looks up a data symbol of glibc at run time, so that the binary also links and runs on
@@ -238,9 +317,9 @@ fn decide() -> Process {
 /// Registers the thread that makes the decision, so that a registration made elsewhere (by
 /// another library, or a libc that publishes no `__rseq_offset`) is found now rather than
 /// failing in every thread later.
-fn register_deciding_thread() -> Result<(), Unavailable> {
+fn register_deciding_thread(size: u32) -> Result<(), Unavailable> {
     let _ = REGISTRATION_TRIED.try_with(|tried| tried.set(true));
-    match register_own_area() {
+    match register_own_area(size) {
         Ok(()) => Ok(()),
         Err(NotRegistered::Refused(libc::EINVAL | libc::EBUSY)) => {
             Err(Unavailable::RegisteredElsewhere)
@@ -253,12 +332,16 @@ fn register_deciding_thread() -> Result<(), Unavailable> {
 fn decide_registrar() -> Process {
     // SAFETY: `getauxval` has no precondition; it returns 0 for absent entries.
     let kernel_feature_size = unsafe { libc::getauxval(abi::AT_RSEQ_FEATURE_SIZE) } as u32;
+    // SAFETY: as above.
+    let kernel_align = unsafe { libc::getauxval(abi::AT_RSEQ_ALIGN) } as u32;
     let glibc_rseq_size = glibc_symbol::<u32>(c"__rseq_size");
     let glibc_rseq_offset = glibc_symbol::<isize>(c"__rseq_offset");
     let mut process = Process {
         registrar: Registrar::None,
         unavailable: None,
         kernel_feature_size,
+        kernel_align,
+        registered_size: 0,
         usable_size: 0,
         glibc_rseq_size,
         glibc_rseq_offset,
@@ -271,14 +354,20 @@ fn decide_registrar() -> Process {
         && size > 0
     {
         process.registrar = Registrar::Glibc;
+        // glibc registers 32 bytes when it reports 20, 28 or 32, and its reported size (the
+        // kernel's feature size) when that is larger (2.41+).
+        process.registered_size = size.max(abi::ORIGINAL_AREA_SIZE);
         process.usable_size = abi::usable_size(size, kernel_feature_size);
         arch::set_active_offset(offset);
         return process;
     }
-    match probe_syscall().and_then(|()| register_deciding_thread()) {
+    let own_size =
+        abi::own_registration_size(kernel_feature_size, kernel_align, legacy_area_asked());
+    match probe_syscall().and_then(|()| register_deciding_thread(own_size)) {
         Ok(()) => {
             process.registrar = Registrar::Thiscpu;
-            process.usable_size = abi::usable_size(abi::ORIGINAL_AREA_SIZE, kernel_feature_size);
+            process.registered_size = own_size;
+            process.usable_size = abi::usable_size(own_size, kernel_feature_size);
         }
         Err(why) => process.unavailable = Some(why),
     }
@@ -311,7 +400,7 @@ pub(crate) fn ensure_registered() -> bool {
     let tried = REGISTRATION_TRIED
         .try_with(|tried| tried.replace(true))
         .unwrap_or(true);
-    !tried && register_own_area().is_ok()
+    !tried && register_own_area(process.registered_size).is_ok()
 }
 
 /// Why the calling thread's own area is not registered.
@@ -323,19 +412,25 @@ enum NotRegistered {
     NoCpuId,
 }
 
-/// Registers thiscpu's own area for the calling thread.
+/// Registers thiscpu's own area for the calling thread with `size` bytes (32, or an
+/// optimized-mode length from `abi::own_registration_size`).
 ///
 /// A registration the kernel accepts but whose `cpu_id` stays negative is withdrawn: kept, the
 /// kernel would start filling the area later, and this thread would then run restartable
 /// sequences (plain stores) on data that the rest of the process, told that nobody owns rseq,
 /// updates with atomics.
-fn register_own_area() -> Result<(), NotRegistered> {
+fn register_own_area(size: u32) -> Result<(), NotRegistered> {
+    debug_assert!((abi::ORIGINAL_AREA_SIZE..=abi::OWN_AREA_CAPACITY).contains(&size));
+    let size = size.clamp(abi::ORIGINAL_AREA_SIZE, abi::OWN_AREA_CAPACITY);
     let own = arch::area_at(arch::own_area_offset());
-    // SAFETY: `own` is this thread's static-TLS area, which no other thread writes. Callers only
-    // come here when it is not registered (a registered area has a non-negative `cpu_id`, and
-    // nothing else unregisters it). The kernel requires `cpu_id = -1` and `rseq_cs = 0` before
-    // registration. The area lives in static TLS, freed only after the kernel has seen the
-    // thread exit, so it may stay registered until then.
+    // SAFETY: `own` is this thread's static-TLS area of `OWN_AREA_CAPACITY` bytes, aligned to
+    // as much (see `arch`), which no other thread writes; `size` is clamped to it. Callers
+    // only come here when it is not registered (a registered area has a non-negative
+    // `cpu_id`, and nothing else unregisters it), so none of its fields belongs to the kernel
+    // yet. The kernel requires `cpu_id = -1`, `rseq_cs = 0` and the rest 0 (the bytes past the
+    // original 32 included: time-slice requests live there) before registration. The area
+    // lives in static TLS, freed only after the kernel has seen the thread exit, so it may
+    // stay registered until then.
     let ret = unsafe {
         own.write_volatile(Rseq {
             cpu_id_start: 0,
@@ -345,7 +440,13 @@ fn register_own_area() -> Result<(), NotRegistered> {
             node_id: 0,
             mm_cid: 0,
         });
-        own_area_syscall(own, 0)
+        own.cast::<u8>()
+            .add(abi::ORIGINAL_AREA_SIZE as usize)
+            .write_bytes(
+                0,
+                (abi::OWN_AREA_CAPACITY - abi::ORIGINAL_AREA_SIZE) as usize,
+            );
+        own_area_syscall(own, size, 0)
     };
     if ret != 0 {
         return Err(NotRegistered::Refused(
@@ -358,7 +459,7 @@ fn register_own_area() -> Result<(), NotRegistered> {
         return Ok(());
     }
     // SAFETY: the area was registered just above, with the same address, length and signature.
-    if unsafe { own_area_syscall(own, abi::FLAG_UNREGISTER) } != 0 {
+    if unsafe { own_area_syscall(own, size, abi::FLAG_UNREGISTER) } != 0 {
         // Still registered: the kernel will fill it in, so it counts as registered.
         return Ok(());
     }
@@ -367,22 +468,15 @@ fn register_own_area() -> Result<(), NotRegistered> {
     Err(NotRegistered::NoCpuId)
 }
 
-/// The `rseq` system call on thiscpu's own area with `flags`.
+/// The `rseq` system call on thiscpu's own area with `size` bytes and `flags`.
 ///
 /// # Safety
-/// `own` is the calling thread's own area; for a registration (`flags == 0`) it is prepared as
-/// the kernel requires, for `FLAG_UNREGISTER` it is registered.
-unsafe fn own_area_syscall(own: *mut Rseq, flags: i32) -> libc::c_long {
+/// `own` is the calling thread's own area and `size` at most its capacity; for a registration
+/// (`flags == 0`) it is prepared as the kernel requires, for `FLAG_UNREGISTER` it is registered
+/// with `size` bytes.
+unsafe fn own_area_syscall(own: *mut Rseq, size: u32, flags: i32) -> libc::c_long {
     // SAFETY: the caller's contract.
-    unsafe {
-        libc::syscall(
-            libc::SYS_rseq,
-            own,
-            abi::ORIGINAL_AREA_SIZE,
-            flags,
-            arch::RSEQ_SIG,
-        )
-    }
+    unsafe { libc::syscall(libc::SYS_rseq, own, size, flags, arch::RSEQ_SIG) }
 }
 
 /// Fault injection for tests, built only with `--cfg thiscpu_inject`.

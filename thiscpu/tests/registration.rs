@@ -9,7 +9,7 @@ mod common;
 
 use common::*;
 use std::sync::{Arc, Barrier};
-use thiscpu::{CpuNode, CpuSource, Registrar, Unavailable, topology, via};
+use thiscpu::{CpuNode, CpuSource, Registrar, RseqMode, Unavailable, topology, via};
 
 #[test]
 fn registrar_is_what_the_environment_provides() {
@@ -69,6 +69,158 @@ fn source_reports_the_kernel_and_glibc_as_they_are() {
     assert_eq!(thiscpu::mm_cid().is_some(), source.mm_cid, "{source:?}");
     if rseq {
         assert!(source.usable_size >= 20, "{source:?}");
+    }
+}
+
+/// `AT_RSEQ_FEATURE_SIZE` and `AT_RSEQ_ALIGN`, 0 before Linux 6.3.
+fn kernel_rseq_auxv() -> (u32, u32) {
+    // SAFETY: getauxval has no precondition; it returns 0 for absent entries.
+    unsafe { (libc::getauxval(27) as u32, libc::getauxval(28) as u32) }
+}
+
+/// The signature glibc and thiscpu register with.
+#[cfg(target_arch = "x86_64")]
+const RSEQ_SIG: u32 = 0x5305_3053;
+#[cfg(target_arch = "aarch64")]
+const RSEQ_SIG: u32 = 0xd428_bc00;
+
+/// What the kernel answers to registering the calling thread's area at `area_offset` again
+/// with `len` bytes: `EBUSY` when that area is registered with exactly that length (and
+/// signature), `EINVAL` when with another length. Neither answer touches the area.
+fn reregister(area_offset: isize, len: u32) -> i32 {
+    let area = thread_pointer().wrapping_add_signed(area_offset);
+    // SAFETY: the area is registered already (the callers check that first), so the kernel
+    // only compares address, length and signature and refuses; it writes nothing.
+    let ret = unsafe { libc::syscall(libc::SYS_rseq, area, len, 0, RSEQ_SIG) };
+    assert_ne!(
+        ret, 0,
+        "a second registration of a registered area succeeded"
+    );
+    std::io::Error::last_os_error().raw_os_error().unwrap_or(0)
+}
+
+/// The registration length the areas thiscpu reads must have, worked out from the kernel's
+/// auxiliary vector, glibc's `__rseq_size` and `THISCPU_RSEQ_AREA`: for thiscpu's own area the
+/// feature size rounded up to the alignment when the feature size exceeds 32 and the 64
+/// reserved bytes hold it, else 32; for glibc's, 32 or its `__rseq_size` when larger.
+fn expected_registered_size(registrar: Registrar) -> u32 {
+    match registrar {
+        Registrar::None => 0,
+        Registrar::Glibc => glibc_symbol::<u32>(c"__rseq_size").unwrap().max(32),
+        Registrar::Thiscpu => {
+            let legacy_asked = std::env::var("THISCPU_RSEQ_AREA").as_deref() == Ok("legacy");
+            if legacy_asked {
+                32
+            } else {
+                own_size_on_this_kernel()
+            }
+        }
+    }
+}
+
+/// The feature size rounded up to the alignment when the feature size exceeds 32 and the 64
+/// bytes thiscpu reserves hold it, else 32.
+fn own_size_on_this_kernel() -> u32 {
+    let (feature_size, align) = kernel_rseq_auxv();
+    let rounded = u64::from(feature_size).div_ceil(u64::from(align.max(1))) * u64::from(align);
+    let fits = align.is_power_of_two() && align <= 64 && rounded <= 64;
+    if feature_size > 32 && fits {
+        rounded as u32
+    } else {
+        32
+    }
+}
+
+/// Checks the calling thread's registration: its length and mode as `source()` reports them,
+/// and the length the kernel holds.
+fn check_registration_length(who: &str) {
+    let source = thiscpu::source();
+    let (feature_size, align) = kernel_rseq_auxv();
+    assert_eq!(source.kernel_align, align, "{who}: {source:?}");
+    let expected = expected_registered_size(source.registrar);
+    assert_eq!(source.registered_size, expected, "{who}: {source:?}");
+    // The kernel's rule: longer than 32 and at least the feature size is optimized.
+    let mode = match source.registrar {
+        Registrar::None => None,
+        _ if expected > 32 && expected >= feature_size => Some(RseqMode::Optimized),
+        _ => Some(RseqMode::Legacy),
+    };
+    assert_eq!(source.mode, mode, "{who}: {source:?}");
+    if feature_size == 33 && align == 64 && source.registrar == Registrar::Thiscpu {
+        // Linux 7.2: 64 bytes unless legacy mode was asked for.
+        assert!(matches!(source.registered_size, 32 | 64), "{who}");
+    }
+    let optimized = Some(own_size_on_this_kernel()).filter(|&size| size > 32);
+    assert_eq!(source.optimized_size, optimized, "{who}: {source:?}");
+    let Some(area_offset) = source.area_offset else {
+        assert_eq!(source.registrar, Registrar::None, "{who}: {source:?}");
+        return;
+    };
+    if source.this_thread == source.fallback {
+        return; // This thread has no area of the registrar's (a foreign registration, say).
+    }
+    assert_eq!(
+        reregister(area_offset, expected),
+        libc::EBUSY,
+        "{who}: the kernel holds another length than {expected}: {source:?}"
+    );
+    let other = if expected == 32 { 64 } else { 32 };
+    assert_eq!(
+        reregister(area_offset, other),
+        libc::EINVAL,
+        "{who}: the kernel accepted length {other} as the registered one: {source:?}"
+    );
+}
+
+#[test]
+fn registration_length_and_mode_follow_the_kernel() {
+    check_registration_length("test thread");
+    std::thread::spawn(|| check_registration_length("new thread"))
+        .join()
+        .expect("registration length in a new thread");
+}
+
+/// Set in the environment of the re-executed test binary that checks thiscpu's own
+/// registration.
+const OWN_REGISTRATION_CHILD: &str = "THISCPU_TEST_OWN_REGISTRATION";
+
+/// thiscpu's own registration, whatever registers rseq in this process: the length check runs
+/// again in child processes where glibc keeps out, with the kernel's choice and with
+/// `THISCPU_RSEQ_AREA=legacy`.
+#[test]
+fn own_registration_length_follows_the_kernel_and_the_knob() {
+    if std::env::var_os(OWN_REGISTRATION_CHILD).is_some() {
+        let source = thiscpu::source();
+        eprintln!("own registration: {source:?}");
+        if !kernel_has_rseq() {
+            return;
+        }
+        assert_eq!(source.registrar, Registrar::Thiscpu, "{source:?}");
+        check_registration_length("own registration, test thread");
+        std::thread::spawn(|| check_registration_length("own registration, new thread"))
+            .join()
+            .expect("own registration in a new thread");
+        return;
+    }
+    let name = "own_registration_length_follows_the_kernel_and_the_knob";
+    for area in ["", "legacy"] {
+        let output = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", name, "--nocapture", "--test-threads=1"])
+            .env(OWN_REGISTRATION_CHILD, "1")
+            .env("GLIBC_TUNABLES", "glibc.pthread.rseq=0")
+            .env("THISCPU_RSEQ_AREA", area)
+            .env_remove("THISCPU_RSEQ")
+            .env_remove("THISCPU_EXPECT_REGISTRAR")
+            .output()
+            .expect("re-run the test with thiscpu's own registration");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            output.status.success() && stdout.contains("1 passed"),
+            "THISCPU_RSEQ_AREA={area:?}: {}\n{stdout}\n{stderr}",
+            output.status
+        );
+        eprintln!("THISCPU_RSEQ_AREA={area:?}: {stderr}");
     }
 }
 

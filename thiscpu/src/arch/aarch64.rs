@@ -167,7 +167,9 @@ pub(crate) const RSEQ_SIG: u32 = u32::from_le(0xd428_bc00);
 // thiscpu's own rseq area lives in static TLS (`.tdata`), so its memory is released only
 // after the kernel has reported the thread dead: an area registered by a thread that exits is
 // never written into freed memory. Its initial image has `cpu_id = -1` (unregistered), so a
-// thread reading it before registration always takes the slow path. The symbol is global
+// thread reading it before registration always takes the slow path. It is `OWN_AREA_CAPACITY`
+// bytes, aligned to as much, so that it can be registered in the kernel's optimized mode too
+// (`abi::own_registration_size`). The symbol is global
 // (hidden, so never exported from a shared object) because the `asm!` blocks that compute its
 // offset may be placed in any codegen unit.
 //
@@ -178,15 +180,16 @@ pub(crate) const RSEQ_SIG: u32 = u32::from_le(0xd428_bc00);
 // share them.
 global_asm!(
     ".pushsection .tdata,\"awT\",%progbits",
-    ".balign 32",
+    ".balign {capacity}",
     ".globl __thiscpu_0_1_own_area",
     ".hidden __thiscpu_0_1_own_area",
     ".type __thiscpu_0_1_own_area, %tls_object",
-    ".size __thiscpu_0_1_own_area, 32",
+    ".size __thiscpu_0_1_own_area, {capacity}",
     "__thiscpu_0_1_own_area:",
     ".long 0, -1",
     ".quad 0",
     ".long 0, 0, 0, 0",
+    ".zero {capacity} - 32",
     ".popsection",
     ".pushsection .data.__thiscpu_0_1_offsets,\"aw\",%progbits",
     ".balign 8",
@@ -196,6 +199,7 @@ global_asm!(
     ".quad {cpu_id}",
     ".popsection",
     cpu_id = const offset::CPU_ID,
+    capacity = const crate::abi::OWN_AREA_CAPACITY,
 );
 
 unsafe extern "C" {
@@ -802,7 +806,11 @@ mod tests {
         let own = own_area_offset();
         // Variant I TLS: the static TLS blocks lie above the 16-byte thread control block.
         assert!(own >= 16, "own area offset {own}");
-        assert_eq!(area_at(own) as usize % 32, 0);
+        // Aligned for the largest registration the area can hold (optimized mode on 7.2).
+        assert_eq!(
+            area_at(own) as usize % crate::abi::OWN_AREA_CAPACITY as usize,
+            0
+        );
         // A fresh thread that never asked thiscpu anything has the initial image.
         let (offset, cpu_id, rseq_cs) = std::thread::spawn(|| {
             let area = area_at(own_area_offset());

@@ -130,7 +130,9 @@ pub(crate) const RSEQ_SIG: u32 = 0x5305_3053;
 // thiscpu's own rseq area lives in static TLS (`.tdata`), so its memory is released only
 // after the kernel has reported the thread dead: an area registered by a thread that exits is
 // never written into freed memory. Its initial image has `cpu_id = -1` (unregistered), so a
-// thread reading it before registration always takes the slow path.
+// thread reading it before registration always takes the slow path. It is `OWN_AREA_CAPACITY`
+// bytes, aligned to as much, so that it can be registered in the kernel's optimized mode too
+// (`abi::own_registration_size`).
 //
 // The symbol is global (hidden, so never exported from a shared object) because the `asm!`
 // blocks that address it may be placed in any codegen unit.
@@ -142,15 +144,16 @@ pub(crate) const RSEQ_SIG: u32 = 0x5305_3053;
 // never share them.
 global_asm!(
     ".pushsection .tdata,\"awT\",@progbits",
-    ".balign 32",
+    ".balign {capacity}",
     ".globl __thiscpu_0_1_own_area",
     ".hidden __thiscpu_0_1_own_area",
     ".type __thiscpu_0_1_own_area, @tls_object",
-    ".size __thiscpu_0_1_own_area, 32",
+    ".size __thiscpu_0_1_own_area, {capacity}",
     "__thiscpu_0_1_own_area:",
     ".long 0, -1",
     ".quad 0",
     ".long 0, 0, 0, 0",
+    ".zero {capacity} - 32",
     ".popsection",
     ".pushsection .data.__thiscpu_0_1_offsets,\"aw\",@progbits",
     ".balign 8",
@@ -159,6 +162,7 @@ global_asm!(
     "__thiscpu_0_1_area_delta:",
     ".quad 0",
     ".popsection",
+    capacity = const crate::abi::OWN_AREA_CAPACITY,
 );
 
 unsafe extern "C" {
@@ -683,7 +687,11 @@ mod tests {
         let own = own_area_offset();
         // Variant II TLS: the static TLS blocks lie below the thread pointer.
         assert!(own < 0, "own area offset {own}");
-        assert_eq!(area_at(own) as usize % 32, 0);
+        // Aligned for the largest registration the area can hold (optimized mode on 7.2).
+        assert_eq!(
+            area_at(own) as usize % crate::abi::OWN_AREA_CAPACITY as usize,
+            0
+        );
         // A fresh thread that never asked thiscpu anything has the initial image.
         let (offset, cpu_id, rseq_cs) = std::thread::spawn(|| {
             let area = area_at(own_area_offset());

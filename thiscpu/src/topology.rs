@@ -4,7 +4,9 @@
 //! online, `/sys/devices/system/cpu/possible`), not by `sysconf`, which counts configured or
 //! online CPUs and can be smaller than the largest CPU id the kernel hands out.
 
+use std::path::Path;
 use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU32, Ordering};
 
 /// A CPU list such as `0-3,8,10-11` (the kernel's "cpulist" format) could not be read.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -83,42 +85,139 @@ pub fn online_cpus() -> Vec<u32> {
         .unwrap_or_else(|| (0..configured_cpus() as u32).collect())
 }
 
-/// The NUMA node of every possible CPU, indexed by CPU. On machines without NUMA support in
-/// `/sys` every CPU is on node 0.
-fn node_table() -> &'static [u32] {
-    static NODES: OnceLock<Vec<u32>> = OnceLock::new();
-    NODES.get_or_init(|| {
-        let mut table = vec![0; possible_cpus()];
-        let Ok(entries) = std::fs::read_dir("/sys/devices/system/node") else {
-            return table;
-        };
+/// A node table entry for a CPU whose node `/sys` did not name (yet).
+const UNKNOWN_NODE: u32 = u32::MAX;
+
+/// The NUMA node of every possible CPU, as far as `/sys` names it.
+struct NodeTable {
+    /// Indexed by CPU: its node, or [`UNKNOWN_NODE`].
+    nodes: Box<[AtomicU32]>,
+    /// The largest node id that can exist (`/sys/devices/system/node/possible`); nodes are
+    /// searched up to it when a CPU's node is looked up again.
+    last_node: u32,
+}
+
+/// Reads the node of each of `possible` CPUs from the `/sys` tree under `sys`.
+///
+/// The link `devices/system/cpu/cpuN/nodeM` comes first: it exists for every present CPU,
+/// online or not. The per-node `cpulist` files are only a fallback, because they list online
+/// CPUs only (an offline CPU would otherwise fall into no node). Without a
+/// `devices/system/node` directory the kernel has no NUMA support and every CPU is on node 0.
+fn read_node_table(sys: &Path, possible: usize) -> NodeTable {
+    let node_dir = sys.join("devices/system/node");
+    let mut listed = vec![UNKNOWN_NODE; possible];
+    let mut any_node = false;
+    let mut last_seen = 0;
+    if let Ok(entries) = std::fs::read_dir(&node_dir) {
         for entry in entries.flatten() {
-            let name = entry.file_name();
-            let Some(node) = name.to_str().and_then(|n| n.strip_prefix("node")) else {
+            let Some(node) = node_number(&entry.file_name()) else {
                 continue;
             };
-            let Ok(node) = node.parse::<u32>() else {
-                continue;
-            };
-            let cpulist = entry.path().join("cpulist");
-            for cpu in read_cpu_list(cpulist.to_str().unwrap_or_default()).unwrap_or_default() {
-                if let Some(slot) = table.get_mut(cpu as usize) {
+            any_node = true;
+            last_seen = last_seen.max(node);
+            let cpus = std::fs::read_to_string(entry.path().join("cpulist"))
+                .ok()
+                .and_then(|text| parse_cpu_list(&text).ok())
+                .unwrap_or_default();
+            for cpu in cpus {
+                if let Some(slot) = listed.get_mut(cpu as usize) {
                     *slot = node;
                 }
             }
         }
-        table
-    })
+    }
+    let nodes = (0..possible)
+        .map(|cpu| {
+            let node = if any_node {
+                linked_node(sys, cpu).unwrap_or(listed[cpu])
+            } else {
+                0
+            };
+            AtomicU32::new(node)
+        })
+        .collect();
+    let last_node = std::fs::read_to_string(node_dir.join("possible"))
+        .ok()
+        .and_then(|text| parse_cpu_list(&text).ok())
+        .and_then(|ids| ids.last().copied())
+        .unwrap_or(0)
+        .max(last_seen);
+    NodeTable { nodes, last_node }
 }
 
-/// The NUMA node of `cpu`, or `None` if `cpu` is not a possible CPU.
+/// `M` from a directory entry named `nodeM`.
+fn node_number(name: &std::ffi::OsStr) -> Option<u32> {
+    name.to_str()?.strip_prefix("node")?.parse().ok()
+}
+
+/// The node that `devices/system/cpu/cpuN/nodeM` names for CPU `cpu`.
+fn linked_node(sys: &Path, cpu: usize) -> Option<u32> {
+    let entries = std::fs::read_dir(sys.join(format!("devices/system/cpu/cpu{cpu}"))).ok()?;
+    entries
+        .flatten()
+        .find_map(|entry| node_number(&entry.file_name()))
+}
+
+fn node_table() -> &'static NodeTable {
+    static NODES: OnceLock<NodeTable> = OnceLock::new();
+    NODES.get_or_init(|| read_node_table(Path::new("/sys"), possible_cpus()))
+}
+
+/// Whether `/sys/devices/system/cpu/cpu{cpu}/node{node}` exists. Builds the path on the stack
+/// and asks `access`, which is async-signal-safe: lookups may run in signal handlers.
+fn cpu_linked_to_node(cpu: u32, node: u32) -> bool {
+    fn push(path: &mut [u8; 64], len: &mut usize, bytes: &[u8]) {
+        path[*len..*len + bytes.len()].copy_from_slice(bytes);
+        *len += bytes.len();
+    }
+    fn push_number(path: &mut [u8; 64], len: &mut usize, mut n: u32) {
+        let mut digits = [0u8; 10];
+        let mut count = 0;
+        loop {
+            digits[count] = b'0' + (n % 10) as u8;
+            count += 1;
+            n /= 10;
+            if n == 0 {
+                break;
+            }
+        }
+        digits[..count].reverse();
+        push(path, len, &digits[..count]);
+    }
+    // 24 + 10 + 5 + 10 + 1 bytes at most.
+    let mut path = [0u8; 64];
+    let mut len = 0;
+    push(&mut path, &mut len, b"/sys/devices/system/cpu/cpu");
+    push_number(&mut path, &mut len, cpu);
+    push(&mut path, &mut len, b"/node");
+    push_number(&mut path, &mut len, node);
+    // `path` was zeroed, so it is NUL-terminated after `len` bytes.
+    // SAFETY: `path` is a NUL-terminated string that lives across the call; `access` only
+    // reads it.
+    unsafe { libc::access(path.as_ptr().cast(), libc::F_OK) == 0 }
+}
+
+/// The NUMA node of `cpu`, or `None` if `cpu` is not a possible CPU or `/sys` does not say
+/// which node it belongs to (a possible CPU that is not present yet: once the kernel adds
+/// it, the next lookup finds its node).
+///
+/// A CPU that is offline keeps its node. Nodes are read from `/sys` once per CPU and then
+/// cached; a CPU that is hot-removed and added again in another node is not followed.
 ///
 /// ```
 /// let here = thiscpu::getcpu();
 /// assert_eq!(thiscpu::topology::node_of_cpu(here.cpu), Some(here.node));
 /// ```
 pub fn node_of_cpu(cpu: u32) -> Option<u32> {
-    node_table().get(cpu as usize).copied()
+    let table = node_table();
+    let slot = table.nodes.get(cpu as usize)?;
+    let node = slot.load(Ordering::Relaxed);
+    if node != UNKNOWN_NODE {
+        return Some(node);
+    }
+    let node = (0..=table.last_node).find(|&node| cpu_linked_to_node(cpu, node))?;
+    slot.store(node, Ordering::Relaxed);
+    Some(node)
 }
 
 /// Reads the tables that later lookups need, so that they never allocate afterwards
@@ -144,6 +243,87 @@ mod tests {
         assert!(parse_cpu_list("a-b").is_err());
         assert!(parse_cpu_list("4-2").is_err());
         assert!(parse_cpu_list("1-").is_err());
+    }
+
+    /// A `/sys` tree in a fresh temporary directory, removed on drop.
+    struct FakeSys(std::path::PathBuf);
+
+    impl FakeSys {
+        fn new(name: &str) -> Self {
+            let root = std::env::temp_dir()
+                .join(format!("thiscpu-fake-sys-{name}-{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&root);
+            std::fs::create_dir_all(root.join("devices/system/cpu")).unwrap();
+            FakeSys(root)
+        }
+
+        fn node(&self, node: u32, cpulist: &str) -> &Self {
+            let dir = self.0.join(format!("devices/system/node/node{node}"));
+            std::fs::create_dir_all(&dir).unwrap();
+            std::fs::write(dir.join("cpulist"), cpulist).unwrap();
+            self
+        }
+
+        fn cpu_link(&self, cpu: u32, node: u32) -> &Self {
+            let dir = self
+                .0
+                .join(format!("devices/system/cpu/cpu{cpu}/node{node}"));
+            std::fs::create_dir_all(dir).unwrap();
+            self
+        }
+
+        fn table(&self, possible: usize) -> Vec<u32> {
+            let table = read_node_table(&self.0, possible);
+            table
+                .nodes
+                .iter()
+                .map(|n| n.load(Ordering::Relaxed))
+                .collect()
+        }
+    }
+
+    impl Drop for FakeSys {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn an_offline_cpu_keeps_the_node_its_link_names() {
+        // CPU 3 of node 1 is offline: node1/cpulist no longer lists it, its link remains.
+        let sys = FakeSys::new("offline");
+        sys.node(0, "0-1\n").node(1, "2\n");
+        for (cpu, node) in [(0, 0), (1, 0), (2, 1), (3, 1)] {
+            sys.cpu_link(cpu, node);
+        }
+        assert_eq!(sys.table(4), vec![0, 0, 1, 1]);
+    }
+
+    #[test]
+    fn cpulists_answer_where_links_are_missing_and_nothing_else_is_guessed() {
+        let sys = FakeSys::new("nolinks");
+        sys.node(0, "0,2\n").node(1, "1\n");
+        // CPU 3 is possible but neither listed nor linked: not present.
+        assert_eq!(sys.table(4), vec![0, 1, 0, UNKNOWN_NODE]);
+        assert_eq!(read_node_table(&sys.0, 4).last_node, 1);
+    }
+
+    #[test]
+    fn without_numa_in_sys_every_cpu_is_on_node_0() {
+        let sys = FakeSys::new("nonuma");
+        assert_eq!(sys.table(3), vec![0, 0, 0]);
+    }
+
+    #[test]
+    fn the_signal_safe_link_check_agrees_with_the_directory() {
+        for cpu in 0..possible_cpus() as u32 {
+            let linked = (0..64).find(|&node| cpu_linked_to_node(cpu, node));
+            let listed = linked_node(Path::new("/sys"), cpu as usize);
+            if listed.is_none_or(|node| node < 64) {
+                assert_eq!(linked, listed, "CPU {cpu}");
+            }
+        }
+        assert!(!cpu_linked_to_node(u32::MAX, u32::MAX));
     }
 
     #[test]

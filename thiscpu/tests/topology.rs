@@ -31,12 +31,19 @@ fn online_and_allowed_cpus_are_possible() {
 }
 
 #[test]
-fn every_possible_cpu_has_one_node_and_nothing_else_has_any() {
+fn every_present_cpu_has_the_node_sys_names_and_nothing_else_has_any() {
     let possible = topology::possible_cpus() as u32;
+    let present = cpulist(&std::fs::read_to_string("/sys/devices/system/cpu/present").unwrap());
     let nodes = sys_nodes();
     for cpu in 0..possible {
         let node = topology::node_of_cpu(cpu);
-        assert!(node.is_some(), "possible CPU {cpu} has no node");
+        if present.contains(&cpu) {
+            assert!(node.is_some(), "present CPU {cpu} has no node");
+        }
+        // The link names the node of offline CPUs too; the node cpulists only of online ones.
+        if let Some(linked) = sys_node_of_cpu(cpu) {
+            assert_eq!(node, Some(linked), "CPU {cpu}: cpu{cpu}/node{linked} link");
+        }
         let listed: Vec<u32> = nodes
             .iter()
             .filter(|(_, cpus)| cpus.contains(&cpu))

@@ -70,6 +70,33 @@ pinned() {
     return $bad
 }
 
+# rseq_mode WHO ENV...: `thiscpu info --json` reports the mode the registration of WHO
+# (thiscpu or glibc) must have: thiscpu's own is optimized exactly where the kernel's rseq
+# feature size exceeds 32; glibc's is legacy unless its __rseq_size exceeds 32, and then
+# `info` must explain how to get the optimized mode.
+rseq_mode() {
+    who=$1
+    shift
+    json=$(env "$@" thiscpu info --json) || return 1
+    field() { echo "$json" | sed -n "s/.*\"$1\": \"*\([a-z0-9]*\).*/\1/p" | tail -n 1; }
+    registrar=$(field registered_by)
+    feature=$(field kernel_feature_size)
+    mode=$(field mode)
+    glibc_size=$(field glibc_rseq_size)
+    advice=$(field mode_advice)
+    echo "registered by $registrar, feature size $feature, mode $mode, size $(field registered_size)," \
+        "optimized size $(field optimized_size), advice: $(echo "$json" | sed -n 's/.*"mode_advice": //p')"
+    [ "$registrar" = "$who" ] || { echo "FAIL: expected registration by $who"; return 1; }
+    want=legacy
+    if [ "$who" = thiscpu ] && [ "$feature" -gt 32 ]; then want=optimized; fi
+    if [ "$who" = glibc ] && [ "$glibc_size" -gt 32 ]; then want=optimized; fi
+    [ "$mode" = "$want" ] || { echo "FAIL: mode $mode, expected $want"; return 1; }
+    if [ "$who" = glibc ] && [ "$want" = legacy ] && [ "$feature" -gt 32 ]; then
+        [ "$advice" != null ] || { echo "FAIL: no advice for glibc's legacy area"; return 1; }
+    fi
+    return 0
+}
+
 set_online() {
     if echo "$2" >"$CPU_SYS/cpu$1/online"; then
         return 0
@@ -179,6 +206,8 @@ sys_state
 
 check info-glibc env $GLIBC thiscpu info
 check info-own env $OWN thiscpu info
+check mode-glibc $FN rseq_mode glibc $GLIBC
+check mode-own $FN rseq_mode thiscpu $OWN
 check topology probe topology
 check pinned-glibc $FN pinned glibc $GLIBC
 check pinned-own $FN pinned thiscpu $OWN

@@ -4,7 +4,7 @@
 use crate::error::{Error, Result};
 use crate::machine::{self, Machine, format_cpu_list};
 use serde::Serialize;
-use thiscpu::{CpuSource, topology};
+use thiscpu::{CpuSource, Registrar, RseqMode, Source, topology};
 
 /// Everything `info --json` prints.
 #[derive(Debug, Serialize)]
@@ -38,6 +38,19 @@ pub struct RseqDetail {
     pub glibc_rseq_offset: Option<isize>,
     /// The kernel's `AT_RSEQ_FEATURE_SIZE`.
     pub kernel_feature_size: u32,
+    /// The kernel's `AT_RSEQ_ALIGN`.
+    pub kernel_align: u32,
+    /// The length the areas thiscpu reads are registered with (0 without rseq).
+    pub registered_size: u32,
+    /// The kernel's mode for those registrations: `"legacy"` or `"optimized"`; `null` without
+    /// rseq.
+    pub mode: Option<&'static str>,
+    /// The length of an optimized-mode registration of thiscpu's own area on this kernel;
+    /// `null` where the kernel offers only legacy mode.
+    pub optimized_size: Option<u32>,
+    /// Why the registration is legacy on a kernel that offers optimized mode, and what changes
+    /// that; `null` otherwise.
+    pub mode_advice: Option<String>,
     /// Bytes of the area the kernel keeps current.
     pub usable_size: u32,
     /// Whether `node_id` is usable.
@@ -137,6 +150,11 @@ pub fn gather() -> Info {
             glibc_rseq_size: source.glibc_rseq_size,
             glibc_rseq_offset: source.glibc_rseq_offset,
             kernel_feature_size: source.kernel_feature_size,
+            kernel_align: source.kernel_align,
+            registered_size: source.registered_size,
+            mode: source.mode.map(RseqMode::name),
+            optimized_size: source.optimized_size,
+            mode_advice: mode_advice(&source),
             usable_size: source.usable_size,
             node_id: source.node_id,
             mm_cid: source.mm_cid,
@@ -157,6 +175,58 @@ pub fn gather() -> Info {
             mm_cid: thiscpu::mm_cid(),
         },
     }
+}
+
+/// Why a registration is legacy on a kernel that offers the optimized mode, and what changes
+/// that: `None` when the registration is optimized, or legacy is all the kernel offers.
+pub fn mode_advice(source: &Source) -> Option<String> {
+    let optimized = source.optimized_size?;
+    if source.mode != Some(RseqMode::Legacy) {
+        return None;
+    }
+    let registered = source.registered_size;
+    Some(match source.registrar {
+        Registrar::Glibc => format!(
+            "glibc registered {registered}-byte areas, which the kernel runs in legacy mode \
+             although it offers the optimized mode ({optimized} bytes); with \
+             GLIBC_TUNABLES=glibc.pthread.rseq=0 glibc keeps out and thiscpu registers its own, \
+             optimized, areas"
+        ),
+        _ => format!(
+            "THISCPU_RSEQ_AREA=legacy asked for {registered}-byte areas; without it thiscpu \
+             registers {optimized} bytes, in optimized mode"
+        ),
+    })
+}
+
+/// `optimized (thiscpu's own 64-byte registration)`.
+fn mode_line(r: &RseqDetail) -> Option<String> {
+    let mode = r.mode?;
+    let whose = if r.registered_by == "glibc" {
+        "glibc's"
+    } else {
+        "thiscpu's own"
+    };
+    let mut line = format!("{mode} ({whose} {}-byte registration)", r.registered_size);
+    match r.optimized_size {
+        Some(size) if mode == "optimized" => {
+            line.push_str(&format!(" · kernel alignment {}", r.kernel_align));
+            if size != r.registered_size {
+                line.push_str(&format!(" · thiscpu's own would be {size} bytes"));
+            }
+        }
+        Some(_) => {}
+        None if r.kernel_feature_size <= 32 => line.push_str(&format!(
+            " · the kernel has no optimized mode (feature size {} is not above 32)",
+            r.kernel_feature_size
+        )),
+        None => line.push_str(&format!(
+            " · the kernel's optimized mode (feature size {}, alignment {}) needs more than \
+             thiscpu's own 64-byte area",
+            r.kernel_feature_size, r.kernel_align
+        )),
+    }
+    Some(line)
 }
 
 /// Runs `thiscpu info`.
@@ -212,6 +282,12 @@ pub fn render(info: &Info) -> String {
             yes_no(r.mm_cid)
         ),
     ));
+    if let Some(line) = mode_line(r) {
+        lines.push(("mode", line));
+    }
+    if let Some(advice) = &r.mode_advice {
+        lines.push(("", advice.clone()));
+    }
     let chosen_kind = info.chosen.split(' ').next().unwrap_or_default();
     let sources: Vec<String> = info
         .sources

@@ -50,6 +50,10 @@ pub struct RseqState {
     /// Why rseq is not used, when it is not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub unavailable: Option<String>,
+    /// The kernel's mode for the registration: `"legacy"` or `"optimized"` (absent without
+    /// rseq, and in reports written before the mode was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
 }
 
 impl Machine {
@@ -96,6 +100,7 @@ impl RseqState {
             node_id: source.node_id,
             mm_cid: source.mm_cid,
             unavailable: source.unavailable.map(|why| why.to_string()),
+            mode: source.mode.map(|mode| mode.name().to_owned()),
         }
     }
 
@@ -110,8 +115,12 @@ impl RseqState {
             (false, true) => "mm_cid usable, no node_id",
             (false, false) => "no node_id or mm_cid (Linux < 6.3)",
         };
+        let mode = self
+            .mode
+            .as_ref()
+            .map_or(String::new(), |mode| format!(" ({mode} mode)"));
         format!(
-            "rseq registered by {}, kernel feature size {}, {}",
+            "rseq registered by {}{mode}, kernel feature size {}, {}",
             self.registered_by, self.feature_size, fields
         )
     }

@@ -36,8 +36,10 @@ enum Command {
     /// Describe the machine, rseq's state, and which source answers "which CPU".
     #[command(after_help = "\
 Shows the CPU model, kernel and glibc; who registered rseq (glibc or thiscpu), glibc's
-__rseq_size and __rseq_offset, the kernel's rseq feature size, whether node_id and mm_cid are
-usable; which sources work here (rseq, rdpid, rdtscp, vDSO, syscall) and which one answers;
+__rseq_size and __rseq_offset, the kernel's rseq feature size and alignment, whether node_id
+and mm_cid are usable; the registration's length and mode (legacy: 32 bytes; optimized: longer
+than 32 and at least the feature size, Linux 7.1+), with a note when glibc holds a legacy area
+on a kernel that offers the optimized mode; which sources work here (rseq, rdpid, rdtscp, vDSO, syscall) and which one answers;
 the possible and online CPUs with their NUMA nodes; and the current cpu, node and mm_cid.
 
 Example:

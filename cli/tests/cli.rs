@@ -346,6 +346,20 @@ fn info_json_agrees_with_the_library() {
         source.kernel_feature_size
     );
     assert_eq!(info["rseq"]["usable_size"], source.usable_size);
+    assert_eq!(info["rseq"]["kernel_align"], source.kernel_align);
+    assert_eq!(info["rseq"]["registered_size"], source.registered_size);
+    assert_eq!(
+        info["rseq"]["mode"].as_str(),
+        source.mode.map(thiscpu::RseqMode::name)
+    );
+    assert_eq!(
+        info["rseq"]["optimized_size"].as_u64(),
+        source.optimized_size.map(u64::from)
+    );
+    assert_eq!(
+        info["machine"]["rseq"]["mode"].as_str(),
+        source.mode.map(thiscpu::RseqMode::name)
+    );
     assert_eq!(info["rseq"]["node_id"], source.node_id);
     assert_eq!(info["rseq"]["mm_cid"], source.mm_cid);
     assert_eq!(
@@ -369,6 +383,97 @@ fn info_json_agrees_with_the_library() {
 
     let human = succeed(&["info"]);
     assert!(human.contains(source.this_thread.name()), "{human}");
+}
+
+/// `thiscpu info --json` with extra environment variables.
+fn info_json_with(env: &[(&str, &str)]) -> Value {
+    let output = Command::new(env!("CARGO_BIN_EXE_thiscpu"))
+        .args(["info", "--json"])
+        .envs(env.iter().copied())
+        .env_remove("THISCPU_RSEQ")
+        .output()
+        .expect("run thiscpu info");
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    serde_json::from_str(&text(&output.stdout)).expect("info --json is JSON")
+}
+
+/// `AT_RSEQ_FEATURE_SIZE` and `AT_RSEQ_ALIGN`, read here rather than through thiscpu.
+fn kernel_rseq_auxv() -> (u64, u64) {
+    // SAFETY: getauxval has no precondition; it returns 0 for absent entries.
+    unsafe { (libc::getauxval(27), libc::getauxval(28)) }
+}
+
+#[test]
+fn info_reports_each_registration_mode_and_when_the_kernel_offers_more() {
+    let (feature_size, align) = kernel_rseq_auxv();
+    // The optimized length thiscpu's 64-byte own area can take on this kernel, if any.
+    let rounded = feature_size.div_ceil(align.max(1)) * align;
+    let optimized = (feature_size > 32 && align.is_power_of_two() && align <= 64 && rounded <= 64)
+        .then_some(rounded);
+    let own = info_json_with(&[("GLIBC_TUNABLES", "glibc.pthread.rseq=0")]);
+    let rseq = &own["rseq"];
+    if rseq["registered_by"] != "thiscpu" {
+        eprintln!("no own registration here: {rseq}");
+        return;
+    }
+    assert_eq!(rseq["kernel_feature_size"], feature_size, "{rseq}");
+    assert_eq!(rseq["optimized_size"].as_u64(), optimized, "{rseq}");
+    assert_eq!(rseq["registered_size"], optimized.unwrap_or(32), "{rseq}");
+    let mode = if optimized.is_some() {
+        "optimized"
+    } else {
+        "legacy"
+    };
+    assert_eq!(rseq["mode"], mode, "{rseq}");
+    assert_eq!(rseq["mode_advice"], Value::Null, "{rseq}");
+
+    // Forced legacy: the advice names the knob where the kernel offers more.
+    let legacy = info_json_with(&[
+        ("GLIBC_TUNABLES", "glibc.pthread.rseq=0"),
+        ("THISCPU_RSEQ_AREA", "legacy"),
+    ]);
+    let rseq = &legacy["rseq"];
+    assert_eq!(
+        (&rseq["registered_size"], &rseq["mode"]),
+        (&32.into(), &"legacy".into())
+    );
+    let advice = rseq["mode_advice"].as_str();
+    assert_eq!(advice.is_some(), optimized.is_some(), "{rseq}");
+    if let Some(advice) = advice {
+        assert!(advice.contains("THISCPU_RSEQ_AREA=legacy"), "{advice}");
+    }
+
+    // glibc's registration: legacy unless glibc reports more than 32 bytes; where the kernel
+    // offers more, the advice names the tunable.
+    let glibc = info_json_with(&[]);
+    let rseq = &glibc["rseq"];
+    if rseq["registered_by"] == "glibc" {
+        let reported = rseq["glibc_rseq_size"].as_u64().unwrap();
+        let glibc_legacy = reported <= 32;
+        assert_eq!(rseq["registered_size"], reported.max(32), "{rseq}");
+        assert_eq!(
+            rseq["mode"],
+            if glibc_legacy { "legacy" } else { "optimized" },
+            "{rseq}"
+        );
+        let advice = rseq["mode_advice"].as_str();
+        assert_eq!(
+            advice.is_some(),
+            glibc_legacy && optimized.is_some(),
+            "{rseq}"
+        );
+        if let Some(advice) = advice {
+            assert!(
+                advice.contains("GLIBC_TUNABLES=glibc.pthread.rseq=0"),
+                "{advice}"
+            );
+        }
+        let human = succeed(&["info"]);
+        assert!(
+            human.contains("mode     legacy (glibc's") == glibc_legacy,
+            "{human}"
+        );
+    }
 }
 
 #[test]

@@ -6,7 +6,7 @@
 //!   [`metrics::CounterFn`], for `metrics::Counter::from_arc`.
 //! - [`PerCpuRecorder`]: a [`metrics::Recorder`] that gives every counter key a
 //!   `PerCpuCounter`, every gauge an atomic `f64`, every histogram a per-CPU
-//!   [`Histogram`](crate::Histogram) with fixed buckets; [`PerCpuRecorder::snapshot`] reads
+//!   [`Histogram`] with fixed buckets; [`PerCpuRecorder::snapshot`] reads
 //!   them all back. Install it once and every `metrics::counter!` in the program (and its
 //!   libraries) becomes per-CPU.
 //! - `PerCpuLayer` (feature `metrics-layer`): per-CPU counters in front of another recorder,

@@ -1,7 +1,7 @@
 //! Benchmark families and the runner they share.
 //!
 //! A *family* (`getcpu`, ...) is one file in this folder that exports a [`Family`]; the
-//! [`families!`] line at the bottom of this file lists them. A family offers *cases*, each a
+//! `families!` line at the bottom of this file lists them. A family offers *cases*, each a
 //! [`Workload`] measured in one [`Unit`]. The runner measures every (case, thread count)
 //! pair in interleaved rounds (A B C A B C ...), each round for the same fixed time, with every
 //! worker thread pinned to its own CPU and all workers released together by a barrier. A round
@@ -9,7 +9,7 @@
 //!
 //! # Adding a family
 //! Write `bench/NAME.rs` exporting `pub static FAMILY: Family`, and add `NAME` to the
-//! [`families!`] line. Everything else (the command line, `--cases`, `--threads`, tables, JSON,
+//! `families!` line. Everything else (the command line, `--cases`, `--threads`, tables, JSON,
 //! SVG, `compare`) follows. A sketch:
 //!
 //! ```text
@@ -147,7 +147,7 @@ impl Case {
     }
 }
 
-/// A benchmark family: one file in `bench/`, listed once in [`families!`].
+/// A benchmark family: one file in `bench/`, listed once in `families!`.
 #[derive(Debug)]
 pub struct Family {
     /// The name on the command line and in reports.

@@ -9,9 +9,6 @@ use std::sync::{Arc, Condvar, Mutex, PoisonError, Weak};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-/// How often the background thread publishes unless told otherwise.
-pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
-
 /// The metadata under which published counters are registered with the inner recorder: the
 /// layer registers them when it publishes, not where the program's `counter!` ran.
 static PUBLISH_METADATA: Metadata<'static> =
@@ -25,7 +22,7 @@ static PUBLISH_METADATA: Metadata<'static> =
 ///   cache of [`PerCpuRecorder`]): `counter!(..).increment(n)` is one restartable add on the
 ///   current CPU, no atomic and no call into the inner recorder.
 /// - **Publishing** happens from one background thread every [`interval`](PerCpuLayer::interval)
-///   (default [`DEFAULT_INTERVAL`]), and whenever [`Publisher::flush`] is called: before a
+///   (default [`PerCpuLayer::DEFAULT_INTERVAL`]), and whenever [`Publisher::flush`] is called: before a
 ///   scrape, at shutdown ([`Publisher::shutdown`] stops the thread and publishes a last time;
 ///   dropping the layered recorder also publishes a last time).
 /// - **Staleness**: between publications the inner recorder lags behind the per-CPU counters
@@ -60,11 +57,14 @@ pub struct PerCpuLayer {
 }
 
 impl PerCpuLayer {
-    /// A layer that publishes every [`DEFAULT_INTERVAL`] from a background thread.
+    /// How often the background thread publishes unless told otherwise.
+    pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(1);
+
+    /// A layer that publishes every [`Self::DEFAULT_INTERVAL`] from a background thread.
     #[must_use]
     pub fn new() -> Self {
         PerCpuLayer {
-            interval: Some(DEFAULT_INTERVAL),
+            interval: Some(Self::DEFAULT_INTERVAL),
         }
     }
 

@@ -16,7 +16,15 @@ when a call (or a jump out of the function) comes before the branch, when there 
 one conditional branch on the fast path, or when the function cannot be found or parsed.
 A fast path with no branch at all (straight to `ret`) is accepted under the same limit.
 
+Then it disassembles `thiscpu_probe_counter_inc` (`Counter::inc()` alone) and finds the shortest
+path from its entry to `ret` that calls nothing, whichever way each conditional branch goes:
+the increment when rseq is registered. It fails when there is no such path, or when that path
+holds an atomic read-modify-write (an x86 `lock` prefix or `xchg` with memory; an arm64
+load/store-exclusive, LSE atomic or compare-and-swap): the point of the restartable sequence
+is to need none.
+
 Usage: check_fast_path.py [--binary PATH] [--symbol NAME] [--max-insns N]
+                          [--lock-free-symbol NAME]
 """
 
 import argparse
@@ -27,6 +35,7 @@ import subprocess
 import sys
 
 SYMBOL = "thiscpu_probe_current_cpu"
+LOCK_FREE_SYMBOL = "thiscpu_probe_counter_inc"
 # x86_64: the own area's offset (a constant the linker substitutes), the delta word, the load of
 # cpu_id and its sign test. aarch64 passes its own limit.
 MAX_INSNS = 4
@@ -66,6 +75,15 @@ class Arch:
         if self.name == "x86_64":
             return insn.mnemonic in ("jmp", "jmpq")
         return insn.mnemonic in ("b", "br", "braa", "brab")
+
+    def is_atomic_rmw(self, insn):
+        """An instruction that reads, modifies and writes memory atomically."""
+        m = insn.mnemonic
+        if self.name == "x86_64":
+            locked = re.match(r"^(\S+\s+)*lock\b", insn.text) is not None
+            return locked or (m.startswith("xchg") and "(" in insn.operands)
+        return re.match(r"^(ld[a]?xr|ld[a]?xp|st[l]?xr|st[l]?xp|cas|swp|ld(add|clr|eor|set|smax"
+                        r"|smin|umax|umin)|st(add|clr|eor|set|smax|smin|umax|umin))", m) is not None
 
     def is_cond_branch(self, insn):
         m = insn.mnemonic
@@ -230,6 +248,53 @@ def check(arch, insns, max_insns):
                            f" (limit {max_insns} + 1)"]
 
 
+def shortest_call_free_return(arch, insns):
+    """The shortest instruction path from the entry to a `ret` with no call and no jump out of
+    the function, trying both sides of every conditional branch; None when there is none."""
+    index_of = {insn.address: i for i, insn in enumerate(insns)}
+    best = None
+    # Depth-first over (index, path so far); a path never visits an instruction twice.
+    stack = [(0, [])]
+    while stack:
+        i, path = stack.pop()
+        if i >= len(insns) or any(p is insns[i] for p in path):
+            continue
+        if best is not None and len(path) >= len(best):
+            continue
+        insn = insns[i]
+        if arch.is_ret(insn):
+            best = path + [insn]
+            continue
+        if arch.is_call(insn):
+            continue
+        if arch.is_jump(insn):
+            target = arch.direct_target(insn)
+            if target in index_of:
+                stack.append((index_of[target], path + [insn]))
+            continue
+        if arch.is_cond_branch(insn):
+            target = arch.direct_target(insn)
+            if target in index_of:
+                stack.append((index_of[target], path + [insn]))
+        stack.append((i + 1, path + [insn]))
+    return best
+
+
+def check_lock_free(arch, insns):
+    """Returns (ok, report lines) for the fast path of a per-CPU update."""
+    if not insns:
+        return False, ["no instructions found"]
+    path = shortest_call_free_return(arch, insns)
+    if path is None:
+        return False, ["FAIL: no path from the entry reaches ret without a call"]
+    report = [f"shortest call-free path to ret: {len(path)} instructions"]
+    report += [f"    {insn}" for insn in path]
+    atomics = [insn for insn in path if arch.is_atomic_rmw(insn)]
+    if atomics:
+        return False, report + [f"FAIL: atomic read-modify-write on the fast path: {atomics}"]
+    return True, report + ["OK: no lock prefix, atomic or call on the fast path"]
+
+
 def build_probe():
     """Builds the release example and returns its path (honours CARGO_TARGET_DIR)."""
     cmd = ["cargo", "build", "--release", "-p", "thiscpu", "--example", "fast_path_probe",
@@ -256,6 +321,8 @@ def main():
     parser.add_argument("--binary", help="binary to check (default: build the probe example)")
     parser.add_argument("--symbol", default=SYMBOL)
     parser.add_argument("--max-insns", type=int, default=MAX_INSNS)
+    parser.add_argument("--lock-free-symbol", default=LOCK_FREE_SYMBOL,
+                        help="function whose fast path must hold no atomic (empty: skip)")
     args = parser.parse_args()
 
     binary = args.binary or build_probe()
@@ -269,7 +336,17 @@ def main():
     ok, report = check(arch, insns, args.max_insns)
     for line in report:
         print(line)
-    return 0 if ok else 1
+    if not args.lock_free_symbol:
+        return 0 if ok else 1
+    arch, lines, insns = disassemble(binary, args.lock_free_symbol)
+    print()
+    print(f"objdump -d --no-show-raw-insn --disassemble={args.lock_free_symbol} {binary}")
+    for line in lines:
+        print("    " + line)
+    lock_free, report = check_lock_free(arch, insns)
+    for line in report:
+        print(line)
+    return 0 if ok and lock_free else 1
 
 
 if __name__ == "__main__":

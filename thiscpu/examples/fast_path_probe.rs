@@ -13,6 +13,13 @@ pub fn thiscpu_probe_current_cpu() -> u32 {
     thiscpu::current_cpu()
 }
 
+/// `Counter::inc()` and nothing else, for the check that its fast path has no `lock` prefix.
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub fn thiscpu_probe_counter_inc(counter: &thiscpu::Counter) {
+    counter.inc();
+}
+
 fn main() {
     let probe: fn() -> u32 = std::hint::black_box(thiscpu_probe_current_cpu);
     let cpu = probe();
@@ -20,4 +27,11 @@ fn main() {
         "thiscpu_probe_current_cpu() = {cpu} (answered by {})",
         thiscpu::source().this_thread.name()
     );
+    let counter = thiscpu::Counter::new();
+    let inc: fn(&thiscpu::Counter) = std::hint::black_box(thiscpu_probe_counter_inc);
+    for _ in 0..1000 {
+        inc(&counter);
+    }
+    assert_eq!(counter.sum(), 1000);
+    println!("thiscpu_probe_counter_inc() x 1000: the counter sums to 1000");
 }

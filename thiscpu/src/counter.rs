@@ -206,6 +206,7 @@ impl<S: Spread> Counter<S> {
     #[cold]
     #[inline(never)]
     fn add_slow<const FIELD: usize>(&self, n: u64) {
+        let mut aborts = ops::AbortRun::new();
         while let Some(cpu) = ops::position() {
             let at = if FIELD == BY_CPU {
                 Some(cpu.index())
@@ -225,7 +226,14 @@ impl<S: Spread> Counter<S> {
                 arch::load_add_store::<FIELD>(offset, index, self.word(index).as_ptr(), n)
             } {
                 Outcome::Committed(()) => return,
-                Outcome::Mismatch | Outcome::Aborted => ops::note_abort(),
+                Outcome::Mismatch | Outcome::Aborted => {
+                    ops::note_abort();
+                    if aborts.gives_up() {
+                        // Interrupted at every instruction: the spare row, atomically.
+                        self.word(dense::cpu_rows()).fetch_add(n, Ordering::Relaxed);
+                        return;
+                    }
+                }
             }
         }
         // No rseq for this thread. When nobody in the process uses rseq, every update of the

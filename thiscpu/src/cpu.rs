@@ -8,6 +8,7 @@
 
 use crate::abi::offset;
 use crate::arch;
+use crate::ops;
 use crate::registration::{self, Registrar, RseqMode, Unavailable};
 use crate::topology;
 use core::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
@@ -230,8 +231,10 @@ pub fn getcpu() -> CpuNode {
 fn getcpu_slow() -> CpuNode {
     if !registration::NO_RSEQ.load(Ordering::Relaxed) && registration::ensure_registered() {
         if NODE_ID_USABLE.load(Ordering::Relaxed) {
-            // Aborts are rare and never repeat forever: a section two loads long is only
-            // interrupted by events that happen between them.
+            // Aborts are rare: a section two loads long is only interrupted by events that
+            // happen between them, unless the thread is interrupted at every instruction
+            // (single-stepped), which the bound on consecutive aborts is for.
+            let mut aborts = ops::AbortRun::new();
             loop {
                 match arch::load_cpu_node() {
                     Some((cpu, node)) if cpu >= 0 => {
@@ -241,6 +244,7 @@ fn getcpu_slow() -> CpuNode {
                         };
                     }
                     Some(_) => break,
+                    None if aborts.gives_up() => break,
                     None => continue,
                 }
             }

@@ -208,6 +208,7 @@ impl Histogram {
         } else {
             value * count as f64
         };
+        let mut aborts = ops::AbortRun::new();
         let mut at = loop {
             let Some(at) = ops::position().filter(|at| at.index() < self.cpus) else {
                 return self.observe_unregistered(bucket, count, value, added);
@@ -219,6 +220,9 @@ impl Histogram {
                 ops::load_add_store(at, self.word(at.index() as usize, bucket).as_ptr(), count)
             } {
                 Outcome::Committed(()) => break at,
+                Outcome::Mismatch | Outcome::Aborted if aborts.gives_up() => {
+                    return self.observe_unregistered(bucket, count, value, added);
+                }
                 Outcome::Mismatch | Outcome::Aborted => continue,
             }
         };
@@ -232,7 +236,8 @@ impl Histogram {
             match unsafe { ops::load_cbne_store(at, slot.as_ptr(), old, new) } {
                 Outcome::Committed(()) => break,
                 Outcome::Mismatch | Outcome::Aborted => {
-                    match ops::position().filter(|at| at.index() < self.cpus) {
+                    match ops::position().filter(|at| at.index() < self.cpus && !aborts.gives_up())
+                    {
                         Some(now) => at = now,
                         None => {
                             let row = self.cpus as usize;
@@ -257,6 +262,7 @@ impl Histogram {
     /// the word in between or the thread moved.
     #[cold]
     fn update_f64(&self, word: usize, change: impl Fn(f64) -> Option<f64>) {
+        let mut aborts = ops::AbortRun::new();
         loop {
             let Some(at) = ops::position().filter(|at| at.index() < self.cpus) else {
                 return self.update_f64_atomic(self.cpus as usize, word, change);
@@ -269,6 +275,9 @@ impl Histogram {
             // SAFETY: as in `observe_many`.
             match unsafe { ops::load_cbne_store(at, slot.as_ptr(), old, new.to_bits()) } {
                 Outcome::Committed(()) => return,
+                Outcome::Mismatch | Outcome::Aborted if aborts.gives_up() => {
+                    return self.update_f64_atomic(self.cpus as usize, word, change);
+                }
                 Outcome::Mismatch | Outcome::Aborted => continue,
             }
         }

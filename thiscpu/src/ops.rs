@@ -231,12 +231,43 @@ pub unsafe fn list_push<T, const FIELD: usize>(
 }
 
 static ABORTS: AtomicU64 = AtomicU64::new(0);
+static ABORT_FALLBACKS: AtomicU64 = AtomicU64::new(0);
 
 /// Records one aborted operation of thiscpu's safe types (called on the abort path only).
 #[cold]
 #[inline(never)]
 pub(crate) fn note_abort() {
     ABORTS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Consecutive aborts after which one call of thiscpu's safe types stops retrying its
+/// restartable sequence and takes its fallback path (an atomic update, a lock, a system call).
+///
+/// Aborts come from preemption, migration and signals, and a retry normally commits. Only a
+/// thread that is interrupted at every instruction aborts every time: one single-stepped by a
+/// debugger, where unbounded retries would never let it leave the section.
+pub const ABORT_LIMIT: u32 = 32;
+
+/// The run of consecutive aborts of one call; lives only on the slow path.
+pub(crate) struct AbortRun(u32);
+
+impl AbortRun {
+    pub(crate) const fn new() -> AbortRun {
+        AbortRun(0)
+    }
+
+    /// Records a failed try; `true` once the run reaches [`ABORT_LIMIT`], when the caller must
+    /// take its fallback path (counted in [`abort_fallbacks`]).
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn gives_up(&mut self) -> bool {
+        self.0 += 1;
+        if self.0 < ABORT_LIMIT {
+            return false;
+        }
+        ABORT_FALLBACKS.fetch_add(1, Ordering::Relaxed);
+        true
+    }
 }
 
 /// Number of aborted restartable operations that thiscpu's safe types ([`crate::Counter`] and
@@ -248,6 +279,19 @@ pub(crate) fn note_abort() {
 /// ```
 pub fn aborts() -> u64 {
     ABORTS.load(Ordering::Relaxed)
+}
+
+/// Number of calls of thiscpu's safe types (and of [`crate::getcpu`]) that met
+/// [`ABORT_LIMIT`] consecutive aborts and took their fallback path instead, in this process
+/// so far. Non-zero means a thread was interrupted at every instruction: single-stepped by a
+/// debugger, for example.
+///
+/// ```
+/// let before = thiscpu::ops::abort_fallbacks();
+/// assert!(thiscpu::ops::abort_fallbacks() >= before);
+/// ```
+pub fn abort_fallbacks() -> u64 {
+    ABORT_FALLBACKS.load(Ordering::Relaxed)
 }
 
 /// Fault injection, built only with `RUSTFLAGS="--cfg thiscpu_inject"`: delay loops at

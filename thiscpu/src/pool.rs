@@ -576,9 +576,11 @@ impl<T> Pool<T> {
     }
 
     /// Pushes onto the current CPU's cache, retrying aborts. Gives the object back with
-    /// `Refused` if the cache is full, or `Stopped` if a drainer owns it or this thread cannot
-    /// use a cache (no rseq, a CPU beyond the caches).
+    /// `Refused` if the cache is full, or `Stopped` if a drainer owns it, this thread cannot
+    /// use a cache (no rseq, a CPU beyond the caches), or [`ops::ABORT_LIMIT`] tries in a row
+    /// aborted.
     fn push_here(&self, stacks: &Stacks, mut object: Box<T>) -> Result<(), (Box<T>, StackOutcome)> {
+        let mut aborts = ops::AbortRun::new();
         while let Some((offset, cpu)) = here() {
             if cpu as usize >= stacks.heads.len() {
                 break;
@@ -588,6 +590,9 @@ impl<T> Pool<T> {
                 Err((back, StackOutcome::Aborted)) => {
                     ops::note_abort();
                     object = back;
+                    if aborts.gives_up() {
+                        break;
+                    }
                 }
                 Err(refused_or_stopped) => return Err(refused_or_stopped),
             }
@@ -598,13 +603,19 @@ impl<T> Pool<T> {
     /// Pops the current CPU's cache, retrying aborts: `Refused` if it is empty, `Stopped` as for
     /// `push_here`.
     fn pop_here(&self, stacks: &Stacks) -> Result<Box<T>, StackOutcome> {
+        let mut aborts = ops::AbortRun::new();
         while let Some((offset, cpu)) = here() {
             if cpu as usize >= stacks.heads.len() {
                 break;
             }
             match self.pop_at(stacks, offset, cpu) {
                 Ok(object) => return Ok(object),
-                Err(StackOutcome::Aborted) => ops::note_abort(),
+                Err(StackOutcome::Aborted) => {
+                    ops::note_abort();
+                    if aborts.gives_up() {
+                        break;
+                    }
+                }
                 Err(refused_or_stopped) => return Err(refused_or_stopped),
             }
         }

@@ -359,6 +359,7 @@ impl<T, S: Spread> Sharded<T, S> {
     fn lock_current_slow(&self) -> ShardGuard<'_, T> {
         let token = token();
         let mut backoff = Backoff::new();
+        let mut aborts = ops::AbortRun::new();
         loop {
             let index = if self.rseq {
                 let at = if S::FIELD == BY_MM_CID && self.by_mm_cid {
@@ -370,10 +371,17 @@ impl<T, S: Spread> Sharded<T, S> {
                     Some((_, Some(guard))) => return guard,
                     Some((index, None)) => {
                         let shard = self.shard(index);
-                        if shard.lock.load(Ordering::Relaxed) == FREE {
+                        if shard.lock.load(Ordering::Relaxed) != FREE {
+                            index
+                        } else if !aborts.gives_up() {
                             continue; // aborted: retry at once
+                        } else {
+                            // Interrupted at every instruction: take it as readers do.
+                            match self.take(index, token) {
+                                Some(guard) => return guard,
+                                None => index,
+                            }
                         }
-                        index
                     }
                     // No rseq on this thread (made by a raw `clone`): take a shard as readers do.
                     None => match self.take(self.fallback_index(), token) {

@@ -10,8 +10,8 @@
 //! threads with `sched_setaffinity`; each block states why it holds.
 
 use crate::Counter;
-use core::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU64, Ordering};
-use std::sync::{Arc, Barrier, Mutex};
+use core::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// What to run.
@@ -80,7 +80,6 @@ impl StressReport {
 static RUN: Mutex<()> = Mutex::new(());
 static COUNTER: AtomicPtr<Counter> = AtomicPtr::new(core::ptr::null_mut());
 static HANDLER_INCREMENTS: AtomicU64 = AtomicU64::new(0);
-
 extern "C" fn increment_in_handler(_: libc::c_int) {
     let counter = COUNTER.load(Ordering::Acquire);
     if !counter.is_null() {
@@ -88,6 +87,177 @@ extern "C" fn increment_in_handler(_: libc::c_int) {
         // stops and every signal was handled) before it is dropped.
         unsafe { &*counter }.inc();
         HANDLER_INCREMENTS.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Holds worker threads until every one has arrived, then releases them all with one wake-up,
+/// or sends them home when the run is called off (a thread could not be created).
+///
+/// A `std::sync::Barrier` wakes its waiters into a mutex they must take one at a time; with
+/// hundreds of threads on a few CPUs, and the released ones spinning, that convoy takes
+/// minutes. Here the release is one store and one `futex` wake, and no waiter takes a lock.
+/// Each worker learns when the gate opened, so that it can stop on time by its own clock:
+/// with many more spinning threads than CPUs, the thread that would tell it to stop may wait
+/// a long time for a CPU.
+#[derive(Debug)]
+pub struct StartGate {
+    expected: u32,
+    arrived: AtomicU32,
+    state: AtomicU32,
+    opened: std::sync::OnceLock<Instant>,
+}
+
+const GATE_CLOSED: u32 = 0;
+const GATE_OPEN: u32 = 1;
+const GATE_CANCELLED: u32 = 2;
+
+impl StartGate {
+    /// A closed gate for `workers` threads.
+    pub fn new(workers: usize) -> Self {
+        StartGate {
+            expected: u32::try_from(workers).unwrap_or(u32::MAX),
+            arrived: AtomicU32::new(0),
+            state: AtomicU32::new(GATE_CLOSED),
+            opened: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Called by a worker: counts it in and waits for the gate to open. The time it opened, or
+    /// `None` when the run was called off.
+    pub fn arrive(&self) -> Option<Instant> {
+        if self.arrived.fetch_add(1, Ordering::AcqRel).wrapping_add(1) == self.expected {
+            futex_wake(&self.arrived, 1);
+        }
+        loop {
+            match self.state.load(Ordering::Acquire) {
+                GATE_CLOSED => futex_wait(&self.state, GATE_CLOSED),
+                GATE_OPEN => return self.opened.get().copied(),
+                _ => return None,
+            }
+        }
+    }
+
+    /// Called by the coordinator: waits until every worker has arrived.
+    pub fn wait_for_all(&self) {
+        loop {
+            let arrived = self.arrived.load(Ordering::Acquire);
+            if arrived >= self.expected {
+                return;
+            }
+            futex_wait(&self.arrived, arrived);
+        }
+    }
+
+    /// Lets every waiting (and later arriving) worker go; the time it opened.
+    pub fn open(&self) -> Instant {
+        let opened = *self.opened.get_or_init(Instant::now);
+        self.release(GATE_OPEN);
+        opened
+    }
+
+    /// Sends every waiting (and later arriving) worker home: `arrive` returns `false`.
+    pub fn cancel(&self) {
+        self.release(GATE_CANCELLED);
+    }
+
+    fn release(&self, state: u32) {
+        self.state.store(state, Ordering::Release);
+        futex_wake(&self.state, i32::MAX);
+    }
+}
+
+/// Sleeps while `word` holds `expected`; may return early (a signal, a spurious wake-up), so
+/// callers check again in a loop.
+fn futex_wait(word: &AtomicU32, expected: u32) {
+    // SAFETY: FUTEX_WAIT only reads the aligned 32-bit word, which `word` keeps alive for the
+    // call, and returns at once when it no longer holds `expected`; no timeout is passed.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+            expected,
+            core::ptr::null::<libc::timespec>(),
+        )
+    };
+    if ret != 0 {
+        let errno = std::io::Error::last_os_error().raw_os_error();
+        if !matches!(errno, Some(libc::EAGAIN) | Some(libc::EINTR)) {
+            // No futex (a sandbox refusing it): wait politely instead.
+            std::thread::yield_now();
+        }
+    }
+}
+
+/// Wakes up to `count` threads sleeping on `word`.
+fn futex_wake(word: &AtomicU32, count: i32) {
+    // SAFETY: FUTEX_WAKE only uses the word's address as a key; it reads no memory.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+            count,
+        );
+    }
+}
+
+/// Starts `count` workers that wait at `gate` first. When the system refuses a thread, the
+/// gate is cancelled, the workers already started are joined, and the error says which thread
+/// of how many could not be created.
+fn spawn_workers<T: Send + 'static, F: FnOnce() -> T + Send + 'static>(
+    count: usize,
+    gate: &StartGate,
+    mut make: impl FnMut(usize) -> F,
+) -> std::io::Result<Vec<std::thread::JoinHandle<T>>> {
+    let mut handles = Vec::with_capacity(count);
+    for index in 0..count {
+        match std::thread::Builder::new().spawn(make(index)) {
+            Ok(handle) => handles.push(handle),
+            Err(error) => {
+                gate.cancel();
+                for handle in handles {
+                    let _ = handle.join();
+                }
+                return Err(thread_refused(
+                    &format!("worker thread {} of {count}", index + 1),
+                    &error,
+                ));
+            }
+        }
+    }
+    Ok(handles)
+}
+
+/// The error for a thread the system would not create.
+fn thread_refused(what: &str, error: &std::io::Error) -> std::io::Error {
+    let reason = match error.raw_os_error() {
+        Some(errno) => os_reason(errno),
+        None => error.to_string(),
+    };
+    std::io::Error::new(
+        error.kind(),
+        format!("the system refused to create {what}: {reason}"),
+    )
+}
+
+/// `strerror`'s text, without std's ` (os error N)` suffix.
+fn os_reason(errno: i32) -> String {
+    let text = std::io::Error::from_raw_os_error(errno).to_string();
+    match text.find(" (os error") {
+        Some(cut) => text[..cut].to_owned(),
+        None => text,
+    }
+}
+
+/// Lowers the calling worker's priority (a higher nice value, which needs no privilege), so
+/// that the thread that migrates and signals the workers, at normal priority, gets a CPU
+/// within a few milliseconds of asking even when thousands of workers spin.
+fn yield_to_the_coordinator() {
+    // SAFETY: setpriority on the calling thread (PRIO_PROCESS with a thread id names one
+    // thread on Linux); failure leaves the priority as it was, which is harmless.
+    unsafe {
+        libc::setpriority(libc::PRIO_PROCESS, gettid() as libc::id_t, 10);
     }
 }
 
@@ -158,6 +328,10 @@ impl<'a> Disturber<'a> {
     fn round(&mut self, tids: &[AtomicI32], cpus: &[u32]) {
         for _ in 0..8 {
             let tid = tids[self.random.next(tids.len())].load(Ordering::Acquire);
+            if tid == 0 {
+                // That worker saw its deadline and left; its thread id may be reused.
+                continue;
+            }
             if self.config.migrate
                 && !cpus.is_empty()
                 && pin(tid, cpus[self.random.next(cpus.len())])
@@ -165,8 +339,8 @@ impl<'a> Disturber<'a> {
                 self.migrations += 1;
             }
             if self.config.signals {
-                // SAFETY: tgkill to a live thread of this process (workers run until they are
-                // told to stop, after the last round); the signal's handler is installed.
+                // SAFETY: tgkill reaches only a thread of this process (a worker, or, if it
+                // left just now, none: the call fails); the signal's handler is installed.
                 let sent =
                     unsafe { libc::syscall(libc::SYS_tgkill, self.pid, tid, self.config.signal) };
                 if sent == 0 {
@@ -220,13 +394,18 @@ struct Churn {
 }
 
 impl Churn {
-    fn spawn(&mut self, work: impl FnOnce() -> u64 + Send + 'static) {
-        self.running.push(std::thread::spawn(work));
+    /// Starts one more; fails when the system refuses the thread.
+    fn spawn(&mut self, work: impl FnOnce() -> u64 + Send + 'static) -> std::io::Result<()> {
+        let handle = std::thread::Builder::new()
+            .spawn(work)
+            .map_err(|error| thread_refused("a short-lived thread", &error))?;
+        self.running.push(handle);
         self.created += 1;
         if self.running.len() >= 16 {
             let oldest: Vec<_> = self.running.drain(..8).collect();
             self.operations += Churn::join(oldest);
         }
+        Ok(())
     }
 
     /// Joins the threads still running; the operations of all.
@@ -260,7 +439,7 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
     let workers = config.threads.max(1);
     let cpus = allowed_cpus();
     let stop = Arc::new(AtomicBool::new(false));
-    let start = Arc::new(Barrier::new(workers + 1));
+    let gate = Arc::new(StartGate::new(workers));
     let tids: Arc<Vec<AtomicI32>> = Arc::new((0..workers).map(|_| AtomicI32::new(0)).collect());
     let aborts_before = crate::ops::aborts();
     HANDLER_INCREMENTS.store(0, Ordering::Relaxed);
@@ -270,40 +449,52 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
         None
     };
     COUNTER.store(Arc::as_ptr(&counter).cast_mut(), Ordering::Release);
+    let duration = config.duration;
 
-    let worker_handles: Vec<_> = (0..workers)
-        .map(|index| {
-            let (counter, stop, start, tids) =
-                (counter.clone(), stop.clone(), start.clone(), tids.clone());
-            std::thread::spawn(move || {
-                tids[index].store(gettid(), Ordering::Release);
-                start.wait();
-                let mut made = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    for _ in 0..64 {
-                        counter.inc();
-                    }
-                    made += 64;
+    let worker_handles = spawn_workers(workers, &gate, |index| {
+        let (counter, stop, gate, tids) =
+            (counter.clone(), stop.clone(), gate.clone(), tids.clone());
+        move || {
+            tids[index].store(gettid(), Ordering::Release);
+            yield_to_the_coordinator();
+            let Some(opened) = gate.arrive() else {
+                return 0;
+            };
+            let deadline = opened + duration;
+            let mut made = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                for _ in 0..64 {
+                    counter.inc();
                 }
-                made
-            })
-        })
-        .collect();
+                made += 64;
+                if made.is_multiple_of(4096) && Instant::now() >= deadline {
+                    break;
+                }
+            }
+            tids[index].store(0, Ordering::Release);
+            made
+        }
+    })?;
 
-    start.wait();
-    let began = Instant::now();
+    gate.wait_for_all();
+    let began = gate.open();
     let deadline = began + config.duration;
     let mut disturber = Disturber::new(config);
     let mut churn = Churn::default();
+    let mut refused = None;
     while Instant::now() < deadline {
         disturber.round(&tids, &cpus);
         if config.churn {
             let counter = counter.clone();
-            churn.spawn(move || {
+            let spawned = churn.spawn(move || {
                 let n = 2_000;
                 (0..n).for_each(|_| counter.inc());
                 n
             });
+            if let Err(error) = spawned {
+                refused = Some(error);
+                break;
+            }
         }
         std::thread::sleep(Duration::from_micros(200));
     }
@@ -315,6 +506,9 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
     let threads_created = churn.created;
     operations += churn.finish();
     let elapsed = began.elapsed();
+    if let Some(error) = refused {
+        return Err(error);
+    }
     // Signals go only to workers, all joined now: no handler can run any more. A signal still
     // pending when its worker exited was discarded with it, neither handled nor counted.
     drop(guard);
@@ -479,7 +673,7 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
     let workers = stress.threads.max(1);
     let cpus = allowed_cpus();
     let stop = Arc::new(AtomicBool::new(false));
-    let start = Arc::new(Barrier::new(workers + 1));
+    let gate = Arc::new(StartGate::new(workers));
     let tids: Arc<Vec<AtomicI32>> = Arc::new((0..workers).map(|_| AtomicI32::new(0)).collect());
     let aborts_before = crate::ops::aborts();
     // The handler increments this counter: a restartable sequence of its own, run right after
@@ -497,34 +691,38 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
         let _ = crate::fence::register();
     }
 
-    let worker_handles: Vec<_> = (0..workers)
-        .map(|index| {
-            let (pool, held, doubles, stop, start, tids) = (
-                pool.clone(),
-                held.clone(),
-                doubles.clone(),
-                stop.clone(),
-                start.clone(),
-                tids.clone(),
-            );
-            std::thread::spawn(move || {
-                tids[index].store(gettid(), Ordering::Release);
-                start.wait();
-                let mut random = Random(0x2545_f491_4f6c_dd1d ^ (index as u64 + 1));
-                let mut made = 0u64;
-                while !stop.load(Ordering::Relaxed) {
-                    for _ in 0..16 {
-                        made += pool_round(&pool, &held, &doubles, 1 + random.next(hold));
-                    }
+    let duration = stress.duration;
+    let mut worker_handles = spawn_workers(workers, &gate, |index| {
+        let (pool, held, doubles, stop, gate, tids) = (
+            pool.clone(),
+            held.clone(),
+            doubles.clone(),
+            stop.clone(),
+            gate.clone(),
+            tids.clone(),
+        );
+        move || {
+            tids[index].store(gettid(), Ordering::Release);
+            yield_to_the_coordinator();
+            let Some(opened) = gate.arrive() else {
+                return 0;
+            };
+            let deadline = opened + duration;
+            let mut random = Random(0x2545_f491_4f6c_dd1d ^ (index as u64 + 1));
+            let mut made = 0u64;
+            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                for _ in 0..16 {
+                    made += pool_round(&pool, &held, &doubles, 1 + random.next(hold));
                 }
-                made
-            })
-        })
-        .collect();
+            }
+            tids[index].store(0, Ordering::Release);
+            made
+        }
+    })?;
 
     let drainer = config.drain.then(|| {
         let (pool, stop) = (pool.clone(), stop.clone());
-        std::thread::spawn(move || {
+        std::thread::Builder::new().spawn(move || {
             let possible = crate::topology::possible_cpus() as u32;
             let mut random = Random(0x9e37_79b9_7f4a_7c15);
             let (mut drains, mut unavailable, mut objects, mut method) = (0u64, 0u64, 0u64, None);
@@ -543,21 +741,36 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
             (drains, unavailable, objects, method)
         })
     });
+    let drainer = match drainer.transpose() {
+        Ok(drainer) => drainer,
+        Err(error) => {
+            gate.cancel();
+            for handle in worker_handles.drain(..) {
+                let _ = handle.join();
+            }
+            return Err(thread_refused("the draining thread", &error));
+        }
+    };
 
-    start.wait();
-    let began = Instant::now();
+    gate.wait_for_all();
+    let began = gate.open();
     let deadline = began + stress.duration;
     let mut disturber = Disturber::new(stress);
     let mut churn = Churn::default();
+    let mut refused = None;
     while Instant::now() < deadline {
         disturber.round(&tids, &cpus);
         if stress.churn {
             let (pool, held, doubles) = (pool.clone(), held.clone(), doubles.clone());
-            churn.spawn(move || {
+            let spawned = churn.spawn(move || {
                 (0..200)
                     .map(|round| pool_round(&pool, &held, &doubles, 1 + round % hold))
                     .sum::<u64>()
             });
+            if let Err(error) = spawned {
+                refused = Some(error);
+                break;
+            }
         }
         std::thread::sleep(Duration::from_micros(200));
     }
@@ -572,6 +785,9 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
         .map(|handle| handle.join().expect("pool drainer panicked"))
         .unwrap_or_default();
     let elapsed = began.elapsed();
+    if let Some(error) = refused {
+        return Err(error);
+    }
     drop(guard);
     COUNTER.store(core::ptr::null_mut(), Ordering::Release);
     let signals_handled = HANDLER_INCREMENTS.load(Ordering::Relaxed);
@@ -631,4 +847,32 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
         workers,
         elapsed,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_gate_releases_every_waiter_or_sends_them_home() {
+        for open in [true, false] {
+            let gate = Arc::new(StartGate::new(64));
+            let waiters: Vec<_> = (0..64)
+                .map(|_| {
+                    let gate = gate.clone();
+                    std::thread::spawn(move || gate.arrive())
+                })
+                .collect();
+            gate.wait_for_all();
+            let opened = if open {
+                Some(gate.open())
+            } else {
+                gate.cancel();
+                None
+            };
+            for waiter in waiters {
+                assert_eq!(waiter.join().unwrap(), opened);
+            }
+        }
+    }
 }

@@ -80,13 +80,54 @@ impl StressReport {
 static RUN: Mutex<()> = Mutex::new(());
 static COUNTER: AtomicPtr<Counter> = AtomicPtr::new(core::ptr::null_mut());
 static HANDLER_INCREMENTS: AtomicU64 = AtomicU64::new(0);
+/// Handlers between their first and last instruction, on any thread. The handler is installed
+/// process-wide, so a signal sent to the whole process (`kill`) may run it on a thread that is
+/// not a worker, at any time; a run waits for this to fall to zero before its counter can go.
+static HANDLERS_RUNNING: AtomicU32 = AtomicU32::new(0);
+
 extern "C" fn increment_in_handler(_: libc::c_int) {
-    let counter = COUNTER.load(Ordering::Acquire);
+    // Counted as running before the pointer is read: see `HandlerTarget`'s drop.
+    HANDLERS_RUNNING.fetch_add(1, Ordering::SeqCst);
+    let counter = COUNTER.load(Ordering::SeqCst);
     if !counter.is_null() {
-        // SAFETY: the pointer is set while the counter is alive and cleared (after the storm
-        // stops and every signal was handled) before it is dropped.
+        #[cfg(test)]
+        tests::pause_if_asked();
+        // SAFETY: the pointer was read while it was published, after this handler counted
+        // itself in `HANDLERS_RUNNING`; the `HandlerTarget` that published it holds the counter
+        // alive until the pointer is withdrawn and no handler is running any more.
         unsafe { &*counter }.inc();
         HANDLER_INCREMENTS.fetch_add(1, Ordering::Relaxed);
+        #[cfg(test)]
+        tests::note_handler_end();
+    }
+    HANDLERS_RUNNING.fetch_sub(1, Ordering::SeqCst);
+}
+
+/// The counter the signal handler increments, published for one run. Dropping it withdraws
+/// the pointer and then waits until no handler, on any thread, is still between reading the
+/// pointer and using it; only then is its reference to the counter released.
+struct HandlerTarget {
+    _alive: Arc<Counter>,
+}
+
+impl HandlerTarget {
+    fn publish(counter: &Arc<Counter>) -> Self {
+        COUNTER.store(Arc::as_ptr(counter).cast_mut(), Ordering::SeqCst);
+        HandlerTarget {
+            _alive: counter.clone(),
+        }
+    }
+}
+
+impl Drop for HandlerTarget {
+    fn drop(&mut self) {
+        COUNTER.store(core::ptr::null_mut(), Ordering::SeqCst);
+        // Sequentially consistent on both sides: a handler that read the pointer before the
+        // store above had counted itself before that, so the count seen here includes it.
+        // Handlers are short; this loop normally runs zero times.
+        while HANDLERS_RUNNING.load(Ordering::SeqCst) != 0 {
+            std::thread::sleep(Duration::from_micros(100));
+        }
     }
 }
 
@@ -448,7 +489,7 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
     } else {
         None
     };
-    COUNTER.store(Arc::as_ptr(&counter).cast_mut(), Ordering::Release);
+    let target = HandlerTarget::publish(&counter);
     let duration = config.duration;
 
     let worker_handles = spawn_workers(workers, &gate, |index| {
@@ -509,10 +550,12 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
     if let Some(error) = refused {
         return Err(error);
     }
-    // Signals go only to workers, all joined now: no handler can run any more. A signal still
-    // pending when its worker exited was discarded with it, neither handled nor counted.
+    // The storm's signals went only to workers, all joined now; a signal still pending when
+    // its worker exited was discarded with it, neither handled nor counted. A signal sent to
+    // the whole process may still run the handler on another thread: withdrawing the target
+    // waits for it.
     drop(guard);
-    COUNTER.store(core::ptr::null_mut(), Ordering::Release);
+    drop(target);
     let signal_increments = HANDLER_INCREMENTS.load(Ordering::Relaxed);
     operations += signal_increments;
     let counted = counter.sum();
@@ -685,7 +728,7 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
     } else {
         None
     };
-    COUNTER.store(Arc::as_ptr(&handled).cast_mut(), Ordering::Release);
+    let target = HandlerTarget::publish(&handled);
     if config.drain {
         // Registration may wait for an RCU grace period: do it before the clock starts.
         let _ = crate::fence::register();
@@ -789,7 +832,7 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
         return Err(error);
     }
     drop(guard);
-    COUNTER.store(core::ptr::null_mut(), Ordering::Release);
+    drop(target);
     let signals_handled = HANDLER_INCREMENTS.load(Ordering::Relaxed);
 
     // Every thread has stopped: take every object out through the pool's own paths and check
@@ -852,6 +895,79 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The thread whose handler pauses, and for how long.
+    static PAUSE_TID: AtomicI32 = AtomicI32::new(0);
+    const PAUSE: Duration = Duration::from_millis(800);
+    /// `CLOCK_MONOTONIC` nanoseconds when that handler was done with the counter; 0 before.
+    static PAUSED_HANDLER_END: AtomicU64 = AtomicU64::new(0);
+
+    fn monotonic_nanos() -> u64 {
+        let mut now = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime writes one timespec we own; it is async-signal-safe.
+        unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+        now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
+    }
+
+    /// In the handler, after it read the counter's pointer: holds the chosen thread there.
+    pub(super) fn pause_if_asked() {
+        if gettid() == PAUSE_TID.load(Ordering::SeqCst) {
+            std::thread::sleep(PAUSE);
+        }
+    }
+
+    /// In the handler, after its increment: records when the chosen thread got there.
+    pub(super) fn note_handler_end() {
+        if gettid() == PAUSE_TID.load(Ordering::SeqCst) {
+            PAUSED_HANDLER_END.store(monotonic_nanos(), Ordering::SeqCst);
+        }
+    }
+
+    /// A signal for the whole process may run the handler on a thread that is not a worker,
+    /// and that handler may still hold the counter when the workers are done: the run must not
+    /// free the counter (and must not return) before that handler is finished with it.
+    #[test]
+    fn a_handler_on_another_thread_keeps_the_counter_alive() {
+        let config = StressConfig {
+            duration: Duration::from_millis(300),
+            threads: 2,
+            migrate: false,
+            churn: false,
+            signals: true,
+            // Ignored by default: if it ever came after the run, it would do nothing.
+            signal: libc::SIGWINCH,
+        };
+        let bystander = std::thread::spawn(move || {
+            PAUSE_TID.store(gettid(), Ordering::SeqCst);
+            let waited = Instant::now();
+            while COUNTER.load(Ordering::SeqCst).is_null() {
+                assert!(
+                    waited.elapsed() < Duration::from_secs(20),
+                    "the run never started"
+                );
+                std::thread::sleep(Duration::from_micros(200));
+            }
+            // SAFETY: tgkill to this thread; the run's handler for the signal is installed.
+            let sent = unsafe {
+                libc::syscall(libc::SYS_tgkill, libc::getpid(), gettid(), libc::SIGWINCH)
+            };
+            assert_eq!(sent, 0);
+        });
+        let report = run_counter(&config).expect("stress run");
+        let returned = monotonic_nanos();
+        let handler_end = PAUSED_HANDLER_END.load(Ordering::SeqCst);
+        bystander.join().expect("bystander");
+        assert_ne!(
+            handler_end, 0,
+            "the run returned while a handler on another thread still held its counter"
+        );
+        assert!(handler_end <= returned);
+        assert!(report.exact(), "{report:?}");
+        assert!(report.signal_increments >= 1, "{report:?}");
+    }
 
     #[test]
     fn the_gate_releases_every_waiter_or_sends_them_home() {

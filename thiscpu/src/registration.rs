@@ -91,6 +91,11 @@ impl RseqMode {
 /// if let Some(why) = thiscpu::source().unavailable {
 ///     println!("rseq unavailable: {why}");
 /// }
+/// // A refusal (here EPERM, from a seccomp filter) reads like other error messages.
+/// assert_eq!(
+///     thiscpu::Unavailable::Refused(1).to_string(),
+///     "the rseq system call was refused: Operation not permitted"
+/// );
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -113,11 +118,14 @@ impl core::fmt::Display for Unavailable {
         match self {
             Unavailable::TurnedOff => f.write_str("turned off with THISCPU_RSEQ=off"),
             Unavailable::NoSyscall => f.write_str("the kernel has no rseq system call"),
-            Unavailable::Refused(errno) => write!(
-                f,
-                "the rseq system call was refused ({})",
-                std::io::Error::from_raw_os_error(*errno)
-            ),
+            Unavailable::Refused(errno) => {
+                // strerror's words, without std's " (os error N)" after them.
+                let text = std::io::Error::from_raw_os_error(*errno).to_string();
+                let words = text
+                    .find(" (os error")
+                    .map_or(&text[..], |cut| &text[..cut]);
+                write!(f, "the rseq system call was refused: {words}")
+            }
             Unavailable::RegisteredElsewhere => f.write_str(
                 "threads already have an rseq area thiscpu cannot find \
                  (static glibc or another library)",

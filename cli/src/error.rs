@@ -62,7 +62,7 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {}
 
 /// `Permission denied` rather than `Permission denied (os error 13)`.
-fn plain(error: &std::io::Error) -> String {
+pub fn plain(error: &std::io::Error) -> String {
     let text = error.to_string();
     match text.find(" (os error") {
         Some(cut) => text[..cut].to_owned(),

@@ -40,9 +40,9 @@ use crate::machine::{self, Machine};
 use crate::report;
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::sync::Barrier;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
+use thiscpu::stress::StartGate;
 
 /// What a result counts, and which way is better.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -558,8 +558,11 @@ fn run_family(plan: &Plan, info: &RunInfo) -> Result<Vec<Measured>> {
     let chunks: Vec<u64> = plan
         .cases
         .iter()
-        .map(|(_, workload)| calibrate(workload.as_ref(), info.cpus[0], chunk_target))
-        .collect();
+        .map(|(case, workload)| {
+            calibrate(workload.as_ref(), info.cpus[0], chunk_target)
+                .map_err(|why| Error::failed(format!("{}/{}: {why}", plan.family.name, case.name)))
+        })
+        .collect::<Result<_>>()?;
 
     let mut results: Vec<Measured> = Vec::new();
     for (case, _) in &plan.cases {
@@ -702,10 +705,14 @@ fn thread_cpu_time() -> Duration {
 }
 
 /// Finds how many operations take about `target`, on a thread pinned like worker 0.
-fn calibrate(workload: &dyn Workload, cpu: u32, target: Duration) -> u64 {
+fn calibrate(
+    workload: &dyn Workload,
+    cpu: u32,
+    target: Duration,
+) -> std::result::Result<u64, String> {
     std::thread::scope(|scope| {
-        scope
-            .spawn(|| {
+        let thread = std::thread::Builder::new()
+            .spawn_scoped(scope, || {
                 pin_to(cpu);
                 workload.prepare(1);
                 let mut ops = 1u64;
@@ -718,9 +725,17 @@ fn calibrate(workload: &dyn Workload, cpu: u32, target: Duration) -> u64 {
                     ops *= 2;
                 }
             })
-            .join()
-            .unwrap_or(1)
+            .map_err(|e| thread_refused("a calibration thread", &e))?;
+        Ok(thread.join().unwrap_or(1))
     })
+}
+
+/// The message for a thread the system would not create.
+fn thread_refused(what: &str, error: &std::io::Error) -> String {
+    format!(
+        "the system refused to create {what}: {}",
+        crate::error::plain(error)
+    )
 }
 
 /// Runs `workload` on `threads` pinned workers, released together, for `duration`.
@@ -732,49 +747,68 @@ fn measure(
     duration: Duration,
 ) -> std::result::Result<Sample, String> {
     workload.prepare(threads);
-    let start = Barrier::new(threads + 1);
+    // Not `std::sync::Barrier`: its waiters leave through a mutex one at a time, which with
+    // hundreds of workers on a few CPUs, the first ones already spinning, takes minutes.
+    let gate = StartGate::new(threads);
     let stop = AtomicBool::new(false);
-    let outcomes: Vec<Option<(u64, WorkerRun, bool)>> = std::thread::scope(|scope| {
-        let workers: Vec<_> = (0..threads)
-            .map(|worker| {
-                let (start, stop) = (&start, &stop);
-                let cpu = cpus[worker % cpus.len()];
-                scope.spawn(move || {
-                    let pinned = pin_to(cpu);
-                    // Warm up: first-use work (rseq registration, page faults) stays out of
-                    // the timed part. A panic here still reaches the barrier (or the other
-                    // threads would wait there forever) and is raised after it.
-                    let warm_up = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        workload.run(worker, chunk)
-                    }));
-                    start.wait();
-                    if let Err(panic) = warm_up {
-                        std::panic::resume_unwind(panic);
+    let outcomes = std::thread::scope(|scope| {
+        let mut workers = Vec::with_capacity(threads);
+        for worker in 0..threads {
+            let (gate, stop) = (&gate, &stop);
+            let cpu = cpus[worker % cpus.len()];
+            let spawned = std::thread::Builder::new().spawn_scoped(scope, move || {
+                let pinned = pin_to(cpu);
+                // Warm up: first-use work (rseq registration, page faults) stays out of
+                // the timed part. A panic here still reaches the gate (or the other
+                // threads would wait there forever) and is raised after it.
+                let warm_up = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    workload.run(worker, chunk)
+                }));
+                let opened = gate.arrive();
+                if let Err(panic) = warm_up {
+                    std::panic::resume_unwind(panic);
+                }
+                let opened = opened?;
+                // Each worker stops by its own clock: with many more workers than CPUs, the
+                // thread that sets `stop` may wait long for a CPU.
+                let deadline = opened + duration;
+                let begin = Instant::now();
+                let begin_cpu = thread_cpu_time();
+                let mut ops = 0u64;
+                loop {
+                    workload.run(worker, chunk);
+                    ops += chunk;
+                    if stop.load(Ordering::Relaxed) || Instant::now() >= deadline {
+                        break;
                     }
-                    let begin = Instant::now();
-                    let begin_cpu = thread_cpu_time();
-                    let mut ops = 0u64;
-                    loop {
-                        workload.run(worker, chunk);
-                        ops += chunk;
-                        if stop.load(Ordering::Relaxed) {
-                            break;
-                        }
-                    }
-                    let run = WorkerRun {
-                        ops,
-                        wall: begin.elapsed(),
-                        cpu: thread_cpu_time().saturating_sub(begin_cpu),
-                    };
-                    (chunk, run, pinned)
-                })
-            })
-            .collect();
-        start.wait();
+                }
+                let run = WorkerRun {
+                    ops,
+                    wall: begin.elapsed(),
+                    cpu: thread_cpu_time().saturating_sub(begin_cpu),
+                };
+                Some((chunk, run, pinned))
+            });
+            match spawned {
+                Ok(handle) => workers.push(handle),
+                Err(error) => {
+                    gate.cancel();
+                    return Err(thread_refused(
+                        &format!("worker thread {} of {threads}", worker + 1),
+                        &error,
+                    ));
+                }
+            }
+        }
+        gate.wait_for_all();
+        gate.open();
         std::thread::sleep(duration);
         stop.store(true, Ordering::Relaxed);
-        workers.into_iter().map(|w| w.join().ok()).collect()
-    });
+        Ok(workers
+            .into_iter()
+            .map(|w| w.join().ok().flatten())
+            .collect::<Vec<Option<(u64, WorkerRun, bool)>>>())
+    })?;
     let mut sample = Sample {
         workers: Vec::with_capacity(threads),
         ops: 0,

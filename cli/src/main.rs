@@ -115,15 +115,20 @@ struct BenchArgs {
     quick: bool,
 
     /// Total time budget in seconds for the whole run [default: 60, or 1 with --quick].
-    #[arg(long, value_name = "N", value_parser = parse_seconds)]
+    #[arg(long, value_name = "N", allow_negative_numbers = true, value_parser = parse_seconds)]
     seconds: Option<f64>,
 
     /// Rounds per case [default: 21, or 3 with --quick].
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    #[arg(
+        long,
+        value_name = "N",
+        allow_negative_numbers = true,
+        value_parser = clap::value_parser!(u32).range(1..=10_000)
+    )]
     rounds: Option<u32>,
 
     /// Thread counts, e.g. 1,2 or 1-4 or 1:8:2 [default: each family's own].
-    #[arg(long, value_name = "LIST", value_parser = parse_threads)]
+    #[arg(long, value_name = "LIST", allow_negative_numbers = true, value_parser = parse_threads)]
     threads: Option<ThreadList>,
 
     /// Only cases whose name contains one of these comma-separated strings or matches one of

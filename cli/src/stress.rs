@@ -7,8 +7,9 @@
 //! storm around a `Pool`, with a thread draining CPU caches). Each run lasts `--seconds`.
 //! Exit status 0 when every increment and every object was accounted for, 1 otherwise.
 
-use crate::error::{Error, Result};
+use crate::error::{Error, Result, plain};
 use serde_json::{Value, json};
+use std::io::IsTerminal;
 use std::time::Duration;
 use thiscpu::stress::{
     PoolStressConfig, PoolStressReport, StressConfig, StressReport, run_counter, run_pool,
@@ -18,11 +19,22 @@ use thiscpu::stress::{
 #[derive(Debug, clap::Args)]
 pub struct StressArgs {
     /// How long each stress runs, in seconds (fractions allowed).
-    #[arg(long, value_name = "N", default_value = "5", value_parser = crate::parse_seconds)]
+    #[arg(
+        long,
+        value_name = "N",
+        default_value = "5",
+        allow_negative_numbers = true,
+        value_parser = crate::parse_seconds
+    )]
     seconds: f64,
 
     /// Long-lived worker threads [default: 4 per online CPU].
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=4096))]
+    #[arg(
+        long,
+        value_name = "N",
+        allow_negative_numbers = true,
+        value_parser = clap::value_parser!(u32).range(1..=4096)
+    )]
     threads: Option<u32>,
 
     /// Print one JSON object instead of text.
@@ -39,13 +51,24 @@ pub fn run(args: StressArgs) -> Result<()> {
     if let Some(threads) = args.threads {
         config.threads = threads as usize;
     }
-    let failed = |what: &str, e: std::io::Error| Error::failed(format!("{what} stress: {e}"));
+    let failed =
+        |what: &str, e: std::io::Error| Error::failed(format!("{what} stress: {}", plain(&e)));
+    let progress = spinner();
+    let phase = |what: &str| {
+        progress.set_message(format!(
+            "{what} stress: {} workers for {} s",
+            config.threads, args.seconds
+        ));
+    };
+    phase("counter");
     let counter = run_counter(&config).map_err(|e| failed("counter", e))?;
+    phase("pool");
     let pool = run_pool(&PoolStressConfig {
         stress: config.clone(),
         ..PoolStressConfig::default()
     })
     .map_err(|e| failed("pool", e))?;
+    progress.finish_and_clear();
 
     let source = thiscpu::source();
     let lost = counter.lost.unsigned_abs() + pool.lost.unsigned_abs();
@@ -101,6 +124,19 @@ pub fn run(args: StressArgs) -> Result<()> {
             counter.lost, counter.operations, pool.lost, pool.double_handouts, pool.duplicates
         )))
     }
+}
+
+/// What runs now, with the time spent, on standard error when it is a terminal.
+fn spinner() -> indicatif::ProgressBar {
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let bar = indicatif::ProgressBar::new_spinner();
+    if let Ok(style) = indicatif::ProgressStyle::with_template("{spinner} {msg} ({elapsed})") {
+        bar.set_style(style);
+    }
+    bar.enable_steady_tick(Duration::from_millis(200));
+    bar
 }
 
 fn counter_json(r: &StressReport) -> Value {

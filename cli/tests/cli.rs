@@ -329,6 +329,20 @@ fn errors_name_the_problem() {
     );
     let stderr = text(&thiscpu(&["compare", "before.json"]).stderr);
     assert!(stderr.contains("<AFTER>"), "{stderr}");
+    // A negative number is a bad value, not an unknown flag.
+    for (args, shown) in [
+        (&["bench", "--seconds", "-1"][..], "'-1' for '--seconds"),
+        (&["bench", "--rounds", "-3"], "'-3' for '--rounds"),
+        (&["bench", "--threads", "-2"], "'-2' for '--threads"),
+    ] {
+        let output = thiscpu(args);
+        let stderr = text(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(
+            stderr.contains("invalid value") && stderr.contains(shown),
+            "{args:?}: {stderr}"
+        );
+    }
     let stderr = text(&thiscpu(&["compare", "/no/such/before.json", "x"]).stderr);
     assert!(stderr.contains("/no/such/before.json"), "{stderr}");
 }

@@ -1,8 +1,15 @@
 //! `thiscpu stress`: a short run is exact and says so in its JSON; bad input exits with
-//! status 2 and a one-line message.
+//! status 2 and a one-line message; thousands of threads take time in proportion to what was
+//! asked; a thread the system refuses is a one-line error from `stress` and `bench` alike.
 
 use serde_json::Value;
-use std::process::{Command, Output};
+use std::os::unix::process::CommandExt;
+use std::process::{Command, Output, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Runs with many threads one at a time: the machine may have few CPUs.
+static MANY_THREADS: Mutex<()> = Mutex::new(());
 
 fn thiscpu(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_thiscpu"))
@@ -66,6 +73,7 @@ fn bad_input_exits_2() {
     for args in [
         &["stress", "--seconds", "0"][..],
         &["stress", "--seconds", "-1"],
+        &["stress", "--threads", "-4"],
         &["stress", "--seconds", "soon"],
         &["stress", "--threads", "0"],
         &["stress", "--threads", "many"],
@@ -78,5 +86,99 @@ fn bad_input_exits_2() {
         assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
         assert!(stderr.starts_with("thiscpu: "), "{args:?}: {stderr}");
         assert!(output.stdout.is_empty(), "{args:?}");
+    }
+}
+
+/// Runs the command, killing it after `limit`; the output and how long it ran.
+fn run_within(command: &mut Command, limit: Duration) -> (Output, Duration) {
+    let started = Instant::now();
+    let mut child = command
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("run thiscpu");
+    while child.try_wait().expect("wait for thiscpu").is_none() {
+        if started.elapsed() > limit {
+            let _ = child.kill();
+            let output = child.wait_with_output().expect("collect thiscpu");
+            panic!(
+                "{command:?} still ran after {limit:?}; killed. stdout:\n{}\nstderr:\n{}",
+                text(&output.stdout),
+                text(&output.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let elapsed = started.elapsed();
+    (child.wait_with_output().expect("collect thiscpu"), elapsed)
+}
+
+#[test]
+fn a_thousand_threads_take_about_the_time_asked() {
+    let _one_at_a_time = MANY_THREADS.lock().unwrap_or_else(|e| e.into_inner());
+    // Two runs of one second each, plus starting and joining 2048 threads: a few seconds. A
+    // start barrier that releases its waiters through a mutex took minutes here.
+    let (output, elapsed) = run_within(
+        Command::new(env!("CARGO_BIN_EXE_thiscpu")).args([
+            "stress",
+            "--threads",
+            "1024",
+            "--seconds",
+            "1",
+            "--json",
+        ]),
+        Duration::from_secs(25),
+    );
+    let stdout = text(&output.stdout);
+    assert!(output.status.success(), "{stdout}{}", text(&output.stderr));
+    let report: Value = serde_json::from_str(&stdout).expect("stress --json prints JSON");
+    assert_eq!(report["exact"], true, "{report}");
+    for part in ["counter", "pool"] {
+        assert_eq!(report[part]["workers"], 1024, "{report}");
+        let seconds = report[part]["elapsed_seconds"].as_f64().unwrap();
+        assert!(seconds < 5.0, "{part} ran {seconds} s for 1 s asked");
+    }
+    eprintln!("stress --threads 1024 --seconds 1: {elapsed:?}");
+}
+
+/// The command with its address space capped, so that the system refuses thread stacks after
+/// a few dozen threads (a cap on processes, `ulimit -u`, does not bind root).
+fn with_little_memory(args: &[&str]) -> Command {
+    let mut command = Command::new(env!("CARGO_BIN_EXE_thiscpu"));
+    command.args(args);
+    // SAFETY: the closure runs in the child between fork and exec and calls only setrlimit,
+    // which is async-signal-safe.
+    unsafe {
+        command.pre_exec(|| {
+            let limit = libc::rlimit {
+                rlim_cur: 256 << 20,
+                rlim_max: 256 << 20,
+            };
+            if libc::setrlimit(libc::RLIMIT_AS, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    command
+}
+
+#[test]
+fn refused_threads_are_a_clean_error() {
+    let _one_at_a_time = MANY_THREADS.lock().unwrap_or_else(|e| e.into_inner());
+    for args in [
+        &["stress", "--threads", "4096", "--seconds", "1"][..],
+        &["bench", "--quick", "--threads", "1024", "counter"],
+    ] {
+        let (output, _) = run_within(&mut with_little_memory(args), Duration::from_secs(25));
+        let stderr = text(&output.stderr);
+        assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");
+        assert!(
+            stderr.starts_with("thiscpu: ") && stderr.contains("refused to create"),
+            "{args:?}: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{args:?}: {stderr}");
+        assert!(!stderr.contains("os error"), "{args:?}: {stderr}");
     }
 }

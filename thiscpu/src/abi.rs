@@ -108,8 +108,14 @@ const _: () = {
 /// the kernel's feature size: the bytes past it are padding.
 pub fn usable_size(registered_size: u32, kernel_feature_size: u32) -> u32 {
     if registered_size == ORIGINAL_FEATURE_SIZE || registered_size == ORIGINAL_AREA_SIZE {
-        // Written as a clamp on purpose: the equivalent `if k > 20 { k.min(32) } else { 20 }`
-        // is miscompiled by rustc 1.95/1.96 (LLVM 22) at -O, returning 0 for k = 0.
+        // Written as a clamp on purpose. LLVM 22 (rustc 1.95.0 with LLVM 22.1.2, 1.96.0 with
+        // 22.1.8) optimises the equivalent `if k > 20 { k.min(32) } else { 20 }` into
+        // `umin(k, 32)`: inside the branch it marks `k` with the range attribute [21, 2^32),
+        // then folds the branch away and keeps the attribute, so k <= 20 becomes poison and
+        // the function returns k (0 for k = 0) instead of 20. Inside this function x86_64 code
+        // happened to come out right, aarch64 code from 1.96 did not; a standalone copy of the
+        // branch is miscompiled on both: tests/optimiser.rs reproduces it, and checks this
+        // function in an optimised build.
         kernel_feature_size.clamp(ORIGINAL_FEATURE_SIZE, ORIGINAL_AREA_SIZE)
     } else {
         registered_size.min(kernel_feature_size.max(ORIGINAL_FEATURE_SIZE))

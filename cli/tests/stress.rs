@@ -141,23 +141,33 @@ fn a_thousand_threads_take_about_the_time_asked() {
     eprintln!("stress --threads 1024 --seconds 1: {elapsed:?}");
 }
 
-/// The command with its address space capped, so that the system refuses thread stacks after
-/// a few dozen threads (a cap on processes, `ulimit -u`, does not bind root).
-fn with_little_memory(args: &[&str]) -> Command {
+/// The command with a cap on its user's threads (`ulimit -u`), so that the system refuses a
+/// thread after a few dozen. The cap does not bind root, so as root the child first becomes
+/// the unprivileged `nobody` (65534).
+fn with_few_threads(args: &[&str]) -> Command {
     let mut command = Command::new(env!("CARGO_BIN_EXE_thiscpu"));
     command.args(args);
-    // SAFETY: the closure runs in the child between fork and exec and calls only setrlimit,
-    // which is async-signal-safe.
+    // SAFETY: the closure runs in the child between fork and exec and makes only system calls
+    // (getuid, setgroups, setgid, setuid, setrlimit), all async-signal-safe.
     unsafe {
         command.pre_exec(|| {
-            let limit = libc::rlimit {
-                rlim_cur: 256 << 20,
-                rlim_max: 256 << 20,
+            let check = |ret: libc::c_int| {
+                if ret == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
             };
-            if libc::setrlimit(libc::RLIMIT_AS, &limit) != 0 {
-                return Err(std::io::Error::last_os_error());
+            if libc::getuid() == 0 {
+                check(libc::setgroups(0, std::ptr::null()))?;
+                check(libc::setgid(65534))?;
+                check(libc::setuid(65534))?;
             }
-            Ok(())
+            let limit = libc::rlimit {
+                rlim_cur: 32,
+                rlim_max: 32,
+            };
+            check(libc::setrlimit(libc::RLIMIT_NPROC, &limit))
         });
     }
     command
@@ -170,7 +180,7 @@ fn refused_threads_are_a_clean_error() {
         &["stress", "--threads", "4096", "--seconds", "1"][..],
         &["bench", "--quick", "--threads", "1024", "counter"],
     ] {
-        let (output, _) = run_within(&mut with_little_memory(args), Duration::from_secs(25));
+        let (output, _) = run_within(&mut with_few_threads(args), Duration::from_secs(25));
         let stderr = text(&output.stderr);
         assert_eq!(output.status.code(), Some(1), "{args:?}: {stderr}");
         assert_eq!(stderr.lines().count(), 1, "{args:?}: {stderr}");

@@ -38,6 +38,8 @@ svgs = [f for f in os.listdir(os.path.join(out, "svg")) if f.endswith(".svg")]
 assert svgs, "no SVG chart written"
 assert stress["exact"] is True and stress["lost"] == 0, f"stress was not exact: {stress}"
 assert stress["counter"]["operations"] > 0, stress
+for name, document in (("info", info), ("bench", bench), ("stress", stress)):
+    assert document.get("schema_version") == 1, f"{name}: schema_version {document.get('schema_version')}"
 print(f"bench-smoke: {len(bench['results'])} results in {len(families)} families, "
       f"{len(bench.get('skipped', []))} skipped, {len(svgs)} charts; stress exact")
 PY

@@ -1,14 +1,17 @@
 //! `thiscpu info`: the machine, who registered rseq, which sources can say "which CPU", which
 //! one answers, the CPUs and their nodes, and where the calling thread runs now.
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::machine::{self, Machine, format_cpu_list};
+use crate::report::output::{Output, SCHEMA_VERSION};
 use serde::Serialize;
 use thiscpu::{CpuSource, Registrar, RseqMode, Source, topology};
 
 /// Everything `info --json` prints.
 #[derive(Debug, Serialize)]
 pub struct Info {
+    /// The version of this document's shape.
+    pub schema_version: u32,
     /// The machine, as every report describes it.
     pub machine: Machine,
     /// rseq in detail.
@@ -143,6 +146,7 @@ pub fn gather() -> Info {
     ];
     let here = thiscpu::getcpu();
     Info {
+        schema_version: SCHEMA_VERSION,
         machine: Machine::describe(),
         rseq: RseqDetail {
             registered_by: source.registrar.name().to_owned(),
@@ -229,15 +233,15 @@ fn mode_line(r: &RseqDetail) -> Option<String> {
     Some(line)
 }
 
-/// Runs `thiscpu info`.
-pub fn run(json: bool) -> Result<()> {
+/// Runs `thiscpu info`: text, or JSON to a file (then also the text) or to standard output.
+pub fn run(json: Option<&std::path::Path>) -> Result<()> {
+    let output = json.map(Output::open).transpose()?;
     let info = gather();
-    if json {
-        let text = serde_json::to_string_pretty(&info)
-            .map_err(|e| Error::failed(format!("cannot encode JSON: {e}")))?;
-        println!("{text}");
-    } else {
+    if !output.as_ref().is_some_and(Output::is_stdout) {
         println!("{}", render(&info));
+    }
+    if let Some(output) = output {
+        output.commit_json(&info)?;
     }
     Ok(())
 }

@@ -43,11 +43,12 @@ on a kernel that offers the optimized mode; which sources work here (rseq, rdpid
 the possible and online CPUs with their NUMA nodes; and the current cpu, node and mm_cid.
 
 Example:
-  thiscpu info --json | jq .chosen")]
+  thiscpu info --json - | jq .chosen")]
     Info {
-        /// Print JSON instead of text.
-        #[arg(long)]
-        json: bool,
+        /// Write JSON to FILE instead of printing text, or print it with `-` (also what a bare
+        /// --json means).
+        #[arg(long, value_name = "FILE", num_args = 0..=1, default_missing_value = "-")]
+        json: Option<PathBuf>,
     },
 
     /// Measure benchmark families in interleaved, pinned rounds.
@@ -136,7 +137,9 @@ struct BenchArgs {
     #[arg(long, value_name = "FILTER", value_parser = bench::CaseFilter::parse)]
     cases: Option<bench::CaseFilter>,
 
-    /// Write the results, with every round's value and the machine, as JSON to FILE.
+    /// Write the results, with every round's value and the machine, as JSON to FILE (`-`:
+    /// standard output, the tables then go to standard error). The file is replaced whole
+    /// when the run succeeds and left alone when it fails.
     #[arg(long, value_name = "FILE")]
     json: Option<PathBuf>,
 
@@ -255,7 +258,7 @@ fn main() {
     };
     let outcome = match cli.command {
         None => where_am_i(),
-        Some(Command::Info { json }) => info::run(json),
+        Some(Command::Info { json }) => info::run(json.as_deref()),
         Some(Command::Bench(args)) if args.list => bench_options(args).map(|options| {
             println!("{}", bench::list(&options.families));
         }),

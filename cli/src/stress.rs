@@ -8,6 +8,7 @@
 //! Exit status 0 when every increment and every object was accounted for, 1 otherwise.
 
 use crate::error::{Error, Result, plain};
+use crate::report::output::{Output, SCHEMA_VERSION};
 use serde_json::{Value, json};
 use std::io::IsTerminal;
 use std::time::Duration;
@@ -37,13 +38,15 @@ pub struct StressArgs {
     )]
     threads: Option<u32>,
 
-    /// Print one JSON object instead of text.
-    #[arg(long)]
-    json: bool,
+    /// Write one JSON object to FILE (the text is still printed), or print it instead of the
+    /// text with `-` (also what a bare --json means).
+    #[arg(long, value_name = "FILE", num_args = 0..=1, default_missing_value = "-")]
+    json: Option<std::path::PathBuf>,
 }
 
 /// Runs both stresses and reports; an inexact result is an error with exit status 1.
 pub fn run(args: StressArgs) -> Result<()> {
+    let output = args.json.as_deref().map(Output::open).transpose()?;
     let mut config = StressConfig {
         duration: Duration::from_secs_f64(args.seconds),
         ..StressConfig::default()
@@ -73,8 +76,10 @@ pub fn run(args: StressArgs) -> Result<()> {
     let source = thiscpu::source();
     let lost = counter.lost.unsigned_abs() + pool.lost.unsigned_abs();
     let exact = counter.exact() && pool.exact();
-    if args.json {
+    let json_to_stdout = output.as_ref().is_some_and(Output::is_stdout);
+    if let Some(output) = output {
         let report = json!({
+            "schema_version": SCHEMA_VERSION,
             "exact": exact,
             "lost": lost,
             "seconds": args.seconds,
@@ -87,11 +92,9 @@ pub fn run(args: StressArgs) -> Result<()> {
             "counter": counter_json(&counter),
             "pool": pool_json(&pool),
         });
-        println!(
-            "{}",
-            serde_json::to_string_pretty(&report).map_err(|e| Error::failed(e.to_string()))?
-        );
-    } else {
+        output.commit_json(&report)?;
+    }
+    if !json_to_stdout {
         println!(
             "thiscpu stress · rseq registered by {}; this thread answers from {}, fallback {}; \
              mm_cid {}",

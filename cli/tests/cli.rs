@@ -535,3 +535,82 @@ fn bare_command_says_where_it_runs() {
         "{stdout}"
     );
 }
+
+#[test]
+fn json_means_a_file_or_standard_output_for_every_command() {
+    let dir = scratch("json-everywhere");
+    let parse = |text: &str, what: &str| -> Value {
+        let value: Value =
+            serde_json::from_str(text).unwrap_or_else(|e| panic!("{what}: {e}\n{text}"));
+        assert_eq!(value["schema_version"], 1, "{what}: {value}");
+        value
+    };
+    // `-` and a bare --json print JSON alone.
+    for args in [&["info", "--json", "-"][..], &["info", "--json"]] {
+        parse(&succeed(args), &format!("{args:?}"));
+    }
+    // A file gets the JSON; the text still goes to standard output.
+    let info_file = dir.join("info.json");
+    let stdout = succeed(&["info", "--json", info_file.to_str().unwrap()]);
+    assert!(stdout.contains("machine"), "{stdout}");
+    assert!(serde_json::from_str::<Value>(&stdout).is_err(), "{stdout}");
+    parse(&std::fs::read_to_string(&info_file).unwrap(), "info file");
+
+    let stress_file = dir.join("stress.json");
+    let stdout = succeed(&[
+        "stress",
+        "--seconds",
+        "0.2",
+        "--threads",
+        "2",
+        "--json",
+        stress_file.to_str().unwrap(),
+    ]);
+    assert!(stdout.contains("exact"), "{stdout}");
+    let stress = parse(
+        &std::fs::read_to_string(&stress_file).unwrap(),
+        "stress file",
+    );
+    assert_eq!(stress["exact"], true, "{stress}");
+
+    // bench with `-`: the JSON alone on standard output, the tables on standard error.
+    let output = thiscpu(&[
+        "bench",
+        "--quick",
+        "getcpu",
+        "--cases",
+        "empty-loop",
+        "--json",
+        "-",
+    ]);
+    assert!(output.status.success(), "{}", text(&output.stderr));
+    let report = parse(&text(&output.stdout), "bench -");
+    assert!(schema_errors(&report).is_empty(), "{report}");
+    assert!(text(&output.stderr).contains("empty-loop"));
+}
+
+#[test]
+fn a_failed_run_leaves_the_previous_json_whole() {
+    let dir = scratch("json-atomic");
+    let json = dir.join("out.json");
+    std::fs::write(&json, "previous report").unwrap();
+    let a_file = dir.join("plain-file");
+    std::fs::write(&a_file, "").unwrap();
+    // The JSON output is opened first; the SVG folder then cannot be made, and the run stops.
+    let output = thiscpu(&[
+        "bench",
+        "--quick",
+        "--json",
+        json.to_str().unwrap(),
+        "--svg",
+        a_file.join("charts").to_str().unwrap(),
+    ]);
+    assert_eq!(output.status.code(), Some(2), "{}", text(&output.stderr));
+    assert_eq!(std::fs::read_to_string(&json).unwrap(), "previous report");
+    let mut left: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    assert_eq!(left, ["out.json", "plain-file"]);
+}

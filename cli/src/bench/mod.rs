@@ -416,12 +416,21 @@ pub fn run(options: Options) -> Result<()> {
 
     // Open every output before measuring, so that a bad path fails in a moment, not after a
     // minute of benchmarks.
-    let json_file = match &options.json {
-        Some(path) => Some((
-            path.clone(),
-            std::fs::File::create(path).map_err(|e| Error::write(path, e))?,
-        )),
-        None => None,
+    let json_output = options
+        .json
+        .as_deref()
+        .map(report::output::Output::open)
+        .transpose()?;
+    // With the JSON on standard output, the text goes to standard error.
+    let to_stderr = json_output
+        .as_ref()
+        .is_some_and(report::output::Output::is_stdout);
+    let say = |text: &str| {
+        if to_stderr {
+            eprintln!("{text}");
+        } else {
+            println!("{text}");
+        }
     };
     let svg_files = match &options.svg {
         Some(dir) => {
@@ -446,39 +455,39 @@ pub fn run(options: Options) -> Result<()> {
         cpus: worker_cpus(),
     };
     let machine = Machine::describe();
-    println!("{}", report::table::run_header(&machine, &info));
+    say(&report::table::run_header(&machine, &info));
     let most_threads = plans.iter().flat_map(|plan| plan.threads.iter()).max();
     if let Some(&threads) = most_threads
         && threads > info.cpus.len()
     {
-        println!(
+        say(&format!(
             "note: up to {threads} threads on {} CPU{}: some workers share a CPU",
             info.cpus.len(),
             if info.cpus.len() == 1 { "" } else { "s" }
-        );
+        ));
     }
 
     let mut measured = Vec::new();
     let mut skipped = Vec::new();
     for plan in &plans {
         let results = run_family(plan, &info)?;
-        println!();
-        println!(
-            "{}",
-            report::table::family(plan.family, &results, &plan.skipped)
-        );
+        say("");
+        say(&report::table::family(plan.family, &results, &plan.skipped));
         let extra = (plan.family.report)(&results);
         if !extra.is_empty() {
-            println!("{extra}");
+            say(&extra);
         }
         measured.extend(results);
         skipped.extend(plan.skipped.iter().cloned());
     }
 
     let document = report::json::Report::build(&machine, &info, &measured, &skipped);
-    if let Some((path, file)) = json_file {
-        report::json::write(&path, file, &document)?;
-        println!("\nwrote {}", path.display());
+    if let Some(output) = json_output {
+        let path = output.path().map(|path| path.display().to_string());
+        output.commit_json(&document)?;
+        if let Some(path) = path {
+            say(&format!("\nwrote {path}"));
+        }
     }
     for ((path, file), plan) in svg_files.into_iter().zip(&plans) {
         let results: Vec<&Measured> = measured
@@ -486,7 +495,7 @@ pub fn run(options: Options) -> Result<()> {
             .filter(|m| m.bench == plan.family.name)
             .collect();
         report::svg::write(&path, file, plan.family, &results, &machine, &info)?;
-        println!("wrote {}", path.display());
+        say(&format!("wrote {}", path.display()));
     }
     Ok(())
 }

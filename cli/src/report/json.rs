@@ -8,12 +8,14 @@ use crate::bench::{Measured, RunInfo, Skipped, Stats};
 use crate::error::{Error, Result};
 use crate::machine::Machine;
 use serde::{Deserialize, Serialize};
-use std::io::Write;
 use std::path::Path;
 
 /// A whole report.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Report {
+    /// The version of this document's shape (absent in reports written before it existed).
+    #[serde(default)]
+    pub schema_version: u32,
     /// The machine and rseq state.
     pub machine: Machine,
     /// How the run was laid out (extra).
@@ -116,6 +118,7 @@ impl Report {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
         Report {
+            schema_version: crate::report::output::SCHEMA_VERSION,
             machine: machine.clone(),
             run: Some(Run {
                 thiscpu_version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -163,16 +166,6 @@ fn row(m: &Measured) -> ResultRow {
         ops: Some(m.ops),
         on_cpu: (!m.on_cpu.is_empty()).then(|| Stats::of(&m.on_cpu).median),
     }
-}
-
-/// Writes `report` to `file` (already created at `path`).
-pub fn write(path: &Path, file: std::fs::File, report: &Report) -> Result<()> {
-    let mut out = std::io::BufWriter::new(file);
-    serde_json::to_writer_pretty(&mut out, report)
-        .map_err(std::io::Error::from)
-        .and_then(|()| writeln!(out))
-        .and_then(|()| out.flush())
-        .map_err(|e| Error::write(path, e))
 }
 
 /// Reads a report written by `thiscpu bench --json`.

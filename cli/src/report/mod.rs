@@ -3,5 +3,6 @@
 
 pub mod compare;
 pub mod json;
+pub mod output;
 pub mod svg;
 pub mod table;

@@ -62,12 +62,21 @@ spread' where the two min-max ranges overlap). Results found in only one file ar
 
 Example:
   thiscpu bench --json before.json && (rebuild) && thiscpu bench --json after.json
-  thiscpu compare before.json after.json")]
+  thiscpu compare before.json after.json
+  thiscpu compare --threshold 5 before.json after.json || echo 'a case got slower'")]
     Compare {
         /// The report measured first.
         before: PathBuf,
         /// The report measured second.
         after: PathBuf,
+        /// Exit with status 1 when a case got worse by more than PCT percent and outside its
+        /// spread (the two min-max ranges do not overlap).
+        #[arg(long, value_name = "PCT", allow_negative_numbers = true, value_parser = parse_percent)]
+        threshold: Option<f64>,
+        /// Write the comparison's tables as Markdown to FILE (`-`: standard output instead of
+        /// the text).
+        #[arg(long, value_name = "FILE")]
+        export_markdown: Option<PathBuf>,
     },
 
     /// Check that a Counter and a Pool stay exact under migration, signals and thread churn.
@@ -146,6 +155,10 @@ struct BenchArgs {
     /// Write one SVG chart per family into DIR (created if missing).
     #[arg(long, value_name = "DIR")]
     svg: Option<PathBuf>,
+
+    /// Write the tables as Markdown to FILE (`-`: standard output).
+    #[arg(long, value_name = "FILE")]
+    export_markdown: Option<PathBuf>,
 }
 
 /// A parsed `--threads` list (a newtype, so that clap takes it as one value).
@@ -161,6 +174,14 @@ fn parse_seconds(text: &str) -> Result<f64, String> {
         Ok(seconds) if seconds.is_finite() && seconds > 0.0 && seconds <= 86_400.0 => Ok(seconds),
         Ok(_) => Err("expected a number of seconds above 0 and at most 86400".to_owned()),
         Err(_) => Err("expected a number of seconds, e.g. 60 or 0.5".to_owned()),
+    }
+}
+
+fn parse_percent(text: &str) -> Result<f64, String> {
+    match text.trim_end_matches('%').parse::<f64>() {
+        Ok(percent) if percent.is_finite() && percent >= 0.0 => Ok(percent),
+        Ok(_) => Err("expected a percentage of 0 or more, e.g. 5 or 2.5".to_owned()),
+        Err(_) => Err("expected a percentage, e.g. 5 or 2.5".to_owned()),
     }
 }
 
@@ -193,6 +214,7 @@ fn bench_options(args: BenchArgs) -> Result<bench::Options, Error> {
         cases: args.cases,
         json: args.json,
         svg: args.svg,
+        markdown: args.export_markdown,
     })
 }
 
@@ -263,7 +285,12 @@ fn main() {
             println!("{}", bench::list(&options.families));
         }),
         Some(Command::Bench(args)) => bench_options(args).and_then(bench::run),
-        Some(Command::Compare { before, after }) => report::compare::run(&before, &after),
+        Some(Command::Compare {
+            before,
+            after,
+            threshold,
+            export_markdown,
+        }) => report::compare::run(&before, &after, threshold, export_markdown.as_deref()),
         Some(Command::Stress(args)) => stress::run(args),
     };
     if let Err(error) = outcome {

@@ -614,3 +614,87 @@ fn a_failed_run_leaves_the_previous_json_whole() {
     left.sort();
     assert_eq!(left, ["out.json", "plain-file"]);
 }
+
+#[test]
+fn compare_threshold_fails_on_a_regression_outside_the_spread() {
+    let (before, after) = (data("before.json"), data("after.json"));
+    // Forwards: syscall and percpu improved, current_cpu is 4 % slower but within its spread.
+    let output = thiscpu(&["compare", "--threshold", "1", &before, &after]);
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output.stderr));
+    // Backwards: syscall doubled (ns/op), percpu fell from 12 to 10 Mops/s.
+    let output = thiscpu(&["compare", "--threshold", "5", &after, &before]);
+    let stderr = text(&output.stderr);
+    assert_eq!(output.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(
+        stderr.contains("getcpu/syscall ×1") && stderr.contains("counter/percpu ×2"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("current_cpu"), "{stderr}");
+    // The table is printed either way.
+    assert!(text(&output.stdout).contains("worse"));
+    // A threshold above the change lets it pass.
+    let output = thiscpu(&["compare", "--threshold", "150", &after, &before]);
+    assert_eq!(output.status.code(), Some(0), "{}", text(&output.stderr));
+    let output = thiscpu(&["compare", "--threshold", "-5", &after, &before]);
+    assert_eq!(output.status.code(), Some(2), "{}", text(&output.stderr));
+}
+
+#[test]
+fn tables_export_as_markdown_with_mean_and_deviation() {
+    let dir = scratch("markdown");
+    let markdown = dir.join("bench.md");
+    let json = dir.join("bench.json");
+    let stdout = succeed(&[
+        "bench",
+        "--quick",
+        "getcpu",
+        "--cases",
+        "empty-loop,syscall",
+        "--json",
+        json.to_str().unwrap(),
+        "--export-markdown",
+        markdown.to_str().unwrap(),
+    ]);
+    assert!(stdout.contains("mean ± sd"), "{stdout}");
+    let text_md = std::fs::read_to_string(&markdown).unwrap();
+    assert!(text_md.starts_with("# thiscpu bench"), "{text_md}");
+    assert!(text_md.contains("## getcpu"), "{text_md}");
+    let header = text_md
+        .lines()
+        .find(|line| line.starts_with("| case"))
+        .unwrap_or_else(|| panic!("no table header in\n{text_md}"));
+    assert!(header.contains("mean ± sd"), "{header}");
+    assert!(
+        text_md.lines().any(|line| line.starts_with("|--")),
+        "{text_md}"
+    );
+    assert!(
+        text_md.lines().any(|line| line.starts_with("| empty-loop")),
+        "{text_md}"
+    );
+
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    for row in report["results"].as_array().unwrap() {
+        let rounds: Vec<f64> = row["rounds"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v.as_f64().unwrap())
+            .collect();
+        let mean = rounds.iter().sum::<f64>() / rounds.len() as f64;
+        assert!((row["mean"].as_f64().unwrap() - mean).abs() <= 1e-9 * mean.abs().max(1.0));
+        assert!(row["stddev"].as_f64().unwrap() >= 0.0, "{row}");
+    }
+
+    let compared = succeed(&[
+        "compare",
+        &data("before.json"),
+        &data("after.json"),
+        "--export-markdown",
+        "-",
+    ]);
+    assert!(compared.starts_with("# thiscpu compare"), "{compared}");
+    assert!(compared.contains("## getcpu"), "{compared}");
+    assert!(compared.contains("| syscall"), "{compared}");
+}

@@ -196,7 +196,7 @@ impl Measured {
     }
 }
 
-/// Min, median and max of a set of rounds.
+/// Min, median, max, mean and standard deviation of a set of rounds.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Stats {
     /// Smallest round.
@@ -205,6 +205,10 @@ pub struct Stats {
     pub median: f64,
     /// Largest round.
     pub max: f64,
+    /// Arithmetic mean of the rounds.
+    pub mean: f64,
+    /// Sample standard deviation of the rounds (divided by n - 1; 0 for one round).
+    pub stddev: f64,
 }
 
 impl Stats {
@@ -218,8 +222,17 @@ impl Stats {
                 min: 0.0,
                 median: 0.0,
                 max: 0.0,
+                mean: 0.0,
+                stddev: 0.0,
             };
         }
+        let mean = sorted.iter().sum::<f64>() / n as f64;
+        let stddev = if n > 1 {
+            let squares: f64 = sorted.iter().map(|v| (v - mean) * (v - mean)).sum();
+            (squares / (n - 1) as f64).sqrt()
+        } else {
+            0.0
+        };
         let median = if n % 2 == 1 {
             sorted[n / 2]
         } else {
@@ -229,6 +242,8 @@ impl Stats {
             min: sorted[0],
             median,
             max: sorted[n - 1],
+            mean,
+            stddev,
         }
     }
 }
@@ -357,6 +372,8 @@ pub struct Options {
     pub json: Option<PathBuf>,
     /// Where to write one SVG chart per family.
     pub svg: Option<PathBuf>,
+    /// Where to write the tables as Markdown.
+    pub markdown: Option<PathBuf>,
 }
 
 /// Default total time: about a minute for a whole run.
@@ -421,10 +438,27 @@ pub fn run(options: Options) -> Result<()> {
         .as_deref()
         .map(report::output::Output::open)
         .transpose()?;
-    // With the JSON on standard output, the text goes to standard error.
-    let to_stderr = json_output
+    let markdown_output = options
+        .markdown
+        .as_deref()
+        .map(report::output::Output::open)
+        .transpose()?;
+    if json_output
         .as_ref()
-        .is_some_and(report::output::Output::is_stdout);
+        .is_some_and(report::output::Output::is_stdout)
+        && markdown_output
+            .as_ref()
+            .is_some_and(report::output::Output::is_stdout)
+    {
+        return Err(Error::input(
+            "--json - and --export-markdown - cannot both use standard output",
+        ));
+    }
+    // With the JSON or the Markdown on standard output, the text goes to standard error.
+    let to_stderr = json_output
+        .iter()
+        .chain(&markdown_output)
+        .any(report::output::Output::is_stdout);
     let say = |text: &str| {
         if to_stderr {
             eprintln!("{text}");
@@ -469,6 +503,13 @@ pub fn run(options: Options) -> Result<()> {
 
     let mut measured = Vec::new();
     let mut skipped = Vec::new();
+    let mut markdown = format!(
+        "# thiscpu bench\n\n{}\n\n{} rounds of {:.3} s per case{}\n",
+        machine.summary(),
+        info.rounds,
+        info.round.as_secs_f64(),
+        if info.quick { " (--quick)" } else { "" }
+    );
     for plan in &plans {
         let results = run_family(plan, &info)?;
         say("");
@@ -477,11 +518,24 @@ pub fn run(options: Options) -> Result<()> {
         if !extra.is_empty() {
             say(&extra);
         }
+        markdown.push('\n');
+        markdown.push_str(&report::table::family_markdown(
+            plan.family,
+            &results,
+            &plan.skipped,
+        ));
         measured.extend(results);
         skipped.extend(plan.skipped.iter().cloned());
     }
 
     let document = report::json::Report::build(&machine, &info, &measured, &skipped);
+    if let Some(output) = markdown_output {
+        let path = output.path().map(|path| path.display().to_string());
+        output.commit(markdown.as_bytes())?;
+        if let Some(path) = path {
+            say(&format!("wrote {path}"));
+        }
+    }
     if let Some(output) = json_output {
         let path = output.path().map(|path| path.display().to_string());
         output.commit_json(&document)?;
@@ -931,6 +985,11 @@ mod tests {
         let odd = Stats::of(&[3.0, 1.0, 2.0]);
         assert_eq!((odd.min, odd.median, odd.max), (1.0, 2.0, 3.0));
         assert_eq!(Stats::of(&[4.0, 1.0, 2.0, 3.0]).median, 2.5);
+        // Mean 5, squared deviations 9+1+1+1+0+4+16+0 = 32 over n - 1 = 7.
+        let spread = Stats::of(&[2.0, 4.0, 4.0, 4.0, 5.0, 7.0, 9.0, 5.0]);
+        assert_eq!(spread.mean, 5.0);
+        assert!((spread.stddev - (32.0f64 / 7.0).sqrt()).abs() < 1e-12);
+        assert_eq!(Stats::of(&[3.0]).stddev, 0.0);
     }
 
     #[test]

@@ -1,25 +1,83 @@
 //! `thiscpu compare BEFORE.json AFTER.json`: the change of every (bench, case, threads)
-//! median between two reports, in the seeds' before / after / difference shape.
+//! median between two reports, in the seeds' before / after / difference shape. With
+//! `--threshold PCT` it fails (exit status 1) when a case got worse by more than PCT percent
+//! and outside its spread, so that CI can gate on it.
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::report::json::{self, Report, ResultRow};
+use crate::report::output::Output;
 use crate::report::table::{self, align_right, fmt_num, fmt_percent, new_table};
 use std::path::Path;
 
-/// Reads both reports and prints the comparison.
-pub fn run(before: &Path, after: &Path) -> Result<()> {
+/// Reads both reports, prints the comparison, and checks the threshold.
+pub fn run(
+    before: &Path,
+    after: &Path,
+    threshold: Option<f64>,
+    markdown: Option<&Path>,
+) -> Result<()> {
+    let markdown = markdown.map(Output::open).transpose()?;
     let old = json::read(before)?;
     let new = json::read(after)?;
-    println!(
-        "{}",
-        render(
-            &old,
-            &new,
-            &before.display().to_string(),
-            &after.display().to_string()
-        )
-    );
-    Ok(())
+    let (before_name, after_name) = (before.display().to_string(), after.display().to_string());
+    if !markdown.as_ref().is_some_and(Output::is_stdout) {
+        println!(
+            "{}",
+            render(&old, &new, &before_name, &after_name, Style::Text)
+        );
+    }
+    if let Some(output) = markdown {
+        let mut text = render(&old, &new, &before_name, &after_name, Style::Markdown);
+        text.push('\n');
+        output.commit(text.as_bytes())?;
+    }
+    let Some(percent) = threshold else {
+        return Ok(());
+    };
+    let worse = regressions(&old, &new, percent);
+    if worse.is_empty() {
+        return Ok(());
+    }
+    Err(Error::failed(format!(
+        "{} case{} got worse by more than {percent} % and outside the spread: {}",
+        worse.len(),
+        if worse.len() == 1 { "" } else { "s" },
+        worse.join(", ")
+    )))
+}
+
+/// How tables are drawn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Style {
+    /// The terminal's house style.
+    Text,
+    /// Markdown pipe tables under headings.
+    Markdown,
+}
+
+/// Cases present in both reports, in the same unit, that got worse by more than `percent`
+/// with min-max ranges that do not overlap: `bench/case ×threads (+12.3 %)`.
+pub fn regressions(before: &Report, after: &Report, percent: f64) -> Vec<String> {
+    let mut worse = Vec::new();
+    for new in &after.results {
+        let Some(old) = before.results.iter().find(|old| key(old) == key(new)) else {
+            continue;
+        };
+        if old.unit != new.unit || old.median == 0.0 {
+            continue;
+        }
+        let change = 100.0 * (new.median - old.median) / old.median;
+        let worse_by = if old.lower_is_better() {
+            change
+        } else {
+            -change
+        };
+        let overlap = new.min <= old.max && old.min <= new.max;
+        if worse_by > percent && !overlap {
+            worse.push(format!("{} ({})", label(key(new)), fmt_percent(change)));
+        }
+    }
+    worse
 }
 
 type Key<'a> = (&'a str, &'a str, u64);
@@ -32,9 +90,18 @@ fn label((bench, case, threads): Key<'_>) -> String {
     format!("{bench}/{case} ×{threads}")
 }
 
-/// The comparison as text.
-pub fn render(before: &Report, after: &Report, before_name: &str, after_name: &str) -> String {
+/// The comparison as text or Markdown.
+pub fn render(
+    before: &Report,
+    after: &Report,
+    before_name: &str,
+    after_name: &str,
+    style: Style,
+) -> String {
     let mut out = String::new();
+    if style == Style::Markdown {
+        out.push_str("# thiscpu compare\n\n");
+    }
     if before.machine.summary() == after.machine.summary() {
         out.push_str(&format!(
             "before: {before_name}\nafter:  {after_name}\nmachine: {}\n",
@@ -124,7 +191,13 @@ pub fn render(before: &Report, after: &Report, before_name: &str, after_name: &s
         }
         if rows > 0 {
             align_right(&mut table, &[1, 3, 4, 5]);
-            out.push_str(&format!("\n{bench}\n{}\n", table::render(&table)));
+            match style {
+                Style::Text => out.push_str(&format!("\n{bench}\n{}\n", table::render(&table))),
+                Style::Markdown => out.push_str(&format!(
+                    "\n## {bench}\n\n{}\n",
+                    table::markdown(&mut table)
+                )),
+            }
         }
     }
     if !only_before.is_empty() {

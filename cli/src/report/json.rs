@@ -64,6 +64,12 @@ pub struct ResultRow {
     pub min: f64,
     /// Largest round.
     pub max: f64,
+    /// Mean of the rounds (absent in reports written before it was recorded).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mean: Option<f64>,
+    /// Sample standard deviation of the rounds (absent in older reports).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stddev: Option<f64>,
     /// Every round's value, in the order measured.
     pub rounds: Vec<f64>,
     /// `"lower"` or `"higher"`: which way is better (extra).
@@ -152,6 +158,8 @@ fn row(m: &Measured) -> ResultRow {
         median: stats.median,
         min: stats.min,
         max: stats.max,
+        mean: Some(stats.mean),
+        stddev: Some(stats.stddev),
         rounds: m.rounds.clone(),
         better: Some(
             if m.unit.lower_is_better() {

@@ -93,77 +93,7 @@ pub fn run_header(machine: &Machine, info: &RunInfo) -> String {
 /// One family's results: a row per (case, thread count), then the cases left out.
 pub fn family(family: &Family, results: &[Measured], skipped: &[Skipped]) -> String {
     let mut out = format!("{} — {}\n", family.name, family.about);
-    let thread_counts = {
-        let mut counts: Vec<usize> = results.iter().map(|m| m.threads).collect();
-        counts.sort_unstable();
-        counts.dedup();
-        counts
-    };
-    let several = thread_counts.len() > 1;
-    if !results.is_empty() {
-        let units = {
-            let mut units: Vec<Unit> = results.iter().map(|m| m.unit).collect();
-            units.dedup();
-            units
-        };
-        let unit = match units.as_slice() {
-            [one] => one.label(),
-            _ => "",
-        };
-        let baseline_median = |threads: usize| {
-            let name = family.baseline?;
-            results
-                .iter()
-                .find(|m| m.case == name && m.threads == threads)
-                .map(|m| m.stats().median)
-        };
-        let mut table = new_table();
-        let mut header = vec!["case".to_owned(), "what it calls".to_owned()];
-        if several {
-            header.push("threads".to_owned());
-        }
-        header.push(format!("median {unit}"));
-        header.push("min – max".to_owned());
-        header.push("CPUs".to_owned());
-        let baseline = family
-            .baseline
-            .filter(|name| results.iter().any(|m| m.case == *name));
-        if let Some(name) = baseline {
-            header.push(format!("÷ {name}"));
-        }
-        table.set_header(header);
-        for m in results {
-            let stats = m.stats();
-            let mut row = vec![m.case.to_owned(), m.how.clone()];
-            if several {
-                row.push(m.threads.to_string());
-            }
-            let suffix = if units.len() > 1 {
-                format!(" {}", m.unit.label())
-            } else {
-                String::new()
-            };
-            row.push(format!("{}{suffix}", fmt_num(stats.median)));
-            row.push(format!("{} – {}", fmt_num(stats.min), fmt_num(stats.max)));
-            row.push(format_cpu_list(&m.cpus));
-            if baseline.is_some() {
-                row.push(match baseline_median(m.threads) {
-                    Some(base) if base > 0.0 => fmt_ratio(stats.median / base),
-                    _ => String::new(),
-                });
-            }
-            table.add_row(row);
-        }
-        let first_number = if several { 3 } else { 2 };
-        align_right(
-            &mut table,
-            &[
-                first_number,
-                first_number + 1,
-                first_number + 2,
-                first_number + 3,
-            ],
-        );
+    if let Some(table) = family_table(family, results) {
         out.push_str(&render(&table));
         out.push('\n');
     }
@@ -183,6 +113,114 @@ pub fn family(family: &Family, results: &[Measured], skipped: &[Skipped]) -> Str
         ));
     }
     out.trim_end().to_owned()
+}
+
+/// The same as [`family`], in Markdown: a heading, the table, the cases left out.
+pub fn family_markdown(family: &Family, results: &[Measured], skipped: &[Skipped]) -> String {
+    let mut out = format!("## {}\n\n{}\n", family.name, family.about);
+    if let Some(mut table) = family_table(family, results) {
+        out.push('\n');
+        out.push_str(&markdown(&mut table));
+        out.push('\n');
+    }
+    if !skipped.is_empty() {
+        out.push('\n');
+    }
+    for skip in skipped {
+        out.push_str(&format!("- left out: `{}`: {}\n", skip.case, skip.reason));
+    }
+    out
+}
+
+/// A table as a Markdown pipe table.
+pub fn markdown(table: &mut Table) -> String {
+    table.load_preset(comfy_table::presets::ASCII_MARKDOWN);
+    render(table)
+}
+
+/// A family's table, `None` without results.
+fn family_table(family: &Family, results: &[Measured]) -> Option<Table> {
+    if results.is_empty() {
+        return None;
+    }
+    let thread_counts = {
+        let mut counts: Vec<usize> = results.iter().map(|m| m.threads).collect();
+        counts.sort_unstable();
+        counts.dedup();
+        counts
+    };
+    let several = thread_counts.len() > 1;
+    let units = {
+        let mut units: Vec<Unit> = results.iter().map(|m| m.unit).collect();
+        units.dedup();
+        units
+    };
+    let unit = match units.as_slice() {
+        [one] => one.label(),
+        _ => "",
+    };
+    let baseline_median = |threads: usize| {
+        let name = family.baseline?;
+        results
+            .iter()
+            .find(|m| m.case == name && m.threads == threads)
+            .map(|m| m.stats().median)
+    };
+    let mut table = new_table();
+    let mut header = vec!["case".to_owned(), "what it calls".to_owned()];
+    if several {
+        header.push("threads".to_owned());
+    }
+    header.push(format!("median {unit}"));
+    header.push("min – max".to_owned());
+    header.push("mean ± sd".to_owned());
+    header.push("CPUs".to_owned());
+    let baseline = family
+        .baseline
+        .filter(|name| results.iter().any(|m| m.case == *name));
+    if let Some(name) = baseline {
+        header.push(format!("÷ {name}"));
+    }
+    table.set_header(header);
+    for m in results {
+        let stats = m.stats();
+        let mut row = vec![m.case.to_owned(), m.how.clone()];
+        if several {
+            row.push(m.threads.to_string());
+        }
+        let suffix = if units.len() > 1 {
+            format!(" {}", m.unit.label())
+        } else {
+            String::new()
+        };
+        row.push(format!("{}{suffix}", fmt_num(stats.median)));
+        row.push(format!("{} – {}", fmt_num(stats.min), fmt_num(stats.max)));
+        row.push(format!(
+            "{} ± {}",
+            fmt_num(stats.mean),
+            fmt_num(stats.stddev)
+        ));
+        row.push(format_cpu_list(&m.cpus));
+        if baseline.is_some() {
+            row.push(match baseline_median(m.threads) {
+                Some(base) if base > 0.0 => fmt_ratio(stats.median / base),
+                _ => String::new(),
+            });
+        }
+        table.add_row(row);
+    }
+    let first_number = if several { 3 } else { 2 };
+    align_right(
+        &mut table,
+        &[
+            first_number,
+            first_number + 1,
+            first_number + 2,
+            first_number + 3,
+            first_number + 4,
+        ],
+    );
+    Some(table)
 }
 
 /// Seed 000's table: a number of calls and the time they take, before and after, with the

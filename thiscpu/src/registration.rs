@@ -315,11 +315,46 @@ fn probe_syscall() -> Result<(), Unavailable> {
 }
 
 fn decide() -> Process {
+    pin_own_module();
     let process = decide_registrar();
     NODE_ID_USABLE.store(process.node_id_usable(), Ordering::Relaxed);
     MM_CID_USABLE.store(process.mm_cid_usable(), Ordering::Relaxed);
     NO_RSEQ.store(process.registrar == Registrar::None, Ordering::Relaxed);
     process
+}
+
+/// Keeps the object that holds this copy of thiscpu (the program, or a shared library loaded
+/// with `dlopen`) mapped until the process ends, whatever `dlclose` is called later.
+///
+/// Once thiscpu ran in a thread, that thread's rseq area points at a critical-section
+/// descriptor inside this object, and thiscpu's own area (when it registers one) lives in this
+/// object's static TLS. If the object were unmapped, the kernel would read the descriptor from
+/// unmapped memory at the thread's next preemption or signal (a SIGSEGV), and keep writing the
+/// CPU number into static TLS that glibc hands to the next library loaded. Marking the object
+/// `RTLD_NODELETE` (found through one of its own addresses, reopened with `RTLD_NOLOAD`, which
+/// never loads anything) makes `dlclose` leave it in place. The handle is never closed: it is
+/// the pin. A statically linked program has nothing to unload.
+fn pin_own_module() {
+    #[cfg(not(target_feature = "crt-static"))]
+    {
+        // SAFETY: `Dl_info` is plain pointers, for which zero is a valid value.
+        let mut info: libc::Dl_info = unsafe { core::mem::zeroed() };
+        let own_address = pin_own_module as *const libc::c_void;
+        // SAFETY: `dladdr` reads the loader's tables and fills `info`; the address is one of
+        // this object's functions.
+        if unsafe { libc::dladdr(own_address, &mut info) } == 0 || info.dli_fname.is_null() {
+            return;
+        }
+        // SAFETY: `dli_fname` is the NUL-terminated path of an object that is loaded (it holds
+        // this code); `RTLD_NOLOAD` only looks it up, so no initializer runs. For the main
+        // program the lookup may fail, which is harmless: the program is never unloaded.
+        let _pin = unsafe {
+            libc::dlopen(
+                info.dli_fname,
+                libc::RTLD_LAZY | libc::RTLD_NOLOAD | libc::RTLD_NODELETE,
+            )
+        };
+    }
 }
 
 /// Registers the thread that makes the decision, so that a registration made elsewhere (by

@@ -149,3 +149,79 @@ fn the_loaded_library_counts_exactly_from_many_threads() {
     });
     assert_eq!((library.total)() - before, THREADS * EACH);
 }
+
+/// Builds a C file of `tests/c` with the system's C compiler (`$CC`, else `cc`) into `out`;
+/// `None` where there is no C compiler (the arm64 guest).
+fn build_c(source: &str, out: &std::path::Path, flags: &[&str]) -> Option<()> {
+    let compiler = std::env::var("CC").unwrap_or_else(|_| "cc".to_owned());
+    let source = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/c")
+        .join(source);
+    let output = match std::process::Command::new(&compiler)
+        .args(flags)
+        .arg("-o")
+        .arg(out)
+        .arg(&source)
+        .output()
+    {
+        Ok(output) => output,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => panic!("{compiler}: {e}"),
+    };
+    assert!(
+        output.status.success(),
+        "{compiler} {}: {}",
+        source.display(),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    Some(())
+}
+
+/// A C program loads the library, uses it from four threads, unloads it with `dlclose`, loads a
+/// library with initial-exec TLS words, and keeps the threads running while they take signals:
+/// the library must stay mapped (its critical-section descriptors are still named by every
+/// thread's rseq area, and its own areas live in its static TLS), so that no thread faults and
+/// nothing writes the new library's words. With glibc's registration and with thiscpu's own.
+#[test]
+fn unloading_the_library_leaves_the_process_intact() {
+    let dir = std::env::temp_dir().join(format!("thiscpu-unload-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let host = dir.join("unload_host");
+    let tls_library = dir.join("libtls_words.so");
+    let built = build_c("unload_host.c", &host, &["-O1", "-pthread"])
+        .and_then(|()| build_c("tls_words.c", &tls_library, &["-O1", "-shared", "-fPIC"]));
+    if built.is_none() {
+        eprintln!("skipped: no C compiler to build the host with");
+        return;
+    }
+    let registrations = [
+        ("glibc's registration", None),
+        ("thiscpu's own", Some("glibc.pthread.rseq=0")),
+    ];
+    for (registration, tunables) in registrations {
+        for run in 0..3 {
+            let mut command = std::process::Command::new(&host);
+            command
+                .arg(library_path())
+                .arg(&tls_library)
+                .env_remove("THISCPU_RSEQ")
+                .env_remove("GLIBC_TUNABLES");
+            if let Some(tunables) = tunables {
+                command.env("GLIBC_TUNABLES", tunables);
+            }
+            let output = command.output().expect("run the C host");
+            let stdout = String::from_utf8_lossy(&output.stdout);
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            assert!(
+                output.status.success(),
+                "{registration}, run {run}: {}\n{stdout}{stderr}",
+                output.status
+            );
+            assert!(stdout.contains("still mapped"), "{stdout}");
+            if run == 0 {
+                eprint!("{registration}: {stdout}");
+            }
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -15,6 +15,7 @@ use core::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 /// A CPU and the NUMA node it belongs to, read together.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct CpuNode {
     /// CPU id, below [`topology::possible_cpus`].
     pub cpu: u32,
@@ -24,6 +25,8 @@ pub struct CpuNode {
 
 /// The mechanism that answers "which CPU am I on".
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum CpuSource {
     /// One load from the rseq area that glibc registered.
@@ -55,6 +58,7 @@ impl CpuSource {
 
 /// What answers thiscpu's questions in this process and thread, and what the kernel offers.
 #[derive(Clone, Copy, Debug)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
 pub struct Source {
     /// Who registered the rseq areas thiscpu reads.

@@ -67,6 +67,7 @@ static BYTES_IN_USE: AtomicUsize = AtomicUsize::new(0);
 
 /// What the dense allocator holds right now.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
 pub struct DenseStats {
     /// Ranges reserved so far.

@@ -340,9 +340,11 @@ impl core::fmt::Debug for Histogram {
 /// One bucket of a [`HistogramSnapshot`]: how many observations fell at or below `le` and above
 /// the previous bucket's bound (not cumulative).
 #[derive(Clone, Copy, Debug, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
 pub struct Bucket {
     /// The bucket's upper bound (`+Inf` for the last).
+    #[cfg_attr(feature = "serde", serde(with = "crate::histogram::any_float"))]
     pub le: f64,
     /// Observations in this bucket alone.
     pub count: u64,
@@ -350,15 +352,19 @@ pub struct Bucket {
 
 /// A histogram's contents at one time: buckets, count, sum, minimum and maximum.
 #[derive(Clone, Debug, PartialEq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
 pub struct HistogramSnapshot {
     /// Number of observations (the sum of the bucket counts).
     pub count: u64,
     /// Their sum.
+    #[cfg_attr(feature = "serde", serde(with = "crate::histogram::any_float"))]
     pub sum: f64,
     /// The smallest (`+inf` when none was recorded).
+    #[cfg_attr(feature = "serde", serde(with = "crate::histogram::any_float"))]
     pub min: f64,
     /// The largest (`-inf` when none was recorded).
+    #[cfg_attr(feature = "serde", serde(with = "crate::histogram::any_float"))]
     pub max: f64,
     /// Every bucket in increasing order of bound, the last one `+Inf`.
     pub buckets: Vec<Bucket>,
@@ -403,5 +409,45 @@ impl HistogramSnapshot {
                 (b.le, below)
             })
             .collect()
+    }
+}
+/// Floats that may be infinite (a last bucket's bound, an empty histogram's extremes) or NaN,
+/// which JSON has no number for: such values are written as the strings Prometheus uses,
+/// `+Inf`, `-Inf` and `NaN`, and read back from them or from numbers.
+#[cfg(feature = "serde")]
+pub(crate) mod any_float {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(value: &f64, serializer: S) -> Result<S::Ok, S::Error> {
+        if value.is_finite() {
+            serializer.serialize_f64(*value)
+        } else if value.is_nan() {
+            serializer.serialize_str("NaN")
+        } else if *value > 0.0 {
+            serializer.serialize_str("+Inf")
+        } else {
+            serializer.serialize_str("-Inf")
+        }
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Written {
+        Number(f64),
+        Text(String),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(deserializer: D) -> Result<f64, D::Error> {
+        match Written::deserialize(deserializer)? {
+            Written::Number(value) => Ok(value),
+            Written::Text(text) => match text.as_str() {
+                "+Inf" | "Inf" => Ok(f64::INFINITY),
+                "-Inf" => Ok(f64::NEG_INFINITY),
+                "NaN" => Ok(f64::NAN),
+                other => Err(serde::de::Error::custom(format!(
+                    "expected a number, +Inf, -Inf or NaN, got {other:?}"
+                ))),
+            },
+        }
     }
 }

@@ -62,6 +62,10 @@
 //!   other recorder (an exporter's) and publishes their totals to it.
 //! - `prometheus` (feature `prometheus-client`): a per-CPU counter and histogram for a
 //!   `prometheus_client` registry.
+//! - Feature `serde`: `Serialize` and `Deserialize` on the plain data types ([`CpuNode`],
+//!   [`Source`] and the enums in it, written as snake_case ids such as `"rseq_glibc"`,
+//!   [`dense::DenseStats`], [`histogram::HistogramSnapshot`], whose infinite bounds are written
+//!   `"+Inf"`), and `Serialize` on the `metrics` backend's snapshot.
 //!
 //! # When not to use thiscpu
 //! - **Little contention.** A counter that one thread, or a few threads now and then, update is

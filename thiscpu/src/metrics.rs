@@ -556,6 +556,8 @@ impl HistogramFn for MetricsHistogram {
 
 /// Which kind of metric a [`Description`] is about.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum MetricKind {
     /// A counter.
@@ -649,6 +651,66 @@ impl Snapshot {
     /// ```
     pub fn histogram(&self, key: impl Into<Key>) -> Option<HistogramSnapshot> {
         find(&self.histograms, &key.into()).cloned()
+    }
+}
+
+/// With the `serde` feature, a snapshot serializes as
+/// `{"counters": [{"name", "labels": {..}, "value"}], "gauges": [..], "histograms": [..],
+/// "descriptions": [{"kind", "name", "unit", "text"}]}`. The `metrics` crate's key types have
+/// no serde support, so there is no `Deserialize`.
+#[cfg(feature = "serde")]
+impl serde::Serialize for Snapshot {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStruct;
+
+        struct Labels<'a>(&'a Key);
+        impl serde::Serialize for Labels<'_> {
+            fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.collect_map(self.0.labels().map(|label| (label.key(), label.value())))
+            }
+        }
+
+        #[derive(serde::Serialize)]
+        struct Entry<'a, V> {
+            name: &'a str,
+            labels: Labels<'a>,
+            value: &'a V,
+        }
+
+        fn entries<V>(list: &[(Key, V)]) -> Vec<Entry<'_, V>> {
+            list.iter()
+                .map(|(key, value)| Entry {
+                    name: key.name(),
+                    labels: Labels(key),
+                    value,
+                })
+                .collect()
+        }
+
+        #[derive(serde::Serialize)]
+        struct Described<'a> {
+            kind: MetricKind,
+            name: &'a str,
+            unit: Option<&'a str>,
+            text: &'a str,
+        }
+
+        let descriptions: Vec<Described<'_>> = self
+            .descriptions
+            .iter()
+            .map(|d| Described {
+                kind: d.kind,
+                name: d.name.as_str(),
+                unit: d.unit.map(|unit| unit.as_str()),
+                text: &d.text,
+            })
+            .collect();
+        let mut state = serializer.serialize_struct("Snapshot", 4)?;
+        state.serialize_field("counters", &entries(&self.counters))?;
+        state.serialize_field("gauges", &entries(&self.gauges))?;
+        state.serialize_field("histograms", &entries(&self.histograms))?;
+        state.serialize_field("descriptions", &descriptions)?;
+        state.end()
     }
 }
 

@@ -16,6 +16,8 @@ use std::sync::OnceLock;
 
 /// Who registered the rseq areas that thiscpu reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 pub enum Registrar {
     /// glibc 2.35+ registered every thread; thiscpu uses glibc's areas.
     Glibc,
@@ -55,6 +57,8 @@ impl Registrar {
 /// }
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 pub enum RseqMode {
     /// The original behaviour: a 32-byte registration.
     Legacy,
@@ -98,6 +102,8 @@ impl RseqMode {
 /// );
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
+#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
 #[non_exhaustive]
 pub enum Unavailable {
     /// `THISCPU_RSEQ=off` was set.

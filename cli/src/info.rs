@@ -5,27 +5,61 @@ use crate::error::Result;
 use crate::machine::{self, Machine, format_cpu_list};
 use crate::report::output::{Output, SCHEMA_VERSION};
 use serde::Serialize;
-use thiscpu::{CpuSource, Registrar, RseqMode, Source, topology};
+use thiscpu::{CpuSource, Registrar, RseqMode, Source, Unavailable, topology};
 
-/// Everything `info --json` prints.
+/// Everything `info --json` prints. Each fact appears once: the machine's hardware and
+/// software under `machine`, rseq under `rseq`, the CPUs under `cpus`; what answers "which
+/// CPU" under `chosen` and `fallback`, each with its id and its display name.
 #[derive(Debug, Serialize)]
 pub struct Info {
     /// The version of this document's shape.
     pub schema_version: u32,
-    /// The machine, as every report describes it.
-    pub machine: Machine,
+    /// The machine: CPU model, architecture, kernel, glibc.
+    pub machine: MachineInfo,
     /// rseq in detail.
     pub rseq: RseqDetail,
     /// Every way to ask "which CPU am I on", and whether it works here.
     pub sources: Vec<SourceState>,
     /// What answers `current_cpu()` in this thread.
-    pub chosen: String,
+    pub chosen: Named<CpuSource>,
     /// What answers where rseq cannot.
-    pub fallback: String,
+    pub fallback: Named<CpuSource>,
     /// The CPUs.
     pub cpus: Cpus,
     /// Where the calling thread runs now.
     pub now: Now,
+}
+
+/// The machine, without the facts `info` gives in their own sections.
+#[derive(Debug, Serialize)]
+pub struct MachineInfo {
+    /// `model name` from `/proc/cpuinfo`.
+    pub cpu_model: String,
+    /// `x86_64`, `aarch64`.
+    pub arch: String,
+    /// The kernel release.
+    pub kernel: String,
+    /// glibc's version, `null` with other C libraries.
+    pub glibc: Option<String>,
+}
+
+/// A machine id (`rseq_glibc`, as the library's serde names it) beside the name people read
+/// (`rseq (glibc)`).
+#[derive(Debug, Serialize)]
+pub struct Named<T> {
+    /// The stable id, for scripts.
+    pub id: T,
+    /// The display name.
+    pub name: String,
+}
+
+impl Named<CpuSource> {
+    fn of(source: CpuSource) -> Self {
+        Named {
+            id: source,
+            name: source.name().to_owned(),
+        }
+    }
 }
 
 /// rseq as the library found it, with glibc's and the kernel's numbers.
@@ -34,7 +68,7 @@ pub struct RseqDetail {
     /// `"glibc"`, `"thiscpu"` or `"none"`.
     pub registered_by: String,
     /// Why rseq is not used, when it is not.
-    pub unavailable: Option<String>,
+    pub unavailable: Option<Named<Unavailable>>,
     /// glibc's `__rseq_size`.
     pub glibc_rseq_size: Option<u32>,
     /// glibc's `__rseq_offset`.
@@ -66,6 +100,7 @@ pub struct RseqDetail {
 #[derive(Debug, Serialize)]
 pub struct SourceState {
     /// `rseq`, `rdpid`, `rdtscp`, `vdso`, `syscall`.
+    #[serde(rename = "id")]
     pub name: &'static str,
     /// Whether it answers on this machine.
     pub available: bool,
@@ -145,12 +180,21 @@ pub fn gather() -> Info {
         },
     ];
     let here = thiscpu::getcpu();
+    let machine = Machine::describe();
     Info {
         schema_version: SCHEMA_VERSION,
-        machine: Machine::describe(),
+        machine: MachineInfo {
+            cpu_model: machine.cpu_model,
+            arch: machine.arch,
+            kernel: machine.kernel,
+            glibc: machine.glibc,
+        },
         rseq: RseqDetail {
             registered_by: source.registrar.name().to_owned(),
-            unavailable: source.unavailable.map(|why| why.to_string()),
+            unavailable: source.unavailable.map(|why| Named {
+                id: why,
+                name: why.to_string(),
+            }),
             glibc_rseq_size: source.glibc_rseq_size,
             glibc_rseq_offset: source.glibc_rseq_offset,
             kernel_feature_size: source.kernel_feature_size,
@@ -164,8 +208,8 @@ pub fn gather() -> Info {
             mm_cid: source.mm_cid,
         },
         sources,
-        chosen: source.this_thread.name().to_owned(),
-        fallback: source.fallback.name().to_owned(),
+        chosen: Named::of(source.this_thread),
+        fallback: Named::of(source.fallback),
         cpus: Cpus {
             possible: topology::possible_cpus(),
             online: topology::online_cpus(),
@@ -268,7 +312,7 @@ pub fn render(info: &Info) -> String {
         ),
     ));
     let registrar = match &r.unavailable {
-        Some(why) => format!("not in use: {why}"),
+        Some(why) => format!("not in use: {}", why.name),
         None => format!("registered by {}", r.registered_by),
     };
     let glibc = match (r.glibc_rseq_size, r.glibc_rseq_offset) {
@@ -292,7 +336,7 @@ pub fn render(info: &Info) -> String {
     if let Some(advice) = &r.mode_advice {
         lines.push(("", advice.clone()));
     }
-    let chosen_kind = info.chosen.split(' ').next().unwrap_or_default();
+    let chosen_kind = info.chosen.name.split(' ').next().unwrap_or_default();
     let sources: Vec<String> = info
         .sources
         .iter()
@@ -300,7 +344,7 @@ pub fn render(info: &Info) -> String {
             let mut text = format!("{} {}", s.name, if s.available { "✓" } else { "✗" });
             if s.name == chosen_kind {
                 text.push_str(" (answers)");
-            } else if s.name == info.fallback {
+            } else if s.name == info.fallback.name {
                 text.push_str(" (fallback)");
             }
             text
@@ -316,7 +360,7 @@ pub fn render(info: &Info) -> String {
         "answers",
         format!(
             "current_cpu() from {}; without rseq: {}",
-            info.chosen, info.fallback
+            info.chosen.name, info.fallback.name
         ),
     ));
     lines.push((

@@ -4,7 +4,8 @@
 use serde::{Deserialize, Serialize};
 use thiscpu::Source;
 
-/// The machine description shared by `info --json` and every benchmark report.
+/// The machine description every benchmark report carries (`info --json` gives the same
+/// facts in its own sections).
 ///
 /// The first six fields are the schema's required ones; the rest are extras that readers
 /// may ignore (and that older reports may lack).

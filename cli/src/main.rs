@@ -43,7 +43,7 @@ on a kernel that offers the optimized mode; which sources work here (rseq, rdpid
 the possible and online CPUs with their NUMA nodes; and the current cpu, node and mm_cid.
 
 Example:
-  thiscpu info --json - | jq .chosen")]
+  thiscpu info --json - | jq .chosen.id")]
     Info {
         /// Write JSON to FILE instead of printing text, or print it with `-` (also what a bare
         /// --json means).

@@ -237,9 +237,10 @@ impl<S: Spread> Counter<S> {
             }
         }
         // No rseq for this thread. When nobody in the process uses rseq, every update of the
-        // words is atomic, so the fallback CPU's word spreads the load safely; otherwise
-        // sections write the words with plain adds, and this thread must stay off them.
-        if registration::process().registrar == Registrar::None {
+        // words is atomic, so the fallback CPU's word spreads the load safely; otherwise (or
+        // while the decision is not known, in a signal handler that interrupted it) sections
+        // may write the words with plain adds, and this thread must stay off them.
+        if registration::decided().is_some_and(|process| process.registrar == Registrar::None) {
             let cpu = crate::current_cpu() % dense::cpu_rows();
             self.word(cpu).fetch_add(n, Ordering::Relaxed);
         } else {

@@ -104,7 +104,8 @@ use registration::{MM_CID_USABLE, NODE_ID_USABLE};
 /// Whether `mm_cid` is kept current in this process's areas.
 #[inline]
 pub(crate) fn mm_cid_usable() -> bool {
-    MM_CID_USABLE.load(Ordering::Relaxed) || registration::process().mm_cid_usable()
+    MM_CID_USABLE.load(Ordering::Relaxed)
+        || registration::decided().is_some_and(|process| process.mm_cid_usable())
 }
 
 const UNDECIDED: u8 = 0;
@@ -127,14 +128,23 @@ fn decode(code: u8) -> CpuSource {
     }
 }
 
-/// Makes the process-wide choices (rseq owner, usable fields, fallback source) and reads the
-/// topology tables, so that nothing later allocates. Idempotent.
+/// The fallback source, once the process-wide decision (which also reads the topology tables,
+/// so that nothing later allocates) is made. In a signal handler that interrupted the decision
+/// on its own thread: the system call, which needs no decision.
 pub(crate) fn decide_fallback() -> CpuSource {
     let code = FALLBACK.load(Ordering::Acquire);
     if code != UNDECIDED {
         return decode(code);
     }
-    registration::process();
+    match registration::decided() {
+        Some(_) => decode(FALLBACK.load(Ordering::Acquire)),
+        None => CpuSource::Syscall,
+    }
+}
+
+/// Chooses the fallback source and reads the topology tables; part of the process-wide
+/// decision (`registration::decided`), which runs it once.
+pub(crate) fn choose_fallback() {
     topology::prepare();
     let source = if via::rdpid().is_some() {
         CpuSource::Rdpid
@@ -144,7 +154,6 @@ pub(crate) fn decide_fallback() -> CpuSource {
         CpuSource::Syscall
     };
     FALLBACK.store(encode(source), Ordering::Release);
-    source
 }
 
 #[inline]

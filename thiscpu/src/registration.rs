@@ -9,7 +9,7 @@
 
 use crate::abi::{self, Rseq};
 use crate::arch;
-use core::sync::atomic::{AtomicBool, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::cell::Cell;
 use std::ffi::CStr;
 use std::sync::OnceLock;
@@ -199,10 +199,63 @@ pub(crate) static MM_CID_USABLE: AtomicBool = AtomicBool::new(false);
 /// registration check.
 pub(crate) static NO_RSEQ: AtomicBool = AtomicBool::new(false);
 
-/// The process-wide decision, made on first call (normally by a constructor before `main`).
+/// Who makes the decision: `UNDECIDED`, the thread id of the thread making it, or `DECIDED`.
+static DECIDER: AtomicI32 = AtomicI32::new(UNDECIDED);
+const UNDECIDED: i32 = 0;
+const DECIDED: i32 = -1;
+
+/// What `process` answers to a signal handler that interrupted the decision on its own thread:
+/// nobody owns rseq. Only callers that choose something for one object of their own (a pool's
+/// caches, a sharded value's locking) may act on it; shared data must not (see `decided`).
+static UNDECIDED_PROCESS: Process = Process {
+    registrar: Registrar::None,
+    unavailable: None,
+    kernel_feature_size: 0,
+    kernel_align: 0,
+    registered_size: 0,
+    usable_size: 0,
+    glibc_rseq_size: None,
+    glibc_rseq_offset: None,
+};
+
+/// The process-wide decision, made on first call (normally by a constructor before `main`);
+/// `None` only in a signal handler that interrupted the decision on the thread making it.
+///
+/// Safe against that reentry (the handler must not wait for its own thread) and against
+/// concurrent first calls (other threads wait for the decision, which makes a handful of
+/// system calls and never waits for them).
+#[inline]
+pub(crate) fn decided() -> Option<&'static Process> {
+    match PROCESS.get() {
+        Some(process) => Some(process),
+        None => decide_once(),
+    }
+}
+
+/// The decision, or a process without rseq owner for a signal handler that interrupted it (see
+/// `UNDECIDED_PROCESS`).
 #[inline]
 pub(crate) fn process() -> &'static Process {
-    PROCESS.get_or_init(decide)
+    decided().unwrap_or(&UNDECIDED_PROCESS)
+}
+
+#[cold]
+#[inline(never)]
+fn decide_once() -> Option<&'static Process> {
+    // SAFETY: `gettid` has no precondition.
+    let me = unsafe { libc::syscall(libc::SYS_gettid) } as i32;
+    loop {
+        match DECIDER.compare_exchange(UNDECIDED, me, Ordering::Acquire, Ordering::Acquire) {
+            Ok(_) => {
+                let _ = PROCESS.set(decide());
+                DECIDER.store(DECIDED, Ordering::Release);
+                return PROCESS.get();
+            }
+            Err(DECIDED) => return PROCESS.get(),
+            Err(deciding) if deciding == me => return None,
+            Err(_) => std::thread::yield_now(),
+        }
+    }
 }
 
 /// Runs the decision before `main`, so that no first call pays for it, and no first call
@@ -212,8 +265,10 @@ pub(crate) fn process() -> &'static Process {
 static DECIDE_AT_STARTUP: extern "C" fn() = decide_at_startup;
 
 extern "C" fn decide_at_startup() {
-    let _ = process();
-    crate::cpu::decide_fallback();
+    if inject::defer_decision() {
+        return;
+    }
+    let _ = decided();
 }
 
 /// Whether the environment variable `name` holds one of `values`.
@@ -320,9 +375,13 @@ fn probe_syscall() -> Result<(), Unavailable> {
     }
 }
 
+/// The whole process-wide decision: rseq's owner and usable fields, the fallback source, the
+/// topology tables. Calls nothing that asks for the decision.
 fn decide() -> Process {
     pin_own_module();
     let process = decide_registrar();
+    inject::signal_in_decision();
+    crate::cpu::choose_fallback();
     NODE_ID_USABLE.store(process.node_id_usable(), Ordering::Relaxed);
     MM_CID_USABLE.store(process.mm_cid_usable(), Ordering::Relaxed);
     NO_RSEQ.store(process.registrar == Registrar::None, Ordering::Relaxed);
@@ -436,7 +495,9 @@ thread_local! {
 /// area and a thread-local flag, and makes one syscall.
 #[cold]
 pub(crate) fn ensure_registered() -> bool {
-    let process = process();
+    let Some(process) = decided() else {
+        return false;
+    };
     let area = arch::area_at(arch::active_offset());
     // SAFETY: the active area is this thread's and live (see `arch`); a 32-bit aligned read.
     let cpu_id = unsafe { core::ptr::addr_of!((*area).cpu_id).read_volatile() };
@@ -543,4 +604,45 @@ mod inject {
     pub(super) fn no_cpu_id() -> bool {
         false
     }
+
+    /// The signal number in `THISCPU_INJECT_SIGNAL_IN_DECISION`, if set.
+    #[cfg(thiscpu_inject)]
+    fn signal() -> Option<i32> {
+        // SAFETY: `getenv` with a NUL-terminated name; a non-null result is a NUL-terminated
+        // string, read at once.
+        let value = unsafe { libc::getenv(c"THISCPU_INJECT_SIGNAL_IN_DECISION".as_ptr()) };
+        if value.is_null() {
+            return None;
+        }
+        // SAFETY: as above.
+        let value = unsafe { std::ffi::CStr::from_ptr(value) };
+        value.to_str().ok()?.parse().ok()
+    }
+
+    /// With `THISCPU_INJECT_SIGNAL_IN_DECISION` set, the decision waits for its first use, so
+    /// that a test can install its signal handler first.
+    #[cfg(thiscpu_inject)]
+    pub(super) fn defer_decision() -> bool {
+        signal().is_some()
+    }
+
+    #[cfg(not(thiscpu_inject))]
+    #[inline(always)]
+    pub(super) fn defer_decision() -> bool {
+        false
+    }
+
+    /// Raises the signal in `THISCPU_INJECT_SIGNAL_IN_DECISION` on the deciding thread, in the
+    /// middle of the decision.
+    #[cfg(thiscpu_inject)]
+    pub(super) fn signal_in_decision() {
+        if let Some(signal) = signal() {
+            // SAFETY: raises a signal whose handler the test installed.
+            unsafe { libc::raise(signal) };
+        }
+    }
+
+    #[cfg(not(thiscpu_inject))]
+    #[inline(always)]
+    pub(super) fn signal_in_decision() {}
 }

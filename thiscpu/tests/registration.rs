@@ -685,3 +685,97 @@ fn main_thread_rseq_state() -> KernelRseq {
         }
     }
 }
+
+/// Set in the environment of the re-executed test binary: the decision waits for first use and
+/// raises this signal on the deciding thread halfway through (fault injection).
+#[cfg(thiscpu_inject)]
+const SIGNAL_IN_DECISION: &str = "THISCPU_INJECT_SIGNAL_IN_DECISION";
+
+/// A signal handler that uses thiscpu, run on the thread making the process-wide decision while
+/// it makes it: the handler's calls fall back instead of waiting for their own thread, and the
+/// decision then completes. With glibc's registration and with thiscpu's own.
+#[cfg(thiscpu_inject)]
+#[test]
+fn a_signal_handler_during_the_decision_falls_back() {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+    static COUNTER: OnceLock<thiscpu::Counter> = OnceLock::new();
+    static HANDLED: AtomicU32 = AtomicU32::new(0);
+    static WRONG_CPU: AtomicU64 = AtomicU64::new(0);
+    extern "C" fn on_signal(_: libc::c_int) {
+        let possible = topology::possible_cpus() as u32;
+        let cpu = thiscpu::current_cpu();
+        let here = thiscpu::getcpu();
+        if cpu >= possible || here.cpu >= possible {
+            WRONG_CPU.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Some(counter) = COUNTER.get() {
+            counter.add(5);
+        }
+        HANDLED.fetch_add(1, Ordering::Relaxed);
+    }
+
+    if std::env::var_os(SIGNAL_IN_DECISION).is_some() {
+        // Nothing asked thiscpu anything yet (the decision was deferred): the topology and the
+        // counter do not need the decision.
+        let _ = topology::possible_cpus();
+        COUNTER.set(thiscpu::Counter::new()).ok().unwrap();
+        // SAFETY: installs a handler that only calls thiscpu's async-signal-safe functions and
+        // updates atomics.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+            action.sa_flags = libc::SA_RESTART;
+            assert_eq!(
+                libc::sigaction(libc::SIGUSR1, &action, std::ptr::null_mut()),
+                0
+            );
+        }
+        let source = thiscpu::source();
+        eprintln!("after a signal during the decision: {source:?}");
+        assert_eq!(HANDLED.load(Ordering::Relaxed), 1, "the handler ran once");
+        assert_eq!(WRONG_CPU.load(Ordering::Relaxed), 0);
+        assert_eq!(source.registrar, registrar_from_environment(), "{source:?}");
+        let counter = COUNTER.get().unwrap();
+        counter.add(1);
+        assert_eq!(counter.sum(), 6);
+        check_thread("the deciding thread, after the decision");
+        return;
+    }
+    let name = "a_signal_handler_during_the_decision_falls_back";
+    for tunables in [None, Some("glibc.pthread.rseq=0")] {
+        let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+        command
+            .args(["--exact", name, "--nocapture", "--test-threads=1"])
+            .env(SIGNAL_IN_DECISION, libc::SIGUSR1.to_string())
+            .env_remove("THISCPU_RSEQ")
+            .env_remove("THISCPU_EXPECT_REGISTRAR")
+            .env_remove("GLIBC_TUNABLES")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        if let Some(tunables) = tunables {
+            command.env("GLIBC_TUNABLES", tunables);
+        }
+        let mut child = command.spawn().expect("re-run the test");
+        let start = std::time::Instant::now();
+        let status = loop {
+            if let Some(status) = child.try_wait().expect("wait for the child") {
+                break status;
+            }
+            if start.elapsed() > std::time::Duration::from_secs(30) {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("{tunables:?}: the child hung (a deadlock in the decision?)");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        };
+        let output = child.wait_with_output().expect("the child's output");
+        let stdout = String::from_utf8_lossy(&output.stdout);
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(
+            status.success() && stdout.contains("1 passed"),
+            "{tunables:?}: {status}\n{stdout}\n{stderr}"
+        );
+        eprint!("{stderr}");
+    }
+}

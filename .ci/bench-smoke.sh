@@ -30,6 +30,13 @@ for key in ("cpu_model", "kernel", "glibc", "cpus_possible", "cpus_online", "rse
 families = {r["bench"] for r in bench["results"]}
 for family in ("getcpu", "counter", "metrics", "bpf", "mask", "pool", "memory", "sharded"):
     assert family in families, f"bench family {family} produced no result"
+# rseq-mode compares the kernel's two rseq modes where it offers both (Linux 7.1+), and says
+# why it cannot elsewhere.
+left_out = {s["bench"] for s in bench.get("skipped", [])}
+if info["rseq"]["optimized_size"] is not None:
+    assert "rseq-mode" in families, "bench family rseq-mode produced no result"
+else:
+    assert "rseq-mode" in left_out and "rseq-mode" not in families, "rseq-mode not skipped"
 for r in bench["results"]:
     for key in ("bench", "case", "threads", "unit", "median", "min", "max", "rounds"):
         assert key in r, f"{r.get('bench')}/{r.get('case')}: {key} missing"

@@ -236,6 +236,12 @@ up2of4)
 esac
 
 check bench-quick thiscpu bench --quick $(echo "$KM_BENCH" | tr ',' ' ')
+# The cost of the kernel's legacy rseq mode against the optimized one (7.x), each case in a
+# child process; elsewhere it says why it cannot compare. On smp2 only: the ratio is what
+# counts, and the guest with one vCPU per host core disturbs it least.
+if [ "$KM_TOPOLOGY" = smp2 ]; then
+    check bench-rseq-mode thiscpu bench rseq-mode --rounds 11 --seconds 10
+fi
 
 if [ "$KM_TOPOLOGY" = numa ]; then
     # The last CPU of the last node, offline while a process starts.

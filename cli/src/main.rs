@@ -254,6 +254,10 @@ fn main() {
     unsafe {
         libc::signal(libc::SIGPIPE, libc::SIG_DFL);
     }
+    // A child process of `bench rseq-mode`, started by this program itself.
+    if let Ok(work) = std::env::var(bench::rseq_mode::CHILD_ENV) {
+        std::process::exit(bench::rseq_mode::child_main(&work));
+    }
     let command = Cli::command().mut_subcommand("bench", |bench| bench.after_help(bench_help()));
     let parsed = command
         .try_get_matches()

@@ -502,6 +502,61 @@ fn info_reports_each_registration_mode_and_when_the_kernel_offers_more() {
 }
 
 #[test]
+fn rseq_mode_compares_in_children_or_says_why_it_cannot() {
+    let dir = scratch("bench-rseq-mode");
+    let json = dir.join("rseq-mode.json");
+    let json = json.to_str().unwrap();
+    let stdout = succeed(&["bench", "--quick", "rseq-mode", "--json", json]);
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let errors = schema_errors(&report);
+    assert!(errors.is_empty(), "{errors:#?}");
+    let results = report["results"].as_array().unwrap();
+    let skipped = report["skipped"].as_array().unwrap();
+    let cases = [
+        "yield-legacy",
+        "yield-optimized",
+        "getppid-legacy",
+        "getppid-optimized",
+    ];
+    let (feature_size, align) = kernel_rseq_auxv();
+    let offered = feature_size > 32 && align <= 64 && feature_size.div_ceil(align) * align <= 64;
+    if offered {
+        // Each case measured in a child that confirmed its mode, and the ratios printed.
+        let measured: Vec<&str> = results
+            .iter()
+            .map(|r| r["case"].as_str().unwrap())
+            .collect();
+        assert_eq!(measured, cases, "{stdout}");
+        for result in results {
+            assert!(result["median"].as_f64().unwrap() > 0.0, "{result}");
+            assert!(
+                result["how"].as_str().unwrap_or_default().contains("child"),
+                "{result}"
+            );
+        }
+        assert!(stdout.contains("legacy / optimized"), "{stdout}");
+        assert!(stdout.contains("yield"), "{stdout}");
+    } else {
+        assert!(results.is_empty(), "{stdout}");
+        let left_out: Vec<&str> = skipped
+            .iter()
+            .map(|s| s["case"].as_str().unwrap())
+            .collect();
+        assert_eq!(left_out, cases, "{stdout}");
+        for skip in skipped {
+            assert!(
+                skip["reason"]
+                    .as_str()
+                    .unwrap()
+                    .starts_with("cannot compare"),
+                "{skip}"
+            );
+        }
+        assert!(stdout.contains("cannot compare"), "{stdout}");
+    }
+}
+
+#[test]
 fn help_explains_with_examples() {
     for args in [
         vec!["--help"],

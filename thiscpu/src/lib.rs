@@ -27,7 +27,10 @@
 //! # Where the answer comes from
 //! 1. glibc 2.35+ registers an rseq area for every thread; thiscpu reads that one.
 //! 2. When glibc did not (`GLIBC_TUNABLES=glibc.pthread.rseq=0`, older glibc, other libcs),
-//!    thiscpu registers an area of its own in each thread, on first use, in static TLS.
+//!    thiscpu registers an area of its own in each thread, on first use, in static TLS: 32
+//!    bytes, or where the kernel's `AT_RSEQ_FEATURE_SIZE` exceeds 32 (Linux 7.x) the feature
+//!    size rounded up to `AT_RSEQ_ALIGN`, which the kernel runs in its optimized mode
+//!    ([`RseqMode`]; `THISCPU_RSEQ_AREA=legacy` keeps 32 bytes).
 //! 3. Without rseq (old kernels, valgrind, qemu-user, seccomp, or `THISCPU_RSEQ=off`), the
 //!    fallback chosen once per process answers: `rdpid` where the CPU has it, then the vDSO's
 //!    `getcpu`, then the system call. [`source()`] says which.

@@ -761,6 +761,7 @@ fn tables_export_as_markdown_with_mean_and_deviation() {
         "-",
     ]);
     assert!(compared.starts_with("# thiscpu compare"), "{compared}");
+    assert!(compared.contains("\n- before: "), "{compared}");
     assert!(compared.contains("## getcpu"), "{compared}");
     assert!(compared.contains("| syscall"), "{compared}");
 }

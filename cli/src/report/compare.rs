@@ -102,17 +102,26 @@ pub fn render(
     if style == Style::Markdown {
         out.push_str("# thiscpu compare\n\n");
     }
-    if before.machine.summary() == after.machine.summary() {
-        out.push_str(&format!(
+    let header = if before.machine.summary() == after.machine.summary() {
+        format!(
             "before: {before_name}\nafter:  {after_name}\nmachine: {}\n",
             before.machine.summary()
-        ));
+        )
     } else {
-        out.push_str(&format!(
+        format!(
             "before: {before_name} — {}\nafter:  {after_name} — {}\n",
             before.machine.summary(),
             after.machine.summary()
-        ));
+        )
+    };
+    match style {
+        Style::Text => out.push_str(&header),
+        // One list item per line, or Markdown would join them into one paragraph.
+        Style::Markdown => {
+            for line in header.lines() {
+                out.push_str(&format!("- {}\n", line.replacen(":  ", ": ", 1)));
+            }
+        }
     }
 
     // Benches in order of first appearance, before's first.

@@ -17,7 +17,8 @@
 # directory (cargo runs tests from the package's root) when it holds a Cargo.toml, copied
 # without its target/ and run from there; the program itself; the workspace's executables that the binary names
 # by absolute path (CARGO_BIN_EXE_*), and the shared libraries built as examples that it names
-# by file name (in <profile>/examples/), at the same paths; and an empty, writable
+# by file name (in <profile>/examples/), at the same paths; the files of $THISCPU_TEST_C_DIR
+# (programs the tests run, built beforehand), at the same paths; and an empty, writable
 # CARGO_TARGET_TMPDIR. Otherwise the program runs from /.
 #
 # Other knobs: THISCPU_VM_SMP (default 2), THISCPU_VM_MEM (MiB, default 1024),
@@ -114,6 +115,15 @@ if [ "$(basename "$bin_dir")" = deps ]; then
         add_libs "$lib"
     done
     mkdir -p "$root$(dirname "$(dirname "$profile_dir")")/tmp"
+fi
+if [ -n "${THISCPU_TEST_C_DIR:-}" ] && [ -d "$THISCPU_TEST_C_DIR" ]; then
+    c_dir=$(cd "$THISCPU_TEST_C_DIR" && pwd)
+    mkdir -p "$root$c_dir"
+    for f in "$c_dir"/*; do
+        [ -f "$f" ] || continue
+        cp "$f" "$root$f"
+        add_libs "$f"
+    done
 fi
 guest_tmpdir=${CARGO_TARGET_TMPDIR:-}
 [ -z "$guest_tmpdir" ] || mkdir -p "$root$guest_tmpdir"

@@ -93,10 +93,19 @@ echo "qemu:   $(qemu-system-aarch64 --version | sed -n 1p)"
 echo "guests: $(cat "$tools/guest/kernel-package" 2>/dev/null || echo '?')," \
     "$(cat "$new_kernel/package")"
 
+# The C programs of thiscpu/tests/c, which the shared_library test builds itself where a C
+# compiler is at hand; the guest has none, so they are cross-compiled here and the runner
+# copies THISCPU_TEST_C_DIR into the guest.
+export THISCPU_TEST_C_DIR=$CARGO_TARGET_DIR/c-tests
 build() {
     run cargo test --workspace --target "$triple" --no-run
     run cargo build --workspace --target "$triple" --bins
     run cargo build --release -p thiscpu --example fast_path_probe --target "$triple"
+    run mkdir -p "$THISCPU_TEST_C_DIR"
+    run aarch64-linux-gnu-gcc -O1 -pthread -o "$THISCPU_TEST_C_DIR/unload_host" \
+        thiscpu/tests/c/unload_host.c
+    run aarch64-linux-gnu-gcc -O1 -shared -fPIC -o "$THISCPU_TEST_C_DIR/libtls_words.so" \
+        thiscpu/tests/c/tls_words.c
 }
 step build build
 

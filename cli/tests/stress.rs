@@ -137,6 +137,11 @@ fn a_thousand_threads_take_about_the_time_asked() {
         assert_eq!(report[part]["workers"], 1024, "{report}");
         let seconds = report[part]["elapsed_seconds"].as_f64().unwrap();
         assert!(seconds < 5.0, "{part} ran {seconds} s for 1 s asked");
+        // The thread that migrates and signals the workers got CPU time among them.
+        assert!(
+            report[part]["migrations"].as_u64().unwrap() > 0,
+            "{part}: no migration among 1024 workers: {report}"
+        );
     }
     eprintln!("stress --threads 1024 --seconds 1: {elapsed:?}");
 }

@@ -130,9 +130,9 @@ pub mod pool;
 pub mod prometheus;
 #[allow(unsafe_code)]
 mod registration;
-#[doc(hidden)]
 #[allow(unsafe_code)]
 mod sharded;
+#[doc(hidden)]
 #[allow(unsafe_code)]
 pub mod stress;
 #[allow(unsafe_code)]

@@ -178,14 +178,21 @@ impl StartGate {
         }
     }
 
-    /// Called by the coordinator: waits until every worker has arrived.
-    pub fn wait_for_all(&self) {
+    /// Called by the coordinator: waits until every worker has arrived (`true`), or until
+    /// `ended_early` reports a worker thread that has ended (`false`; the caller calls the run
+    /// off). A worker ends before the gate opens only if it never arrived: std created the
+    /// thread but could not start it (its signal stack could not be mapped, say), and waiting
+    /// for it would wait forever.
+    pub fn wait_for_all(&self, ended_early: impl Fn() -> bool) -> bool {
         loop {
             let arrived = self.arrived.load(Ordering::Acquire);
             if arrived >= self.expected {
-                return;
+                return true;
             }
-            futex_wait(&self.arrived, arrived);
+            if ended_early() {
+                return false;
+            }
+            futex_wait_at_most(&self.arrived, arrived, Duration::from_millis(20));
         }
     }
 
@@ -210,20 +217,38 @@ impl StartGate {
 /// Sleeps while `word` holds `expected`; may return early (a signal, a spurious wake-up), so
 /// callers check again in a loop.
 fn futex_wait(word: &AtomicU32, expected: u32) {
+    futex_wait_until(word, expected, None);
+}
+
+/// [`futex_wait`] for at most `limit`.
+fn futex_wait_at_most(word: &AtomicU32, expected: u32, limit: Duration) {
+    let timeout = libc::timespec {
+        tv_sec: limit.as_secs() as libc::time_t,
+        tv_nsec: limit.subsec_nanos() as libc::c_long,
+    };
+    futex_wait_until(word, expected, Some(&timeout));
+}
+
+fn futex_wait_until(word: &AtomicU32, expected: u32, timeout: Option<&libc::timespec>) {
+    let timeout = timeout.map_or(core::ptr::null(), |t| t as *const libc::timespec);
     // SAFETY: FUTEX_WAIT only reads the aligned 32-bit word, which `word` keeps alive for the
-    // call, and returns at once when it no longer holds `expected`; no timeout is passed.
+    // call, and returns at once when it no longer holds `expected`; the timeout, when given, is
+    // a relative time that lives across the call.
     let ret = unsafe {
         libc::syscall(
             libc::SYS_futex,
             word.as_ptr(),
             libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
             expected,
-            core::ptr::null::<libc::timespec>(),
+            timeout,
         )
     };
     if ret != 0 {
         let errno = std::io::Error::last_os_error().raw_os_error();
-        if !matches!(errno, Some(libc::EAGAIN) | Some(libc::EINTR)) {
+        if !matches!(
+            errno,
+            Some(libc::EAGAIN) | Some(libc::EINTR) | Some(libc::ETIMEDOUT)
+        ) {
             // No futex (a sandbox refusing it): wait politely instead.
             std::thread::yield_now();
         }
@@ -271,6 +296,19 @@ fn spawn_workers<T: Send + 'static, F: FnOnce() -> T + Send + 'static>(
 }
 
 /// The error for a thread the system would not create.
+/// Sends the workers home after one of them ended without reaching the gate, waits for them,
+/// and says what happened.
+fn call_off<T>(gate: &StartGate, workers: Vec<std::thread::JoinHandle<T>>) -> std::io::Error {
+    gate.cancel();
+    for handle in workers {
+        let _ = handle.join();
+    }
+    std::io::Error::other(
+        "a worker thread ended before it could start (the system may be short of memory or \
+         threads)",
+    )
+}
+
 fn thread_refused(what: &str, error: &std::io::Error) -> std::io::Error {
     let reason = match error.raw_os_error() {
         Some(errno) => os_reason(errno),
@@ -524,7 +562,9 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
         }
     })?;
 
-    gate.wait_for_all();
+    if !gate.wait_for_all(|| worker_handles.iter().any(|h| h.is_finished())) {
+        return Err(call_off(&gate, worker_handles));
+    }
     let began = gate.open();
     let deadline = began + config.duration;
     let mut disturber = Disturber::new(config);
@@ -802,7 +842,13 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
         }
     };
 
-    gate.wait_for_all();
+    if !gate.wait_for_all(|| worker_handles.iter().any(|h| h.is_finished())) {
+        stop.store(true, Ordering::Relaxed);
+        if let Some(drainer) = drainer {
+            let _ = drainer.join();
+        }
+        return Err(call_off(&gate, worker_handles));
+    }
     let began = gate.open();
     let deadline = began + stress.duration;
     let mut disturber = Disturber::new(stress);
@@ -977,6 +1023,24 @@ mod tests {
     }
 
     #[test]
+    fn the_coordinator_stops_waiting_when_a_worker_ends_without_arriving() {
+        let gate = Arc::new(StartGate::new(3));
+        let arriving: Vec<_> = (0..2)
+            .map(|_| {
+                let gate = gate.clone();
+                std::thread::spawn(move || gate.arrive())
+            })
+            .collect();
+        // The third worker ends without arriving, as one that std could not start does.
+        let lost = std::thread::spawn(|| None::<Instant>);
+        assert!(!gate.wait_for_all(|| lost.is_finished()));
+        gate.cancel();
+        for worker in arriving {
+            assert_eq!(worker.join().unwrap(), None);
+        }
+    }
+
+    #[test]
     fn the_gate_releases_every_waiter_or_sends_them_home() {
         for open in [true, false] {
             let gate = Arc::new(StartGate::new(64));
@@ -986,7 +1050,7 @@ mod tests {
                     std::thread::spawn(move || gate.arrive())
                 })
                 .collect();
-            gate.wait_for_all();
+            assert!(gate.wait_for_all(|| false));
             let opened = if open {
                 Some(gate.open())
             } else {

@@ -866,7 +866,17 @@ fn measure(
                 }
             }
         }
-        gate.wait_for_all();
+        if !gate.wait_for_all(|| workers.iter().any(|w| w.is_finished())) {
+            gate.cancel();
+            // Joined here, not by the scope, which would raise a worker's panic.
+            for worker in workers {
+                let _ = worker.join();
+            }
+            return Err(format!(
+                "a worker thread of {threads} ended before it could start (the system may be \
+                 short of memory or threads)"
+            ));
+        }
         gate.open();
         std::thread::sleep(duration);
         stop.store(true, Ordering::Relaxed);

@@ -400,7 +400,7 @@ fn yield_round_trips(cpu: u32, mode: RseqMode, calls: u64) -> Result<u128, Strin
     let ready = AtomicBool::new(false);
     let running = AtomicBool::new(true);
     std::thread::scope(|scope| {
-        let partner = scope.spawn(|| {
+        let partner = std::thread::Builder::new().spawn_scoped(scope, || {
             let pinned = pin_to(cpu);
             let _ = thiscpu::current_cpu();
             let source = thiscpu::source();
@@ -420,7 +420,16 @@ fn yield_round_trips(cpu: u32, mode: RseqMode, calls: u64) -> Result<u128, Strin
                 ))
             }
         });
+        let partner = partner.map_err(|error| {
+            format!(
+                "the system refused to create the partner thread: {}",
+                crate::error::plain(&error)
+            )
+        })?;
         while !ready.load(Ordering::Acquire) {
+            if partner.is_finished() {
+                break;
+            }
             sched_yield();
         }
         let start = process_cpu_nanos();

@@ -143,8 +143,8 @@ struct BenchArgs {
 
     /// Only cases whose name contains one of these comma-separated strings or matches one of
     /// these globs (`*`, `?`).
-    #[arg(long, value_name = "FILTER", value_parser = bench::CaseFilter::parse)]
-    cases: Option<bench::CaseFilter>,
+    #[arg(long, value_name = "FILTER", value_parser = bench::model::CaseFilter::parse)]
+    cases: Option<bench::model::CaseFilter>,
 
     /// Write the results, with every round's value and the machine, as JSON to FILE (`-`:
     /// standard output, the tables then go to standard error). The file is replaced whole
@@ -197,7 +197,7 @@ fn bench_options(args: BenchArgs) -> Result<bench::Options, Error> {
         })?;
         if !families
             .iter()
-            .any(|f: &&bench::Family| f.name == family.name)
+            .any(|f: &&bench::model::Family| f.name == family.name)
         {
             families.push(family);
         }

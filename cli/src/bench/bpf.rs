@@ -17,7 +17,7 @@
 //! row: `syscall | vdso | sched_getcpu | current_cpu`, with the change against the last two.
 
 use super::counter::{Exact, Shape};
-use super::{Case, Family, Measured, Unit};
+use super::model::{Case, Family, Measured, Unit};
 use crate::report::table::{align_right, fmt_num, fmt_percent, new_table, render};
 use std::collections::HashMap;
 use std::hint::black_box;

@@ -10,8 +10,8 @@
 //! of `fetch_add` is not routed through `black_box`: that would add a store per operation that
 //! `Counter::inc` (which returns nothing) does not pay.
 
-use super::{Case, Family, Measured, Stats, Unit, Workload, verdict};
-use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render};
+use super::model::{Case, Family, Measured, Stats, Unit, Workload};
+use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
 use contatori::counters::Observable;
 use std::cell::Cell;
 use std::hint::black_box;
@@ -291,7 +291,7 @@ fn mapped(result: &Measured, f: impl Fn(f64) -> f64) -> Stats {
 
 /// Median ns per increment of one thread of `case` run with `threads` threads.
 fn ns_per_op(results: &[Measured], case: &str, threads: usize) -> Option<f64> {
-    super::median_of(results, case, threads)
+    super::model::median_of(results, case, threads)
 }
 
 /// Million operations per second from ns per operation.

@@ -5,7 +5,8 @@
 //! `current_cpu-noinline`, which calls an `#[inline(never)]` function the way the arm64
 //! `thread_info->cpu` patch (seed 000) timed its `get_cpu_id()`.
 
-use super::{Case, Family, Loop, Measured, Stats, Unit, cpu_has_flag};
+use super::model::{Case, Family, Loop, Measured, Stats, Unit};
+use crate::machine::cpu_has_flag;
 use crate::report::table::{self, fmt_ns, fmt_num, fmt_ratio};
 use std::hint::black_box;
 use thiscpu::CpuSource;

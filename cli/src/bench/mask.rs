@@ -13,8 +13,8 @@
 //! it), `alternate` (every call changes it). After each chunk every worker checks that its bit
 //! holds the value its last call asked for: a lost update fails the run.
 
-use super::{Case, Family, Measured, Unit, Workload, median_of as median, verdict};
-use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render};
+use super::model::{Case, Family, Measured, Unit, Workload, median_of as median};
+use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use thiscpu::{CachePadded, CpuMask};
 

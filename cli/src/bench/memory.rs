@@ -21,8 +21,8 @@
 //! The padded layout is measured on a twentieth as many counters (each costs 128 bytes per
 //! possible CPU, plus the allocator's rounding) and reported per counter like the dense one.
 
-use super::{Case, Family, Measured, Unit, Workload};
-use crate::report::table::{align_right, fmt_num, new_table, render};
+use super::model::{Case, Family, Measured, Unit, Workload};
+use crate::report::table::{align_right, fmt_num, new_table, render, verdict};
 use std::hint::black_box;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -411,7 +411,7 @@ fn report(results: &[Measured]) -> String {
                 "  dense resident: {} B per counter per CPU that ran ({ran}) (target ≤ 8 B plus \
                  a small constant): {}",
                 bytes(each),
-                super::verdict(each <= 8.5)
+                verdict(each <= 8.5)
             ));
         }
         if let Some(reserved) = median("dense/reserved", threads) {
@@ -423,7 +423,7 @@ fn report(results: &[Measured]) -> String {
                  {} B is expected here; the rest comes from where a batch starts and ends in \
                  partly used 64 KiB ranges",
                 bytes(each),
-                super::verdict(each <= 8.0),
+                verdict(each <= 8.0),
                 bytes(expected)
             ));
         }

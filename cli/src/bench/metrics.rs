@@ -19,8 +19,8 @@
 //! After every round each case checks its count where a scrape would read it: the exporter's
 //! rendered text (after a flush, for the layered case), the registry's encoded text.
 
-use super::{Case, Family, Measured, Stats, Unit, Workload, verdict};
-use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render};
+use super::model::{Case, Family, Measured, Stats, Unit, Workload};
+use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
 use metrics_exporter_prometheus::{PrometheusBuilder, PrometheusHandle, PrometheusRecorder};
 use metrics_util::layers::Layer;
 use prometheus_client::registry::Registry;
@@ -287,7 +287,7 @@ impl<M: prometheus_client::registry::Metric + Clone> Workload for InRegistry<M> 
 
 /// Median ns per operation of one thread of `case` with `threads` threads.
 fn ns_per_op(results: &[Measured], case: &str, threads: usize) -> Option<f64> {
-    super::median_of(results, case, threads)
+    super::model::median_of(results, case, threads)
 }
 
 /// The pairs the targets compare: (thiscpu's case, the competitor, what, the target with one

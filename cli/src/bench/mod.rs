@@ -2,10 +2,11 @@
 //!
 //! A *family* (`getcpu`, ...) is one file in this folder that exports a [`Family`]; the
 //! `families!` line at the bottom of this file lists them. A family offers *cases*, each a
-//! [`Workload`] measured in one [`Unit`]. The runner measures every (case, thread count)
-//! pair in interleaved rounds (A B C A B C ...), each round for the same fixed time, with every
-//! worker thread pinned to its own CPU and all workers released together by a barrier. A round
-//! yields one number per pair; the report gives min, median and max over the rounds.
+//! [`Workload`] measured in one [`Unit`]; these types live in [`model`], which reports read.
+//! The runner measures every (case, thread count) pair in interleaved rounds (A B C A B C ...),
+//! each round for the same fixed time, with every worker thread pinned to its own CPU and all
+//! workers released together by a barrier. A round yields one number per pair; the report
+//! gives min, median and max over the rounds.
 //!
 //! # Adding a family
 //! Write `bench/NAME.rs` exporting `pub static FAMILY: Family`, and add `NAME` to the
@@ -13,7 +14,7 @@
 //! SVG, `compare`) follows. A sketch:
 //!
 //! ```text
-//! use super::{Case, Family, Loop, Measured, Unit};
+//! use super::model::{Case, Family, Loop, Measured, Unit};
 //!
 //! pub static FAMILY: Family = Family {
 //!     name: "counter",
@@ -36,7 +37,7 @@
 //! with exit status 1.
 
 use crate::error::{Error, Result};
-use crate::machine::{self, Machine};
+use crate::machine::Machine;
 use crate::report;
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -44,280 +45,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use thiscpu::stress::StartGate;
 
-/// What a result counts, and which way is better.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Unit {
-    /// Nanoseconds per operation on one thread, averaged over the threads (lower is better).
-    /// Counted in the threads' CPU time, so that time spent preempted by other load is left
-    /// out.
-    NsPerOp,
-    /// Bytes per counter, a size the workload measured itself (lower is better).
-    BytesPerCounter,
-    /// Bytes, a size the workload measured itself (lower is better).
-    Bytes,
-}
+pub mod model;
 
-impl Unit {
-    /// The unit as reports write it.
-    pub fn label(self) -> &'static str {
-        match self {
-            Unit::NsPerOp => "ns/op",
-            Unit::BytesPerCounter => "B/counter",
-            Unit::Bytes => "bytes",
-        }
-    }
-
-    /// Whether a smaller number is an improvement.
-    pub fn lower_is_better(self) -> bool {
-        matches!(self, Unit::NsPerOp | Unit::BytesPerCounter | Unit::Bytes)
-    }
-}
-
-/// The work one case measures.
-///
-/// The runner calls `prepare` before each measurement, then `run` from every worker thread
-/// in chunks until the round's time is up, then `verify` with the number of operations all
-/// workers performed since `prepare` (warm-up included).
-pub trait Workload: Send + Sync {
-    /// Resets state before a measurement with `threads` workers.
-    fn prepare(&self, _threads: usize) {}
-
-    /// Performs `ops` operations on the calling thread, which is worker number `worker`.
-    fn run(&self, worker: usize, ops: u64);
-
-    /// Checks the state after a measurement; an error fails the whole run.
-    fn verify(&self, _ops: u64) -> std::result::Result<(), String> {
-        Ok(())
-    }
-
-    /// A value the workload measured itself during the last measurement (a size, say),
-    /// reported instead of one derived from the timing.
-    fn reading(&self) -> Option<f64> {
-        None
-    }
-}
-
-/// A stateless workload: a function that performs `ops` operations.
-#[derive(Debug)]
-pub struct Loop(pub fn(u64));
-
-impl Workload for Loop {
-    fn run(&self, _worker: usize, ops: u64) {
-        (self.0)(ops)
-    }
-}
-
-/// One case of a family: a name, a few words on what it calls, and its workload, or the reason
-/// this machine cannot run it.
-pub struct Case {
-    /// The case's name in reports (stable: JSON files are compared by it).
-    pub name: &'static str,
-    /// What the case calls, in a few words.
-    pub how: String,
-    /// The unit of its results.
-    pub unit: Unit,
-    /// The workload, or why the case is left out on this machine.
-    pub workload: std::result::Result<Box<dyn Workload>, String>,
-}
-
-impl Case {
-    /// A case this machine can run.
-    pub fn new(
-        name: &'static str,
-        how: impl Into<String>,
-        unit: Unit,
-        workload: impl Workload + 'static,
-    ) -> Case {
-        Case {
-            name,
-            how: how.into(),
-            unit,
-            workload: Ok(Box::new(workload)),
-        }
-    }
-
-    /// A case left out, and why.
-    pub fn skipped(name: &'static str, unit: Unit, reason: impl Into<String>) -> Case {
-        Case {
-            name,
-            how: String::new(),
-            unit,
-            workload: Err(reason.into()),
-        }
-    }
-}
-
-/// A benchmark family: one file in `bench/`, listed once in `families!`.
-#[derive(Debug)]
-pub struct Family {
-    /// The name on the command line and in reports.
-    pub name: &'static str,
-    /// What the family measures, in one line.
-    pub about: &'static str,
-    /// Every case name the family knows, whether or not this machine can run it.
-    pub case_names: &'static [&'static str],
-    /// Thread counts measured when `--threads` is not given.
-    pub default_threads: &'static [usize],
-    /// The case the table's relative column divides by.
-    pub baseline: Option<&'static str>,
-    /// The cases, built for this machine.
-    pub cases: fn() -> Vec<Case>,
-    /// Lines printed after the family's table (seed-shaped tables, ratios); may be empty.
-    pub report: fn(&[Measured]) -> String,
-}
-
-/// All results of one (case, thread count) pair.
-#[derive(Clone, Debug)]
-pub struct Measured {
-    /// The family.
-    pub bench: &'static str,
-    /// The case.
-    pub case: &'static str,
-    /// What the case calls.
-    pub how: String,
-    /// Worker threads.
-    pub threads: usize,
-    /// The CPUs the workers were pinned to (empty where pinning failed).
-    pub cpus: Vec<u32>,
-    /// Unit of `rounds`.
-    pub unit: Unit,
-    /// One value per round, in round order.
-    pub rounds: Vec<f64>,
-    /// Operations performed in all timed rounds by all workers.
-    pub ops: u64,
-    /// Per round, the share of wall-clock time the workers were running.
-    pub on_cpu: Vec<f64>,
-}
-
-impl Measured {
-    /// Min, median and max over the rounds.
-    pub fn stats(&self) -> Stats {
-        Stats::of(&self.rounds)
-    }
-}
-
-/// Min, median, max, mean and standard deviation of a set of rounds.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Stats {
-    /// Smallest round.
-    pub min: f64,
-    /// Median round (the mean of the two middle ones for an even count).
-    pub median: f64,
-    /// Largest round.
-    pub max: f64,
-    /// Arithmetic mean of the rounds.
-    pub mean: f64,
-    /// Sample standard deviation of the rounds (divided by n - 1; 0 for one round).
-    pub stddev: f64,
-}
-
-impl Stats {
-    /// Statistics of `values`, all zero for none.
-    pub fn of(values: &[f64]) -> Stats {
-        let mut sorted = values.to_vec();
-        sorted.sort_by(f64::total_cmp);
-        let n = sorted.len();
-        if n == 0 {
-            return Stats {
-                min: 0.0,
-                median: 0.0,
-                max: 0.0,
-                mean: 0.0,
-                stddev: 0.0,
-            };
-        }
-        let mean = sorted.iter().sum::<f64>() / n as f64;
-        let stddev = if n > 1 {
-            let squares: f64 = sorted.iter().map(|v| (v - mean) * (v - mean)).sum();
-            (squares / (n - 1) as f64).sqrt()
-        } else {
-            0.0
-        };
-        let median = if n % 2 == 1 {
-            sorted[n / 2]
-        } else {
-            (sorted[n / 2 - 1] + sorted[n / 2]) / 2.0
-        };
-        Stats {
-            min: sorted[0],
-            median,
-            max: sorted[n - 1],
-            mean,
-            stddev,
-        }
-    }
-}
-
-/// A case left out of a run, and why.
-#[derive(Clone, Debug)]
-pub struct Skipped {
-    /// The family.
-    pub bench: &'static str,
-    /// The case.
-    pub case: &'static str,
-    /// Why this machine cannot run it.
-    pub reason: String,
-}
-
-/// Which cases `--cases` selects: comma-separated patterns, each a substring of the case name
-/// or, when it holds `*` or `?`, a glob that must match the whole name. A pattern may also be
-/// written `family/case`.
-#[derive(Clone, Debug)]
-pub struct CaseFilter {
-    patterns: Vec<String>,
-}
-
-impl CaseFilter {
-    /// Parses `--cases`; fails on an empty pattern list.
-    pub fn parse(text: &str) -> std::result::Result<CaseFilter, String> {
-        let patterns: Vec<String> = text
-            .split(',')
-            .map(str::trim)
-            .filter(|p| !p.is_empty())
-            .map(str::to_owned)
-            .collect();
-        if patterns.is_empty() {
-            return Err("expected case names or patterns, e.g. current_cpu,vdso*".to_owned());
-        }
-        Ok(CaseFilter { patterns })
-    }
-
-    /// Whether `family/case` is selected.
-    pub fn matches(&self, family: &str, case: &str) -> bool {
-        let full = format!("{family}/{case}");
-        self.patterns.iter().any(|pattern| {
-            if pattern.contains(['*', '?']) {
-                glob(pattern, case) || glob(pattern, &full)
-            } else {
-                case.contains(pattern.as_str()) || full == *pattern
-            }
-        })
-    }
-}
-
-/// Matches `*` (any run) and `?` (any one character) against the whole of `text`.
-fn glob(pattern: &str, text: &str) -> bool {
-    let pattern: Vec<char> = pattern.chars().collect();
-    let text: Vec<char> = text.chars().collect();
-    let (mut p, mut t) = (0, 0);
-    let mut star: Option<(usize, usize)> = None;
-    while t < text.len() {
-        if p < pattern.len() && (pattern[p] == '?' || pattern[p] == text[t]) {
-            p += 1;
-            t += 1;
-        } else if p < pattern.len() && pattern[p] == '*' {
-            star = Some((p, t));
-            p += 1;
-        } else if let Some((star_p, star_t)) = star {
-            p = star_p + 1;
-            t = star_t + 1;
-            star = Some((star_p, star_t + 1));
-        } else {
-            return false;
-        }
-    }
-    pattern[p..].iter().all(|&c| c == '*')
-}
+use model::{Case, CaseFilter, Family, Measured, RunInfo, Skipped, Unit, Workload};
 
 /// Parses a thread-count list: `1,2,4`, ranges `1-4`, or `start:end:step` (`1:8:2`).
 pub fn parse_threads(text: &str) -> std::result::Result<Vec<usize>, String> {
@@ -384,21 +114,6 @@ const QUICK_SECONDS: f64 = 1.0;
 const QUICK_ROUNDS: u32 = 3;
 /// No round is shorter than this, whatever the budget.
 const MIN_ROUND: Duration = Duration::from_millis(2);
-
-/// How a run is laid out, as reports describe it.
-#[derive(Clone, Debug)]
-pub struct RunInfo {
-    /// Rounds per (case, thread count).
-    pub rounds: u32,
-    /// Length of one measurement.
-    pub round: Duration,
-    /// Total budget asked for, in seconds.
-    pub budget_seconds: f64,
-    /// Whether `--quick` was given.
-    pub quick: bool,
-    /// CPUs this process may run on, in the order workers are pinned to them.
-    pub cpus: Vec<u32>,
-}
 
 /// One family's plan: its runnable cases (after `--cases`), thread counts, and skipped cases.
 struct Plan {
@@ -606,7 +321,7 @@ fn plan(options: &Options) -> Result<Vec<Plan>> {
             .collect();
         return Err(Error::input(format!(
             "no case matches --cases {} (cases: {})",
-            filter.patterns.join(","),
+            filter.patterns().join(","),
             known.join(", ")
         )));
     }
@@ -741,19 +456,6 @@ impl Sample {
             1.0
         }
     }
-}
-
-/// The median of `case` run with `threads` threads, for the families' reports.
-fn median_of(results: &[Measured], case: &str, threads: usize) -> Option<f64> {
-    let result = results
-        .iter()
-        .find(|m| m.case == case && m.threads == threads)?;
-    Some(result.stats().median)
-}
-
-/// `met` or `NOT met`, for the families' target lines.
-fn verdict(met: bool) -> &'static str {
-    if met { "met" } else { "NOT met" }
 }
 
 /// CPU time the calling thread has used (`CLOCK_THREAD_CPUTIME_ID`).
@@ -950,11 +652,6 @@ fn pin_to(cpu: u32) -> bool {
     unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) == 0 }
 }
 
-/// Whether the CPU has `flag` (re-exported for families that explain skipped cases).
-pub fn cpu_has_flag(flag: &str) -> bool {
-    machine::cpu_has_flag(flag)
-}
-
 /// Declares the families: each name is a module in this folder that exports `FAMILY`.
 /// Adding a family is one file and one name here.
 macro_rules! families {
@@ -994,32 +691,6 @@ pub fn family(name: &str) -> Option<&'static Family> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn medians_of_odd_and_even_counts() {
-        let odd = Stats::of(&[3.0, 1.0, 2.0]);
-        assert_eq!((odd.min, odd.median, odd.max), (1.0, 2.0, 3.0));
-        assert_eq!(Stats::of(&[4.0, 1.0, 2.0, 3.0]).median, 2.5);
-        // Mean 5, squared deviations 9+1+1+1+0+4+16+0 = 32 over n - 1 = 7.
-        let spread = Stats::of(&[2.0, 4.0, 4.0, 4.0, 5.0, 7.0, 9.0, 5.0]);
-        assert_eq!(spread.mean, 5.0);
-        assert!((spread.stddev - (32.0f64 / 7.0).sqrt()).abs() < 1e-12);
-        assert_eq!(Stats::of(&[3.0]).stddev, 0.0);
-    }
-
-    #[test]
-    fn case_filters_take_substrings_and_globs() {
-        let filter = CaseFilter::parse("vdso,current_cpu-*").unwrap();
-        assert!(filter.matches("getcpu", "vdso-getcpu"));
-        assert!(filter.matches("getcpu", "current_cpu-noinline"));
-        assert!(!filter.matches("getcpu", "current_cpu"));
-        assert!(!filter.matches("getcpu", "syscall"));
-        let filter = CaseFilter::parse("getcpu/getcpu").unwrap();
-        assert!(filter.matches("getcpu", "getcpu"));
-        assert!(glob("*", ""));
-        assert!(glob("r?p*d", "rdpid"));
-        assert!(!glob("r?p", "rdpid"));
-    }
 
     #[test]
     fn thread_lists() {

@@ -7,7 +7,7 @@
 //! After every round each pool must hold exactly the objects it ever made: a lost or doubled
 //! object fails the run.
 
-use super::{Case, Family, Measured, Unit, Workload, median_of as median};
+use super::model::{Case, Family, Measured, Unit, Workload, median_of as median};
 use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render};
 use crossbeam_queue::{ArrayQueue, SegQueue};
 use std::hint::black_box;

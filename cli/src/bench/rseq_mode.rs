@@ -21,7 +21,8 @@
 //!   operation is one yield of the measuring thread, a round trip of two context switches.
 //! - `getppid-*`: a loop of `getppid` system calls, which switch no context.
 
-use super::{Case, Family, Measured, Stats, Unit, Workload, pin_to};
+use super::model::{Case, Family, Measured, Stats, Unit, Workload};
+use super::pin_to;
 use crate::report::table::{fmt_ns, fmt_ratio};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};

@@ -15,8 +15,8 @@
 //! threads, all still alive, have each updated it once: a `Sharded` is one 128-byte shard per
 //! possible CPU whatever N, a `ThreadLocal` one entry per thread.
 
-use super::{Case, Family, Measured, Unit, Workload, median_of as median, verdict};
-use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render};
+use super::model::{Case, Family, Measured, Unit, Workload, median_of as median};
+use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};

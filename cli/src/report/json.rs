@@ -4,7 +4,7 @@
 //! of `{bench, case, threads, unit, median, min, max, rounds}`; `skipped` lists the cases
 //! left out. Other fields are extras that readers may ignore.
 
-use crate::bench::{Measured, RunInfo, Skipped, Stats};
+use crate::bench::model::{Measured, RunInfo, Skipped, Stats};
 use crate::error::{Error, Result};
 use crate::machine::Machine;
 use serde::{Deserialize, Serialize};

@@ -6,7 +6,7 @@
 //!
 //! Text is left to the viewer's sans-serif font: no font files are read or embedded.
 
-use crate::bench::{Family, Measured, RunInfo, Stats};
+use crate::bench::model::{Family, Measured, RunInfo, Stats};
 use crate::error::{Error, Result};
 use crate::machine::Machine;
 use crate::report::table::fmt_num;

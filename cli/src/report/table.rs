@@ -1,6 +1,6 @@
 //! Human-readable tables: the run header, one table per family, the seed-shaped tables.
 
-use crate::bench::{Family, Measured, RunInfo, Skipped, Stats, Unit};
+use crate::bench::model::{Family, Measured, RunInfo, Skipped, Stats, Unit};
 use crate::machine::{Machine, format_cpu_list};
 use comfy_table::{CellAlignment, ContentArrangement, Table};
 
@@ -286,6 +286,11 @@ pub fn seed_latency_table(vdso: Option<f64>, syscall: Option<f64>, after: f64) -
     ]);
     align_right(&mut table, &[1, 2, 3]);
     render(&table)
+}
+
+/// `met` or `NOT met`, for the families' target lines.
+pub fn verdict(met: bool) -> &'static str {
+    if met { "met" } else { "NOT met" }
 }
 
 #[cfg(test)]

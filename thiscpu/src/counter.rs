@@ -177,7 +177,7 @@ impl<S: Spread> Counter<S> {
 
     #[inline(always)]
     fn add_by<const FIELD: usize>(&self, n: u64) {
-        let offset = arch::section_offset();
+        let offset = arch::area_offset();
         let cpu = arch::field_at::<BY_CPU>(offset);
         let index = if FIELD == BY_CPU || cpu < 0 {
             cpu
@@ -216,7 +216,7 @@ impl<S: Spread> Counter<S> {
             let Some(index) = at.filter(|&index| index < dense::cpu_rows()) else {
                 break;
             };
-            let offset = arch::section_offset();
+            let offset = arch::area_offset();
             if arch::field_at::<BY_CPU>(offset) < 0 {
                 break;
             }

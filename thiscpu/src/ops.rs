@@ -26,20 +26,7 @@ use crate::registration;
 use core::marker::PhantomData;
 use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
-/// How a restartable operation ended.
-#[must_use = "an aborted operation did nothing and must be retried"]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Outcome<T = ()> {
-    /// The committing store happened.
-    Committed(T),
-    /// A comparison failed (the value was not the expected one, or the list was empty):
-    /// nothing was stored.
-    Mismatch,
-    /// The kernel aborted the section (preemption, migration, signal, membarrier), or the
-    /// thread was no longer on the position's CPU: nothing was stored. Read a new position and
-    /// retry.
-    Aborted,
-}
+pub use crate::arch::Outcome;
 
 /// Sections indexed by CPU compare the area's `cpu_id`.
 pub const BY_CPU: usize = offset::CPU_ID;
@@ -57,14 +44,14 @@ pub const BY_MM_CID: usize = offset::MM_CID;
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Position<const FIELD: usize = BY_CPU> {
-    offset: arch::SectionOffset,
+    offset: arch::AreaOffset,
     index: u32,
     this_thread_only: PhantomData<*const ()>,
 }
 
 impl<const FIELD: usize> Position<FIELD> {
     #[inline(always)]
-    fn new(offset: arch::SectionOffset, index: u32) -> Self {
+    fn new(offset: arch::AreaOffset, index: u32) -> Self {
         Position {
             offset,
             index,
@@ -89,7 +76,7 @@ impl<const FIELD: usize> Position<FIELD> {
 /// ```
 #[inline]
 pub fn position() -> Option<Position<BY_CPU>> {
-    let offset = arch::section_offset();
+    let offset = arch::area_offset();
     let cpu = arch::field_at::<BY_CPU>(offset);
     if cpu >= 0 {
         return Some(Position::new(offset, cpu as u32));
@@ -105,7 +92,7 @@ fn position_slow() -> Option<Position<BY_CPU>> {
     {
         return None;
     }
-    let offset = arch::section_offset();
+    let offset = arch::area_offset();
     let cpu = arch::field_at::<BY_CPU>(offset);
     (cpu >= 0).then_some(Position::new(offset, cpu as u32))
 }
@@ -298,13 +285,8 @@ pub fn abort_fallbacks() -> u64 {
 /// numbered points inside every restartable sequence, so tests can drive the abort path.
 #[cfg(thiscpu_inject)]
 pub mod inject {
-    use core::sync::atomic::{AtomicU32, Ordering};
-
-    /// Number of injection points.
-    pub const POINTS: usize = 4;
-
-    /// Spin counts per point, read by the sections' delay loops.
-    pub static DELAYS: [AtomicU32; POINTS] = [const { AtomicU32::new(0) }; POINTS];
+    pub use crate::arch::inject::{DELAYS, POINTS};
+    use core::sync::atomic::Ordering;
 
     /// Sets the delay at `point` (spins of a decrement loop; 0 for none).
     pub fn set_delay(point: usize, spins: u32) {

@@ -46,54 +46,16 @@
 //! objects in and out of the caches as raw pointers from `Box::into_raw`, and pins the calling
 //! thread with `sched_setaffinity` in the drain fallback; each block states why it holds.
 
-use crate::arch;
+use crate::arch::{self, StackHead, StackOutcome};
 use crate::fence::{self, FenceUnavailable};
 use crate::mask::CpuMask;
 use crate::ops::{self, BY_CPU};
 use crate::percpu::CachePadded;
 use crate::registration::{self, Registrar};
 use crate::topology;
-use core::mem::{ManuallyDrop, offset_of, size_of};
+use core::mem::{ManuallyDrop, size_of};
 use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
-
-/// The head of one CPU's stack: what the sections of `arch` address by the offsets below.
-#[repr(C)]
-#[derive(Debug, Default)]
-pub(crate) struct StackHead {
-    /// Objects in the stack. Written by committing sections on this CPU (plain stores), or by a
-    /// drainer while `stopped` is set and the CPU has been fenced.
-    count: AtomicU64,
-    /// Non-zero while a drainer owns the stack. Written only by drainers, atomically; sections
-    /// read it.
-    stopped: AtomicU64,
-}
-
-impl StackHead {
-    /// Byte offset of `count`, used inside `asm!`.
-    pub(crate) const COUNT: usize = 0;
-    /// Byte offset of `stopped`, used inside `asm!`.
-    pub(crate) const STOPPED: usize = 8;
-}
-
-const _: () = {
-    assert!(offset_of!(StackHead, count) == StackHead::COUNT);
-    assert!(offset_of!(StackHead, stopped) == StackHead::STOPPED);
-    assert!(size_of::<AtomicU64>() == 8 && size_of::<AtomicUsize>() == 8);
-};
-
-/// How a guarded stack section ended.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum StackOutcome {
-    /// The count was stored.
-    Committed,
-    /// The stack was full (push) or empty (pop): nothing stored.
-    Refused,
-    /// A drainer owns the stack: nothing stored.
-    Stopped,
-    /// The kernel aborted the section, or the thread was not on the CPU any more.
-    Aborted,
-}
 
 /// Slots per 128-byte chunk.
 const CHUNK: usize = 16;
@@ -170,8 +132,8 @@ enum Caches<T> {
 
 /// The calling thread's rseq area offset and CPU, or `None` if this thread has no rseq.
 #[inline]
-fn here() -> Option<(arch::SectionOffset, u32)> {
-    let offset = arch::section_offset();
+fn here() -> Option<(arch::AreaOffset, u32)> {
+    let offset = arch::area_offset();
     let cpu = arch::field_at::<BY_CPU>(offset);
     if cpu >= 0 {
         return Some((offset, cpu as u32));
@@ -181,10 +143,10 @@ fn here() -> Option<(arch::SectionOffset, u32)> {
 
 #[cold]
 #[inline(never)]
-fn here_slow() -> Option<(arch::SectionOffset, u32)> {
+fn here_slow() -> Option<(arch::AreaOffset, u32)> {
     // Registers this thread's own area when thiscpu owns rseq in the process.
     ops::position()?;
-    let offset = arch::section_offset();
+    let offset = arch::area_offset();
     let cpu = arch::field_at::<BY_CPU>(offset);
     (cpu >= 0).then_some((offset, cpu as u32))
 }
@@ -436,7 +398,7 @@ impl<T> Pool<T> {
     #[inline]
     pub fn put_box(&self, object: Box<T>) {
         if let Caches::Rseq(stacks) = &self.caches {
-            let offset = arch::section_offset();
+            let offset = arch::area_offset();
             let cpu = arch::field_at::<BY_CPU>(offset) as u32;
             // One unsigned comparison rejects an unregistered area (-1, -2) and CPUs beyond
             // the caches.
@@ -461,7 +423,7 @@ impl<T> Pool<T> {
         let Caches::Rseq(stacks) = &self.caches else {
             return None;
         };
-        let offset = arch::section_offset();
+        let offset = arch::area_offset();
         let cpu = arch::field_at::<BY_CPU>(offset) as u32;
         if (cpu as usize) >= stacks.heads.len() {
             return None;
@@ -481,7 +443,7 @@ impl<T> Pool<T> {
     fn pop_at(
         &self,
         stacks: &Stacks,
-        offset: arch::SectionOffset,
+        offset: arch::AreaOffset,
         cpu: u32,
     ) -> Result<Box<T>, StackOutcome> {
         let head: &StackHead = &stacks.heads[cpu as usize];
@@ -509,7 +471,7 @@ impl<T> Pool<T> {
     fn push_at(
         &self,
         stacks: &Stacks,
-        offset: arch::SectionOffset,
+        offset: arch::AreaOffset,
         cpu: u32,
         object: Box<T>,
     ) -> Result<(), (Box<T>, StackOutcome)> {

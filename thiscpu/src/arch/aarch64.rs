@@ -39,37 +39,10 @@
 //! glibc's thread descriptor), memory the caller vouches for, and its own registers, as each
 //! block's comment details.
 
-use super::SectionOffset;
+use super::{AreaOffset, Outcome, StackHead, StackOutcome};
 use crate::abi::{Rseq, offset};
-use crate::ops::Outcome;
 use core::arch::{asm, global_asm};
 use core::sync::atomic::{AtomicIsize, Ordering};
-
-/// Emits the `struct rseq_cs` for a section at label 3 (in `__rseq_cs`) and lists it in
-/// `__rseq_cs_ptr_array` for debuggers. Arguments: the start, post-commit and abort labels.
-macro_rules! rseq_descriptor {
-    ($start:literal, $post_commit:literal, $abort:literal) => {
-        concat!(
-            ".pushsection __rseq_cs, \"aw\"\n",
-            ".balign 32\n",
-            "3:\n",
-            ".long 0, 0\n",
-            ".quad ",
-            $start,
-            "f, ",
-            $post_commit,
-            "f - ",
-            $start,
-            "f, ",
-            $abort,
-            "f\n",
-            ".popsection\n",
-            ".pushsection __rseq_cs_ptr_array, \"aw\"\n",
-            ".quad 3b\n",
-            ".popsection\n",
-        )
-    };
-}
 
 /// Emits an abort handler at `$label` in the `__rseq_failure` section, preceded by the
 /// signature as an instruction word (instructions are little-endian even on big-endian
@@ -89,22 +62,6 @@ macro_rules! rseq_abort {
             ".inst 0xd428bc00\n",
             $label, ":\n",
             $($insn, "\n",)*
-            ".popsection\n",
-        )
-    };
-}
-
-/// Lists an early exit of a section (from its start label to a label outside it) in
-/// `__rseq_exit_point_array`, as librseq does for debuggers. Place it before the start label.
-macro_rules! rseq_exit_point {
-    ($start:literal, $exit:literal) => {
-        concat!(
-            ".pushsection __rseq_exit_point_array, \"aw\"\n",
-            ".quad ",
-            $start,
-            "f, ",
-            $exit,
-            "\n",
             ".popsection\n",
         )
     };
@@ -144,7 +101,7 @@ macro_rules! rseq_asm {
         asm!(
             $($template),+,
             scratch = out(reg) _,
-            delays = sym crate::ops::inject::DELAYS,
+            delays = sym super::inject::DELAYS,
             out("x16") _,
             out("x17") _,
             $($operands)*
@@ -239,7 +196,7 @@ pub(crate) fn own_area_offset() -> isize {
 
 /// Offset from the thread pointer to the area the fast path reads.
 pub(crate) fn active_offset() -> isize {
-    section_offset().0 - offset::CPU_ID as isize
+    area_offset().0 - offset::CPU_ID as isize
 }
 
 /// Points the fast path at another area, e.g. glibc's. Every thread must have a live,
@@ -259,7 +216,7 @@ pub(crate) fn area_at(offset: isize) -> *mut Rseq {
 /// section use the same area: the offset from the thread pointer to its `cpu_id` field (not
 /// to its start, so that reading `cpu_id` takes one register-offset load).
 #[inline(always)]
-pub(crate) fn section_offset() -> SectionOffset {
+pub(crate) fn area_offset() -> AreaOffset {
     let offset: isize;
     // SAFETY: the own area's offset (see `own_area_offset`) plus a relaxed load of an aligned
     // word in `.data` that only this module writes, atomically. In one `asm!` because a Rust
@@ -276,16 +233,16 @@ pub(crate) fn section_offset() -> SectionOffset {
             options(readonly, nostack, preserves_flags),
         );
     }
-    SectionOffset(offset)
+    AreaOffset(offset)
 }
 
 /// The 32-bit field `FIELD` (`cpu_id`, `node_id` or `mm_cid`) of the area whose `cpu_id` is at
-/// `offset` (from `section_offset`).
+/// `offset` (from `area_offset`).
 #[inline(always)]
-pub(crate) fn field_at<const FIELD: usize>(offset: SectionOffset) -> i32 {
+pub(crate) fn field_at<const FIELD: usize>(offset: AreaOffset) -> i32 {
     let value: i32;
     if FIELD == offset::CPU_ID {
-        // SAFETY: a `SectionOffset` always names the `cpu_id` field of a live area in the
+        // SAFETY: a `AreaOffset` always names the `cpu_id` field of a live area in the
         // calling thread (see its definition in `arch`); one naturally aligned 32-bit load.
         unsafe {
             asm!(
@@ -319,13 +276,13 @@ pub(crate) fn field_at<const FIELD: usize>(offset: SectionOffset) -> i32 {
 /// `cpu_id` of the active area: the fast path of `current_cpu`; the caller tests the sign.
 #[inline(always)]
 pub(crate) fn rseq_cpu_id() -> i32 {
-    field_at::<{ offset::CPU_ID }>(section_offset())
+    field_at::<{ offset::CPU_ID }>(area_offset())
 }
 
 /// A 32-bit field of the active area, read with one load (`node_id`, `mm_cid`).
 #[inline(always)]
 pub(crate) fn rseq_field<const FIELD: usize>() -> u32 {
-    field_at::<FIELD>(section_offset()) as u32
+    field_at::<FIELD>(area_offset()) as u32
 }
 
 /// Reads `cpu_id` and `node_id` inside one restartable sequence, so both come from the same
@@ -334,7 +291,7 @@ pub(crate) fn rseq_field<const FIELD: usize>() -> u32 {
 /// negative cpu when the area is not registered.
 #[inline]
 pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
-    let offset = section_offset();
+    let offset = area_offset();
     let cpu: i32;
     let node: u32;
     let aborted: u32;
@@ -415,7 +372,18 @@ pub(crate) mod native {
     /// `(cpu, node)` from the `getcpu` system call, `(0, 0)` if it is refused.
     #[inline]
     pub(crate) fn cpu_node() -> (u32, u32) {
-        crate::cpu::via::syscall().map_or((0, 0), |here| (here.cpu, here.node))
+        let (mut cpu, mut node) = (0u32, 0u32);
+        // SAFETY: `getcpu` writes two `unsigned int`s through valid pointers and accepts a
+        // null cache; on failure it writes nothing and the zeros stand.
+        unsafe {
+            libc::syscall(
+                libc::SYS_getcpu,
+                &mut cpu as *mut u32,
+                &mut node as *mut u32,
+                core::ptr::null_mut::<libc::c_void>(),
+            );
+        }
+        (cpu, node)
     }
 }
 
@@ -431,12 +399,12 @@ pub(crate) mod native {
 /// `*v += count`: load, add, and commit with one `str`. See `ops::load_add_store`.
 ///
 /// # Safety
-/// `offset` and `index` were read from this thread's area (`offset` by `section_offset`,
+/// `offset` and `index` were read from this thread's area (`offset` by `area_offset`,
 /// `index` from `FIELD`), and `v` is valid for reads and writes of a `u64` that only sections
 /// indexed by `index` write.
 #[inline(always)]
 pub(crate) unsafe fn load_add_store<const FIELD: usize>(
-    offset: SectionOffset,
+    offset: AreaOffset,
     index: u32,
     v: *mut u64,
     count: u64,
@@ -485,7 +453,7 @@ pub(crate) unsafe fn load_add_store<const FIELD: usize>(
 /// As for `load_add_store`.
 #[inline(always)]
 pub(crate) unsafe fn load_cbne_store<const FIELD: usize>(
-    offset: SectionOffset,
+    offset: AreaOffset,
     index: u32,
     v: *mut u64,
     expect: u64,
@@ -540,7 +508,7 @@ pub(crate) unsafe fn load_cbne_store<const FIELD: usize>(
 /// a node whose word at byte offset `NEXT` is readable; `out` is valid for a pointer write.
 #[inline(always)]
 pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>(
-    offset: SectionOffset,
+    offset: AreaOffset,
     index: u32,
     head: *mut usize,
     out: *mut usize,
@@ -591,7 +559,7 @@ pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>
 }
 
 // Guarded array stacks (the pool's per-CPU caches, `crate::pool`). Each CPU's stack is a
-// `pool::StackHead` (a `count` word and a `stopped` word on one cache line) and an array of
+// `StackHead` (a `count` word and a `stopped` word on one cache line) and an array of
 // `capacity` object pointers. Both sections follow the frame above, and then, first thing after
 // the CPU check, load `stopped` and leave through the `stopped` exit if it is not zero: a
 // drainer on another CPU sets it, fences this CPU with membarrier (which aborts every section
@@ -612,8 +580,6 @@ pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>
 // `ldar`/`stlr` take a bare base register, so the callers' field addresses are computed
 // before the section.
 
-use crate::pool::{StackHead, StackOutcome};
-
 /// The addresses of a stack head's `count` and `stopped` words.
 #[inline(always)]
 fn stack_words(head: *const StackHead) -> (*const u64, *const u64) {
@@ -633,7 +599,7 @@ fn stack_words(head: *const StackHead) -> (*const u64, *const u64) {
 /// while `stopped` is set.
 #[inline(always)]
 pub(crate) unsafe fn stack_push<const FIELD: usize>(
-    offset: SectionOffset,
+    offset: AreaOffset,
     index: u32,
     head: *const StackHead,
     slots: *mut usize,
@@ -700,7 +666,7 @@ pub(crate) unsafe fn stack_push<const FIELD: usize>(
 /// a commit).
 #[inline(always)]
 pub(crate) unsafe fn stack_pop<const FIELD: usize>(
-    offset: SectionOffset,
+    offset: AreaOffset,
     index: u32,
     head: *const StackHead,
     slots: *const usize,
@@ -836,10 +802,7 @@ mod tests {
             Registrar::Glibc => assert_eq!(Some(active_offset()), process.glibc_rseq_offset),
             _ => assert_eq!(active_offset(), own_area_offset()),
         }
-        assert_eq!(
-            section_offset().0,
-            active_offset() + offset::CPU_ID as isize
-        );
+        assert_eq!(area_offset().0, active_offset() + offset::CPU_ID as isize);
     }
 
     #[test]
@@ -888,9 +851,9 @@ mod tests {
 
     /// Runs `section` at the current position until it ends with `want` and the area is still
     /// armed right after it, then checks the descriptor it armed.
-    fn until_armed(want: Outcome<()>, mut section: impl FnMut(SectionOffset, u32) -> Outcome<()>) {
+    fn until_armed(want: Outcome<()>, mut section: impl FnMut(AreaOffset, u32) -> Outcome<()>) {
         for _ in 0..10_000 {
-            let offset = section_offset();
+            let offset = area_offset();
             let index = field_at::<{ offset::CPU_ID }>(offset);
             assert!(index >= 0);
             if section(offset, index as u32) == want
@@ -978,7 +941,7 @@ mod tests {
             return;
         }
         let mut word = 0u64;
-        let offset = section_offset();
+        let offset = area_offset();
         let index = field_at::<{ offset::CPU_ID }>(offset) as u32;
         // SAFETY: as in the test above, with an index that is never this thread's CPU.
         let outcome = unsafe {

@@ -1,9 +1,59 @@
-//! The one place that chooses an architecture. Every architecture file exports the same items:
-//! the abort signature, access to this thread's rseq area (through a process-wide offset from
-//! the thread pointer), the restartable sequences, and the CPU's own id instructions if any.
+//! The architecture contract, and the one place that chooses an architecture.
+//!
+//! This module owns every type that crosses the seam (the area offset, the outcomes of the
+//! sections, the pool's stack head, the fault-injection table) and the assembler pieces that
+//! are the same on every architecture (the section descriptor and the exit-point list). Each
+//! architecture file builds on these and on `crate::abi` only, and exports the same items: the
+//! abort signature, access to this thread's rseq area (through a process-wide offset from the
+//! thread pointer), the restartable sequences, and the CPU's own id instructions if any. The
+//! list at the end of this file spells out their signatures, so a build for either
+//! architecture fails if its file strays from the contract.
 //!
 //! # Safety
 //! The submodules are built from `asm!`; each block states why it holds.
+
+/// Emits the `struct rseq_cs` for a section at label 3 (in `__rseq_cs`) and lists it in
+/// `__rseq_cs_ptr_array` for debuggers. Arguments: the start, post-commit and abort labels.
+/// The descriptor is made of `.long` and `.quad` data, the same on every 64-bit architecture.
+macro_rules! rseq_descriptor {
+    ($start:literal, $post_commit:literal, $abort:literal) => {
+        concat!(
+            ".pushsection __rseq_cs, \"aw\"\n",
+            ".balign 32\n",
+            "3:\n",
+            ".long 0, 0\n",
+            ".quad ",
+            $start,
+            "f, ",
+            $post_commit,
+            "f - ",
+            $start,
+            "f, ",
+            $abort,
+            "f\n",
+            ".popsection\n",
+            ".pushsection __rseq_cs_ptr_array, \"aw\"\n",
+            ".quad 3b\n",
+            ".popsection\n",
+        )
+    };
+}
+
+/// Lists an early exit of a section (from its start label to a label outside it) in
+/// `__rseq_exit_point_array`, as librseq does for debuggers. Place it before the start label.
+macro_rules! rseq_exit_point {
+    ($start:literal, $exit:literal) => {
+        concat!(
+            ".pushsection __rseq_exit_point_array, \"aw\"\n",
+            ".quad ",
+            $start,
+            "f, ",
+            $exit,
+            "\n",
+            ".popsection\n",
+        )
+    };
+}
 
 #[cfg(target_arch = "x86_64")]
 #[path = "x86_64.rs"]
@@ -18,11 +68,113 @@ compile_error!("thiscpu supports x86_64 and aarch64 Linux");
 
 pub(crate) use imp::*;
 
-/// Where the active rseq area is, as `section_offset` loaded it: the offset from the thread
+use crate::abi::Rseq;
+use core::mem::{offset_of, size_of};
+use core::sync::atomic::AtomicU64;
+
+/// Where the active rseq area is, as `area_offset` loaded it: the offset from the thread
 /// pointer (on aarch64, to the area's `cpu_id` field). Only the architecture files can make one,
 /// so every value names a live area in whichever thread holds it: the process-wide offset is
 /// the same for every thread, and an offset that was active once (thiscpu's own area, before
 /// the switch to glibc's) stays valid, since every thread keeps its own area. That is what lets
 /// `field_at` be a safe function.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct SectionOffset(isize);
+pub(crate) struct AreaOffset(isize);
+
+/// How a restartable operation ended.
+#[must_use = "an aborted operation did nothing and must be retried"]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome<T = ()> {
+    /// The committing store happened.
+    Committed(T),
+    /// A comparison failed (the value was not the expected one, or the list was empty):
+    /// nothing was stored.
+    Mismatch,
+    /// The kernel aborted the section (preemption, migration, signal, membarrier), or the
+    /// thread was no longer on the position's CPU: nothing was stored. Read a new position and
+    /// retry.
+    Aborted,
+}
+
+/// The head of one CPU's guarded stack (the pool's per-CPU caches): what `stack_push` and
+/// `stack_pop` address by the offsets below.
+#[repr(C)]
+#[derive(Debug, Default)]
+pub(crate) struct StackHead {
+    /// Objects in the stack. Written by committing sections on this CPU (plain stores), or by a
+    /// drainer while `stopped` is set and the CPU has been fenced.
+    pub(crate) count: AtomicU64,
+    /// Non-zero while a drainer owns the stack. Written only by drainers, atomically; sections
+    /// read it.
+    pub(crate) stopped: AtomicU64,
+}
+
+impl StackHead {
+    /// Byte offset of `count`, used inside `asm!`.
+    pub(crate) const COUNT: usize = 0;
+    /// Byte offset of `stopped`, used inside `asm!`.
+    pub(crate) const STOPPED: usize = 8;
+}
+
+const _: () = {
+    assert!(offset_of!(StackHead, count) == StackHead::COUNT);
+    assert!(offset_of!(StackHead, stopped) == StackHead::STOPPED);
+    assert!(size_of::<AtomicU64>() == 8 && size_of::<usize>() == 8);
+};
+
+/// How a guarded stack section ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum StackOutcome {
+    /// The count was stored.
+    Committed,
+    /// The stack was full (push) or empty (pop): nothing stored.
+    Refused,
+    /// A drainer owns the stack: nothing stored.
+    Stopped,
+    /// The kernel aborted the section, or the thread was not on the CPU any more.
+    Aborted,
+}
+
+/// The delay table that the sections' injection points read, built only with
+/// `RUSTFLAGS="--cfg thiscpu_inject"` (`crate::ops::inject` sets it).
+#[cfg(thiscpu_inject)]
+pub mod inject {
+    use core::sync::atomic::AtomicU32;
+
+    /// Number of injection points.
+    pub const POINTS: usize = 4;
+
+    /// Spin counts per point, read by the sections' delay loops.
+    pub static DELAYS: [AtomicU32; POINTS] = [const { AtomicU32::new(0) }; POINTS];
+}
+
+// The contract: every architecture file exports these items with these types. Generic
+// sections are checked at one instantiation; the const parameters are offsets, not types.
+const _: () = {
+    use crate::abi::offset::{CPU_ID, MM_CID};
+    const NEXT: usize = 0;
+    let _: u32 = RSEQ_SIG;
+    let _: fn() -> usize = thread_pointer;
+    let _: fn() -> isize = own_area_offset;
+    let _: fn() -> isize = active_offset;
+    let _: fn(isize) = set_active_offset;
+    let _: fn(isize) -> *mut Rseq = area_at;
+    let _: fn() -> AreaOffset = area_offset;
+    let _: fn(AreaOffset) -> i32 = field_at::<CPU_ID>;
+    let _: fn() -> i32 = rseq_cpu_id;
+    let _: fn() -> u32 = rseq_field::<MM_CID>;
+    let _: fn() -> Option<(i32, u32)> = load_cpu_node;
+    let _: fn() -> bool = has_rdpid;
+    let _: fn() -> bool = has_rdtscp;
+    let _: fn() -> u32 = rdpid;
+    let _: fn() -> u32 = rdtscp;
+    let _: fn() -> (u32, u32) = native::cpu_node;
+    let _: unsafe fn(AreaOffset, u32, *mut u64, u64) -> Outcome = load_add_store::<CPU_ID>;
+    let _: unsafe fn(AreaOffset, u32, *mut u64, u64, u64) -> Outcome = load_cbne_store::<CPU_ID>;
+    let _: unsafe fn(AreaOffset, u32, *mut usize, *mut usize) -> Outcome =
+        load_cbeq_load_store::<CPU_ID, NEXT>;
+    let _: unsafe fn(AreaOffset, u32, *const StackHead, *mut usize, u64, usize) -> StackOutcome =
+        stack_push::<CPU_ID>;
+    let _: unsafe fn(AreaOffset, u32, *const StackHead, *const usize, *mut usize) -> StackOutcome =
+        stack_pop::<CPU_ID>;
+};

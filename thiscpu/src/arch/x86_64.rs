@@ -19,36 +19,10 @@
 //! that always names a live, 32-byte area in this thread's static TLS or glibc's thread
 //! descriptor) and its own registers, as each block's comment details.
 
-use super::SectionOffset;
+use super::{AreaOffset, Outcome, StackHead, StackOutcome};
 use crate::abi::{Rseq, offset};
 use core::arch::{asm, global_asm};
 use core::sync::atomic::{AtomicIsize, Ordering};
-
-/// Emits the `struct rseq_cs` for a section at label 3 (in `__rseq_cs`) and lists it in
-/// `__rseq_cs_ptr_array` for debuggers. Arguments: the start, post-commit and abort labels.
-macro_rules! rseq_descriptor {
-    ($start:literal, $post_commit:literal, $abort:literal) => {
-        concat!(
-            ".pushsection __rseq_cs, \"aw\"\n",
-            ".balign 32\n",
-            "3:\n",
-            ".long 0, 0\n",
-            ".quad ",
-            $start,
-            "f, ",
-            $post_commit,
-            "f - ",
-            $start,
-            "f, ",
-            $abort,
-            "f\n",
-            ".popsection\n",
-            ".pushsection __rseq_cs_ptr_array, \"aw\"\n",
-            ".quad 3b\n",
-            ".popsection\n",
-        )
-    };
-}
 
 /// Emits an abort handler at `$label` in the `__rseq_failure` section, preceded by the
 /// signature (as the last four bytes of a `ud1`), followed by the given instructions.
@@ -60,22 +34,6 @@ macro_rules! rseq_abort {
             ".long 0x53053053\n",
             $label, ":\n",
             $($insn, "\n",)*
-            ".popsection\n",
-        )
-    };
-}
-
-/// Lists an early exit of a section (from its start label to a label outside it) in
-/// `__rseq_exit_point_array`, as librseq does for debuggers. Place it before the start label.
-macro_rules! rseq_exit_point {
-    ($start:literal, $exit:literal) => {
-        concat!(
-            ".pushsection __rseq_exit_point_array, \"aw\"\n",
-            ".quad ",
-            $start,
-            "f, ",
-            $exit,
-            "\n",
             ".popsection\n",
         )
     };
@@ -112,7 +70,7 @@ macro_rules! rseq_asm {
         asm!(
             $($template),+,
             scratch = out(reg) _,
-            delays = sym crate::ops::inject::DELAYS,
+            delays = sym super::inject::DELAYS,
             $($operands)*
         )
     };
@@ -201,7 +159,7 @@ pub(crate) fn own_area_offset() -> isize {
 
 /// Offset from the thread pointer to the area the fast path reads.
 pub(crate) fn active_offset() -> isize {
-    section_offset().0
+    area_offset().0
 }
 
 /// Points the fast path at another area, e.g. glibc's. Every thread must have a live,
@@ -271,7 +229,7 @@ pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
             "mov {node:e}, dword ptr fs:[{off} + {node_id}]",
             "4:",
             rseq_abort!("5", "mov {aborted:e}, 1", "jmp 4b"),
-            off = in(reg) section_offset().0,
+            off = in(reg) area_offset().0,
             cs = out(reg) _,
             cpu = out(reg) cpu,
             node = out(reg) node,
@@ -348,7 +306,7 @@ pub(crate) mod native {
 /// The active offset, loaded once before a section so that the CPU read and the section use the
 /// same area.
 #[inline(always)]
-pub(crate) fn section_offset() -> SectionOffset {
+pub(crate) fn area_offset() -> AreaOffset {
     let offset: isize;
     // SAFETY: the own area's offset (see `own_area_offset`) plus a relaxed load of an aligned
     // word in `.data` that only `set_active_offset` writes, atomically. In one `asm!` because a
@@ -361,14 +319,14 @@ pub(crate) fn section_offset() -> SectionOffset {
             options(nostack, readonly),
         );
     }
-    SectionOffset(offset)
+    AreaOffset(offset)
 }
 
 /// The 32-bit field `FIELD` (`cpu_id` or `mm_cid`) of the area at `offset`.
 #[inline(always)]
-pub(crate) fn field_at<const FIELD: usize>(offset: SectionOffset) -> i32 {
+pub(crate) fn field_at<const FIELD: usize>(offset: AreaOffset) -> i32 {
     let value: i32;
-    // SAFETY: a `SectionOffset` always names a live area in the calling thread (see its
+    // SAFETY: a `AreaOffset` always names a live area in the calling thread (see its
     // definition in `arch`); FIELD is an aligned 32-bit field inside it.
     unsafe {
         asm!(
@@ -381,8 +339,6 @@ pub(crate) fn field_at<const FIELD: usize>(offset: SectionOffset) -> i32 {
     }
     value
 }
-
-use crate::ops::Outcome;
 
 // Every section below has the same frame: the descriptor (label 3), the arming store of its
 // address into `rseq_cs`, the start (label 2), the comparison of the area's `FIELD` with the
@@ -398,7 +354,7 @@ use crate::ops::Outcome;
 /// valid for reads and writes of a `u64` that only sections indexed by `index` write.
 #[inline(always)]
 pub(crate) unsafe fn load_add_store<const FIELD: usize>(
-    offset: SectionOffset,
+    offset: AreaOffset,
     index: u32,
     v: *mut u64,
     count: u64,
@@ -436,7 +392,7 @@ pub(crate) unsafe fn load_add_store<const FIELD: usize>(
 /// As for `load_add_store`.
 #[inline(always)]
 pub(crate) unsafe fn load_cbne_store<const FIELD: usize>(
-    offset: SectionOffset,
+    offset: AreaOffset,
     index: u32,
     v: *mut u64,
     expect: u64,
@@ -483,7 +439,7 @@ pub(crate) unsafe fn load_cbne_store<const FIELD: usize>(
 /// a node whose word at byte offset `NEXT` is readable; `out` is valid for a pointer write.
 #[inline(always)]
 pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>(
-    offset: SectionOffset,
+    offset: AreaOffset,
     index: u32,
     head: *mut usize,
     out: *mut usize,
@@ -528,7 +484,7 @@ pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>
 }
 
 // Guarded array stacks (the pool's per-CPU caches, `crate::pool`). Each CPU's stack is a
-// `pool::StackHead` (a `count` word and a `stopped` word on one cache line) and an array of
+// `StackHead` (a `count` word and a `stopped` word on one cache line) and an array of
 // `capacity` object pointers. Both sections below follow the frame above, and then, first
 // thing after the CPU check, load `stopped` and leave through the `stopped` exit if it is not
 // zero: a drainer on another CPU sets it, fences this CPU with membarrier (which aborts every
@@ -548,8 +504,6 @@ pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>
 // - the pop's commit needs no release: only this CPU reads the count back, and a drainer is
 //   ordered after it by the membarrier IPI's full barrier.
 
-use crate::pool::{StackHead, StackOutcome};
-
 /// Guarded push: `if head.stopped != 0 leave(Stopped); n = head.count; if n >= capacity
 /// leave(Refused); slots[n] = item; commit head.count = n + 1`.
 ///
@@ -560,7 +514,7 @@ use crate::pool::{StackHead, StackOutcome};
 /// while `stopped` is set.
 #[inline(always)]
 pub(crate) unsafe fn stack_push<const FIELD: usize>(
-    offset: SectionOffset,
+    offset: AreaOffset,
     index: u32,
     head: *const StackHead,
     slots: *mut usize,
@@ -621,7 +575,7 @@ pub(crate) unsafe fn stack_push<const FIELD: usize>(
 /// a commit).
 #[inline(always)]
 pub(crate) unsafe fn stack_pop<const FIELD: usize>(
-    offset: SectionOffset,
+    offset: AreaOffset,
     index: u32,
     head: *const StackHead,
     slots: *const usize,
@@ -717,7 +671,7 @@ mod tests {
             Registrar::Glibc => assert_eq!(Some(active_offset()), process.glibc_rseq_offset),
             _ => assert_eq!(active_offset(), own_area_offset()),
         }
-        assert_eq!(section_offset().0, active_offset());
+        assert_eq!(area_offset().0, active_offset());
     }
 
     #[test]

@@ -171,10 +171,17 @@ fn syscall_or_first_cpu() -> CpuNode {
     via::syscall().unwrap_or(CpuNode { cpu: 0, node: 0 })
 }
 
+/// The plain native read; the fallback selects it only where `via::rdpid` answered, so the
+/// system call stands in for an architecture without one only in principle.
 #[inline]
 fn arch_native_cpu_node() -> CpuNode {
-    let (cpu, node) = arch::native::cpu_node();
-    CpuNode { cpu, node }
+    match arch::NATIVE_CPU_READ {
+        Some(native) => {
+            let (cpu, node) = (native.read)();
+            CpuNode { cpu, node }
+        }
+        None => syscall_or_first_cpu(),
+    }
 }
 
 /// The CPU the calling thread runs on now.
@@ -455,7 +462,7 @@ pub mod via {
     const YES: u8 = 1;
     const NO: u8 = 2;
 
-    fn cached(flag: &AtomicU8, probe: fn() -> bool) -> bool {
+    fn cached(flag: &AtomicU8, probe: impl FnOnce() -> bool) -> bool {
         match flag.load(Ordering::Relaxed) {
             YES => true,
             NO => false,
@@ -469,13 +476,23 @@ pub mod via {
 
     /// Whether the instruction's answer agrees with the kernel's: the kernel sets
     /// `IA32_TSC_AUX` to `(node << 12) | cpu`, but a hypervisor or emulator may not.
-    fn agrees_with_syscall(read: fn() -> u32) -> bool {
+    fn agrees_with_syscall(read: fn() -> (u32, u32)) -> bool {
         (0..3).any(|_| {
             let Some(kernel) = syscall() else {
                 return false;
             };
-            let aux = read();
-            aux & 0xfff == kernel.cpu && aux >> 12 == kernel.node
+            read() == (kernel.cpu, kernel.node)
+        })
+    }
+
+    /// A native read, where the architecture has it, the CPU has it, and it agrees with the
+    /// kernel (each checked once per process, cached in `has`).
+    #[inline]
+    fn native(read: Option<arch::NativeCpuRead>, has: &AtomicU8) -> Option<CpuNode> {
+        let read = read?;
+        cached(has, || (read.present)() && agrees_with_syscall(read.read)).then(|| {
+            let (cpu, node) = (read.read)();
+            CpuNode { cpu, node }
         })
     }
 
@@ -489,10 +506,7 @@ pub mod via {
     #[inline]
     pub fn rdpid() -> Option<CpuNode> {
         static HAS: AtomicU8 = AtomicU8::new(UNKNOWN);
-        let has = cached(&HAS, || {
-            arch::has_rdpid() && agrees_with_syscall(arch::rdpid)
-        });
-        has.then(arch_native_cpu_node)
+        native(arch::NATIVE_CPU_READ, &HAS)
     }
 
     /// The `rdtscp` instruction's `IA32_TSC_AUX`, where the CPU has it and it agrees with the
@@ -506,15 +520,6 @@ pub mod via {
     #[inline]
     pub fn rdtscp() -> Option<CpuNode> {
         static HAS: AtomicU8 = AtomicU8::new(UNKNOWN);
-        let has = cached(&HAS, || {
-            arch::has_rdtscp() && agrees_with_syscall(arch::rdtscp)
-        });
-        has.then(|| {
-            let aux = arch::rdtscp();
-            CpuNode {
-                cpu: aux & 0xfff,
-                node: aux >> 12,
-            }
-        })
+        native(arch::NATIVE_CPU_READ_WITH_CLOCK, &HAS)
     }
 }

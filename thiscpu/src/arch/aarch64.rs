@@ -39,7 +39,7 @@
 //! glibc's thread descriptor), memory the caller vouches for, and its own registers, as each
 //! block's comment details.
 
-use super::{AreaOffset, Outcome, StackHead, StackOutcome};
+use super::{AreaOffset, NativeCpuRead, Outcome, StackHead, StackOutcome};
 use crate::abi::{Rseq, offset};
 use core::arch::{asm, global_asm};
 use core::sync::atomic::{AtomicIsize, Ordering};
@@ -334,58 +334,13 @@ pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
     }
 }
 
-/// aarch64 has no RDPID.
-pub(crate) fn has_rdpid() -> bool {
-    false
-}
+/// aarch64 has no instruction that tells user space the Linux CPU number: `MPIDR_EL1` is the
+/// hardware's affinity, not Linux's numbering, and reading it from user space traps to the
+/// kernel anyway.
+pub(crate) const NATIVE_CPU_READ: Option<NativeCpuRead> = None;
 
-/// aarch64 has no RDTSCP.
-pub(crate) fn has_rdtscp() -> bool {
-    false
-}
-
-/// The `getcpu` system call's answer encoded as x86's `IA32_TSC_AUX`, `(node << 12) | cpu`.
-/// aarch64 has no instruction that tells the CPU to user space (`MPIDR_EL1` is not the Linux
-/// CPU number, and reading it traps to the kernel anyway); this exists only because every
-/// architecture exports the same items, and is never called since `has_rdpid()` and
-/// `has_rdtscp()` are false. If it were, it would still answer correctly.
-fn getcpu_as_tsc_aux() -> u32 {
-    let (cpu, node) = native::cpu_node();
-    (node << 12) | (cpu & 0xfff)
-}
-
-/// See `getcpu_as_tsc_aux`: never called on aarch64.
-#[inline]
-pub(crate) fn rdpid() -> u32 {
-    getcpu_as_tsc_aux()
-}
-
-/// See `getcpu_as_tsc_aux`: never called on aarch64.
-#[inline]
-pub(crate) fn rdtscp() -> u32 {
-    getcpu_as_tsc_aux()
-}
-
-/// The CPU's own instruction for "which CPU am I on": aarch64 has none, so the fallback chain
-/// never selects it; `cpu_node` answers with the system call in case it is ever called.
-pub(crate) mod native {
-    /// `(cpu, node)` from the `getcpu` system call, `(0, 0)` if it is refused.
-    #[inline]
-    pub(crate) fn cpu_node() -> (u32, u32) {
-        let (mut cpu, mut node) = (0u32, 0u32);
-        // SAFETY: `getcpu` writes two `unsigned int`s through valid pointers and accepts a
-        // null cache; on failure it writes nothing and the zeros stand.
-        unsafe {
-            libc::syscall(
-                libc::SYS_getcpu,
-                &mut cpu as *mut u32,
-                &mut node as *mut u32,
-                core::ptr::null_mut::<libc::c_void>(),
-            );
-        }
-        (cpu, node)
-    }
-}
+/// None either: aarch64's counter register (`CNTVCT_EL0`) carries no CPU id.
+pub(crate) const NATIVE_CPU_READ_WITH_CLOCK: Option<NativeCpuRead> = None;
 
 // Every section below has the same frame: the descriptor (label 3), the arming store of its
 // address into `rseq_cs` (the `cpu_id` field's address plus 4), the start (label 2), the
@@ -949,23 +904,5 @@ mod tests {
         };
         assert_eq!(outcome, Outcome::Aborted);
         assert_eq!(word, 0);
-    }
-
-    #[test]
-    fn the_emulated_instructions_answer_like_the_syscall() {
-        assert!(!has_rdpid() && !has_rdtscp());
-        // The thread may migrate between the calls: retry until both syscalls around the
-        // emulated read agree.
-        for _ in 0..100 {
-            let before = native::cpu_node();
-            let (aux, aux_too) = (rdpid(), rdtscp());
-            if native::cpu_node() == before {
-                let expect = (before.1 << 12) | before.0;
-                if aux == expect && aux_too == expect {
-                    return;
-                }
-            }
-        }
-        panic!("rdpid()/rdtscp() never agreed with getcpu");
     }
 }

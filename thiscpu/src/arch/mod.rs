@@ -135,6 +135,19 @@ pub(crate) enum StackOutcome {
     Aborted,
 }
 
+/// An instruction that tells user space which CPU it runs on without entering the kernel.
+/// Each architecture exports two, `None` where it has no such instruction: `NATIVE_CPU_READ`,
+/// the plain read, and `NATIVE_CPU_READ_WITH_CLOCK`, one that also reads the time-stamp
+/// counter (for CPUs that lack the plain read).
+#[derive(Clone, Copy)]
+pub(crate) struct NativeCpuRead {
+    /// Whether this CPU has the instruction: an identification query, worth caching.
+    pub(crate) present: fn() -> bool,
+    /// `(cpu, node)` as the instruction reports them. Call only where `present()` said yes
+    /// (elsewhere the instruction traps).
+    pub(crate) read: fn() -> (u32, u32),
+}
+
 /// The delay table that the sections' injection points read, built only with
 /// `RUSTFLAGS="--cfg thiscpu_inject"` (`crate::ops::inject` sets it).
 #[cfg(thiscpu_inject)]
@@ -164,11 +177,8 @@ const _: () = {
     let _: fn() -> i32 = rseq_cpu_id;
     let _: fn() -> u32 = rseq_field::<MM_CID>;
     let _: fn() -> Option<(i32, u32)> = load_cpu_node;
-    let _: fn() -> bool = has_rdpid;
-    let _: fn() -> bool = has_rdtscp;
-    let _: fn() -> u32 = rdpid;
-    let _: fn() -> u32 = rdtscp;
-    let _: fn() -> (u32, u32) = native::cpu_node;
+    let _: Option<NativeCpuRead> = NATIVE_CPU_READ;
+    let _: Option<NativeCpuRead> = NATIVE_CPU_READ_WITH_CLOCK;
     let _: unsafe fn(AreaOffset, u32, *mut u64, u64) -> Outcome = load_add_store::<CPU_ID>;
     let _: unsafe fn(AreaOffset, u32, *mut u64, u64, u64) -> Outcome = load_cbne_store::<CPU_ID>;
     let _: unsafe fn(AreaOffset, u32, *mut usize, *mut usize) -> Outcome =

@@ -19,7 +19,7 @@
 //! that always names a live, 32-byte area in this thread's static TLS or glibc's thread
 //! descriptor) and its own registers, as each block's comment details.
 
-use super::{AreaOffset, Outcome, StackHead, StackOutcome};
+use super::{AreaOffset, NativeCpuRead, Outcome, StackHead, StackOutcome};
 use crate::abi::{Rseq, offset};
 use core::arch::{asm, global_asm};
 use core::sync::atomic::{AtomicIsize, Ordering};
@@ -261,47 +261,55 @@ fn cpuid(leaf: u32, sub: u32) -> core::arch::x86_64::CpuidResult {
 }
 
 /// Whether the CPU has RDPID (CPUID.(EAX=7,ECX=0):ECX bit 22).
-pub(crate) fn has_rdpid() -> bool {
+fn has_rdpid() -> bool {
     cpuid(7, 0).ecx & (1 << 22) != 0
 }
 
 /// Whether the CPU has RDTSCP (CPUID.80000001H:EDX bit 27).
-pub(crate) fn has_rdtscp() -> bool {
+fn has_rdtscp() -> bool {
     cpuid(0x8000_0000, 0).eax >= 0x8000_0001 && cpuid(0x8000_0001, 0).edx & (1 << 27) != 0
 }
 
-/// `IA32_TSC_AUX` through RDPID. Linux stores `(node << 12) | cpu` there.
+/// `(cpu, node)` from `IA32_TSC_AUX`, where Linux stores `(node << 12) | cpu`.
 #[inline]
-pub(crate) fn rdpid() -> u32 {
+fn cpu_node_of_tsc_aux(aux: u32) -> (u32, u32) {
+    (aux & 0xfff, aux >> 12)
+}
+
+/// `IA32_TSC_AUX` through RDPID.
+#[inline]
+fn rdpid() -> (u32, u32) {
     let aux: u64;
-    // SAFETY: only called after `has_rdpid()` said the instruction exists; it reads a register.
+    // SAFETY: only called where `has_rdpid()` said the instruction exists (the contract of
+    // `NativeCpuRead::read`); it reads a register.
     unsafe {
         asm!("rdpid {}", out(reg) aux, options(nomem, nostack, preserves_flags));
     }
-    aux as u32
+    cpu_node_of_tsc_aux(aux as u32)
 }
 
-/// `IA32_TSC_AUX` through RDTSCP (which also reads the time stamp counter).
+/// `IA32_TSC_AUX` through RDTSCP (which also reads the time-stamp counter).
 #[inline]
-pub(crate) fn rdtscp() -> u32 {
+fn rdtscp() -> (u32, u32) {
     let mut aux = 0u32;
-    // SAFETY: only called after `has_rdtscp()` said the instruction exists.
+    // SAFETY: only called where `has_rdtscp()` said the instruction exists.
     unsafe {
         core::arch::x86_64::__rdtscp(&mut aux);
     }
-    aux
+    cpu_node_of_tsc_aux(aux)
 }
 
-/// The CPU's own instruction for "which CPU am I on", if it has one: `(cpu, node)` decoded from
-/// `IA32_TSC_AUX`.
-pub(crate) mod native {
-    /// `(cpu, node)`. Only call when `available()`.
-    #[inline]
-    pub(crate) fn cpu_node() -> (u32, u32) {
-        let aux = super::rdpid();
-        (aux & 0xfff, aux >> 12)
-    }
-}
+/// RDPID: `IA32_TSC_AUX` alone.
+pub(crate) const NATIVE_CPU_READ: Option<NativeCpuRead> = Some(NativeCpuRead {
+    present: has_rdpid,
+    read: rdpid,
+});
+
+/// RDTSCP: `IA32_TSC_AUX` with the time-stamp counter, on CPUs older than RDPID.
+pub(crate) const NATIVE_CPU_READ_WITH_CLOCK: Option<NativeCpuRead> = Some(NativeCpuRead {
+    present: has_rdtscp,
+    read: rdtscp,
+});
 
 /// The active offset, loaded once before a section so that the CPU read and the section use the
 /// same area.

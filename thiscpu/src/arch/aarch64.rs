@@ -3,20 +3,29 @@
 //! `.inst` right before each abort label so that it traps if it is ever executed.
 //!
 //! # Where the active area is
-//! On x86_64 the linker writes the own area's thread-pointer offset into a data word
-//! (`.quad sym@tpoff`), so the word that the fast path loads is correct before any code runs.
-//! The aarch64 equivalent, a data word with an `R_AARCH64_TLS_TPREL64` relocation, is refused
-//! by GNU ld ("dangerous relocation: unsupported relocation"; LLVM's assembler has no data
-//! syntax for it either, only `.reloc`). The own area's offset is therefore computed in code
-//! with the initial-exec sequence `adrp :gottprel:` / `ldr :gottprel_lo12:`, which the linker
-//! turns into `movz`/`movk` of a constant in an executable and which loads a GOT entry in a
-//! shared object. The data word holds what must change at run time: the distance from the own
-//! area to the active area's `cpu_id` field. Its static value, 4, names the own area's
-//! `cpu_id`, whose initial image is -1, so every read before the process-wide decision takes
-//! the slow path, with no constructor involved. The fast path of `current_cpu` is
-//! `mrs` + own offset (2 instructions) + `adrp`/`ldr` of the word + `add` + the `ldr` of
-//! `cpu_id`: the two instructions of the kernel's own `raw_smp_processor_id` (thread pointer,
-//! one load), plus the offset.
+//! As on x86_64, from two words that do not depend on each other, added, and one load. The own
+//! area's offset from the thread pointer comes from the initial-exec sequence
+//! `adrp :gottprel:` / `ldr :gottprel_lo12:`, which the linker turns into `movz`/`movk` of a
+//! constant in an executable and keeps as a load of a GOT entry (filled by the dynamic loader)
+//! in a shared object. A data word holding that offset itself would need an
+//! `R_AARCH64_TLS_TPREL64` relocation, which GNU ld refuses ("dangerous relocation:
+//! unsupported relocation") and LLVM's assembler can only write with `.reloc`. The data word
+//! holds what changes at run time instead: the distance from the own area to the active area's
+//! `cpu_id` field (not to its start, so that reading `cpu_id` takes one register-offset load).
+//! Its static value, 4, names the own area's `cpu_id`, whose initial image is -1, so every read
+//! before the process-wide decision takes the slow path, with no constructor involved; it is
+//! switched once to glibc's area when glibc registered.
+//!
+//! The fast path of `current_cpu` is therefore `mrs` of the thread pointer, the own offset (2
+//! instructions), `adrp`/`ldr` of the delta word, `add`, and the `ldr` of `cpu_id`: 7
+//! instructions and the sign test, where the kernel's own `raw_smp_processor_id` needs 2
+//! (thread pointer, one load). The 5 extra ones buy an area that works in a shared object and
+//! follows glibc's registration.
+//!
+//! # The CPU's own id instruction
+//! There is none: `MPIDR_EL1` is the hardware's affinity, not Linux's CPU number, and user
+//! space cannot read it without a trap. Both native reads of the contract are `None`, so the
+//! fallback for a thread without rseq is the vDSO or the system call.
 //!
 //! # Memory ordering
 //! - The store that arms a section (the descriptor's address into `rseq_cs`) and the loads of

@@ -7,6 +7,7 @@
 //! storm around a `Pool`, with a thread draining CPU caches). Each run lasts `--seconds`.
 //! Exit status 0 when every increment and every object was accounted for, 1 otherwise.
 
+use crate::args::StressArgs;
 use crate::error::{Error, Result, plain};
 use crate::report::output::{Output, SCHEMA_VERSION};
 use serde_json::{Value, json};
@@ -15,34 +16,6 @@ use std::time::Duration;
 use thiscpu::stress::{
     PoolStressConfig, PoolStressReport, StressConfig, StressReport, run_counter, run_pool,
 };
-
-/// `thiscpu stress`'s options.
-#[derive(Debug, clap::Args)]
-pub struct StressArgs {
-    /// How long each stress runs, in seconds (fractions allowed).
-    #[arg(
-        long,
-        value_name = "N",
-        default_value = "5",
-        allow_negative_numbers = true,
-        value_parser = crate::parse_seconds
-    )]
-    seconds: f64,
-
-    /// Long-lived worker threads [default: 4 per online CPU].
-    #[arg(
-        long,
-        value_name = "N",
-        allow_negative_numbers = true,
-        value_parser = clap::value_parser!(u32).range(1..=4096)
-    )]
-    threads: Option<u32>,
-
-    /// Write one JSON object to FILE (the text is still printed), or print it instead of the
-    /// text with `-` (also what a bare --json means).
-    #[arg(long, value_name = "FILE", num_args = 0..=1, default_missing_value = "-")]
-    json: Option<std::path::PathBuf>,
-}
 
 /// Runs both stresses and reports; an inexact result is an error with exit status 1.
 pub fn run(args: StressArgs) -> Result<()> {

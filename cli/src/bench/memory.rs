@@ -160,7 +160,7 @@ impl Drop for Affinity {
 fn on_each_cpu(cpus: &[u32], mut touch: impl FnMut()) -> Result<(), String> {
     let _restore = Affinity::save()?;
     for &cpu in cpus {
-        if !super::pin_to(cpu) {
+        if !super::runner::pin_to(cpu) {
             return Err(format!("cannot pin to CPU {cpu}"));
         }
         // sched_setaffinity moves the thread before returning; the loop only guards against
@@ -179,7 +179,7 @@ fn on_each_cpu(cpus: &[u32], mut touch: impl FnMut()) -> Result<(), String> {
 /// The CPUs a measurement with `threads` threads uses: the first ones the runner would pin
 /// workers to, each once.
 fn cpus_for(threads: usize) -> Vec<u32> {
-    let mut cpus = super::worker_cpus();
+    let mut cpus = super::runner::worker_cpus();
     cpus.truncate(threads.max(1));
     cpus
 }
@@ -201,11 +201,11 @@ fn measure_dense(cpus: &[u32]) -> Result<Figures, String> {
     let mut batch: Vec<Option<Counter>> = Vec::with_capacity(DENSE_BATCH);
     batch.resize_with(DENSE_BATCH, || None);
     let before = Snapshot::take()?;
-    let start = super::thread_cpu_time().as_nanos() as f64;
+    let start = super::runner::thread_cpu_time().as_nanos() as f64;
     for slot in &mut batch {
         *slot = Some(Counter::new());
     }
-    let create_ns = (super::thread_cpu_time().as_nanos() as f64 - start) / DENSE_BATCH as f64;
+    let create_ns = (super::runner::thread_cpu_time().as_nanos() as f64 - start) / DENSE_BATCH as f64;
     on_each_cpu(cpus, || {
         for counter in batch.iter().flatten() {
             black_box(counter).inc();
@@ -234,11 +234,11 @@ fn measure_padded(cpus: &[u32]) -> Result<Figures, String> {
     let mut batch: Vec<Option<PerCpu<AtomicU64>>> = Vec::with_capacity(PADDED_BATCH);
     batch.resize_with(PADDED_BATCH, || None);
     let before = Snapshot::take()?;
-    let start = super::thread_cpu_time().as_nanos() as f64;
+    let start = super::runner::thread_cpu_time().as_nanos() as f64;
     for slot in &mut batch {
         *slot = Some(PerCpu::default());
     }
-    let create_ns = (super::thread_cpu_time().as_nanos() as f64 - start) / PADDED_BATCH as f64;
+    let create_ns = (super::runner::thread_cpu_time().as_nanos() as f64 - start) / PADDED_BATCH as f64;
     on_each_cpu(cpus, || {
         for counter in batch.iter().flatten() {
             black_box(counter).current().fetch_add(1, Relaxed);

@@ -1,0 +1,247 @@
+//! `thiscpu bench`: plans the families asked for, has the runner measure them, and writes the
+//! tables, Markdown, JSON and charts.
+
+use super::model::{CaseFilter, Family, Measured, RunInfo, Skipped};
+use super::runner::{self, Plan};
+use crate::error::{Error, Result};
+use crate::machine::Machine;
+use crate::report;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// What `thiscpu bench` was asked to do.
+#[derive(Debug)]
+pub struct Options {
+    /// Families to run, in order (all when the user named none).
+    pub families: Vec<&'static Family>,
+    /// A few seconds in all, for smoke tests.
+    pub quick: bool,
+    /// Total time budget in seconds.
+    pub seconds: Option<f64>,
+    /// Rounds per (case, thread count).
+    pub rounds: Option<u32>,
+    /// Thread counts, instead of each family's default.
+    pub threads: Option<Vec<usize>>,
+    /// Which cases to run.
+    pub cases: Option<CaseFilter>,
+    /// Where to write the JSON report.
+    pub json: Option<PathBuf>,
+    /// Where to write one SVG chart per family.
+    pub svg: Option<PathBuf>,
+    /// Where to write the tables as Markdown.
+    pub markdown: Option<PathBuf>,
+}
+
+/// Default total time: about a minute for a whole run.
+const DEFAULT_SECONDS: f64 = 60.0;
+/// Default rounds: odd, so that the median is one of them.
+const DEFAULT_ROUNDS: u32 = 21;
+const QUICK_SECONDS: f64 = 1.0;
+const QUICK_ROUNDS: u32 = 3;
+/// No round is shorter than this, whatever the budget.
+const MIN_ROUND: Duration = Duration::from_millis(2);
+
+/// Runs `thiscpu bench`.
+pub fn run(options: Options) -> Result<()> {
+    let rounds = options.rounds.unwrap_or(if options.quick {
+        QUICK_ROUNDS
+    } else {
+        DEFAULT_ROUNDS
+    });
+    let budget = options.seconds.unwrap_or(if options.quick {
+        QUICK_SECONDS
+    } else {
+        DEFAULT_SECONDS
+    });
+
+    let plans = plan(&options)?;
+    let measurements: usize = plans
+        .iter()
+        .map(|plan| plan.cases.len() * plan.threads.len())
+        .sum::<usize>()
+        * rounds as usize;
+    // Families whose every case this machine leaves out (rseq-mode on a kernel without the
+    // optimized mode) still print why; only a run with nothing at all to report fails.
+    if plans.is_empty() {
+        return Err(Error::input("no case to run on this machine"));
+    }
+
+    // Open every output before measuring, so that a bad path fails in a moment, not after a
+    // minute of benchmarks.
+    let json_output = options
+        .json
+        .as_deref()
+        .map(report::output::Output::open)
+        .transpose()?;
+    let markdown_output = options
+        .markdown
+        .as_deref()
+        .map(report::output::Output::open)
+        .transpose()?;
+    if json_output
+        .as_ref()
+        .is_some_and(report::output::Output::is_stdout)
+        && markdown_output
+            .as_ref()
+            .is_some_and(report::output::Output::is_stdout)
+    {
+        return Err(Error::input(
+            "--json - and --export-markdown - cannot both use standard output",
+        ));
+    }
+    // With the JSON or the Markdown on standard output, the text goes to standard error.
+    let to_stderr = json_output
+        .iter()
+        .chain(&markdown_output)
+        .any(report::output::Output::is_stdout);
+    let say = |text: &str| {
+        if to_stderr {
+            eprintln!("{text}");
+        } else {
+            println!("{text}");
+        }
+    };
+    let svg_files = match &options.svg {
+        Some(dir) => {
+            std::fs::create_dir_all(dir).map_err(|e| Error::write(dir, e))?;
+            let mut files = Vec::new();
+            for plan in plans.iter().filter(|plan| !plan.cases.is_empty()) {
+                let path = dir.join(format!("{}.svg", plan.family.name));
+                let file = std::fs::File::create(&path).map_err(|e| Error::write(&path, e))?;
+                files.push((path, file));
+            }
+            files
+        }
+        None => Vec::new(),
+    };
+
+    let round = Duration::from_secs_f64(budget / measurements.max(1) as f64).max(MIN_ROUND);
+    let info = RunInfo {
+        rounds,
+        round,
+        budget_seconds: budget,
+        quick: options.quick,
+        cpus: runner::worker_cpus(),
+    };
+    let machine = Machine::describe();
+    say(&report::table::run_header(&machine, &info));
+    let most_threads = plans.iter().flat_map(|plan| plan.threads.iter()).max();
+    if let Some(&threads) = most_threads
+        && threads > info.cpus.len()
+    {
+        say(&format!(
+            "note: up to {threads} threads on {} CPU{}: some workers share a CPU",
+            info.cpus.len(),
+            if info.cpus.len() == 1 { "" } else { "s" }
+        ));
+    }
+
+    let mut measured = Vec::new();
+    let mut skipped = Vec::new();
+    let mut markdown = format!(
+        "# thiscpu bench\n\n{}\n\n{} rounds of {:.3} s per case{}\n",
+        machine.summary(),
+        info.rounds,
+        info.round.as_secs_f64(),
+        if info.quick { " (--quick)" } else { "" }
+    );
+    for plan in &plans {
+        let results = runner::run_family(plan, &info)?;
+        say("");
+        say(&report::table::family(plan.family, &results, &plan.skipped));
+        let extra = (plan.family.report)(&results);
+        if !extra.is_empty() {
+            say(&extra);
+        }
+        markdown.push('\n');
+        markdown.push_str(&report::table::family_markdown(
+            plan.family,
+            &results,
+            &plan.skipped,
+        ));
+        measured.extend(results);
+        skipped.extend(plan.skipped.iter().cloned());
+    }
+
+    let document = report::json::Report::build(&machine, &info, &measured, &skipped);
+    if let Some(output) = markdown_output {
+        let path = output.path().map(|path| path.display().to_string());
+        output.commit(markdown.as_bytes())?;
+        if let Some(path) = path {
+            say(&format!("wrote {path}"));
+        }
+    }
+    if let Some(output) = json_output {
+        let path = output.path().map(|path| path.display().to_string());
+        output.commit_json(&document)?;
+        if let Some(path) = path {
+            say(&format!("\nwrote {path}"));
+        }
+    }
+    let charted = plans.iter().filter(|plan| !plan.cases.is_empty());
+    for ((path, file), plan) in svg_files.into_iter().zip(charted) {
+        let results: Vec<&Measured> = measured
+            .iter()
+            .filter(|m| m.bench == plan.family.name)
+            .collect();
+        report::svg::write(&path, file, plan.family, &results, &machine, &info)?;
+        say(&format!("wrote {}", path.display()));
+    }
+    Ok(())
+}
+
+/// Builds each family's cases and applies `--cases` and `--threads`.
+fn plan(options: &Options) -> Result<Vec<Plan>> {
+    let mut plans = Vec::new();
+    for &family in &options.families {
+        let selected = |case: &str| {
+            options
+                .cases
+                .as_ref()
+                .is_none_or(|filter| filter.matches(family.name, case))
+        };
+        let mut cases = Vec::new();
+        let mut skipped = Vec::new();
+        for mut case in (family.cases)() {
+            if !selected(case.name) {
+                continue;
+            }
+            match std::mem::replace(&mut case.workload, Err(String::new())) {
+                Ok(workload) => cases.push((case, workload)),
+                Err(reason) => skipped.push(Skipped {
+                    bench: family.name,
+                    case: case.name,
+                    reason,
+                }),
+            }
+        }
+        if cases.is_empty() && skipped.is_empty() {
+            continue;
+        }
+        let threads = options
+            .threads
+            .clone()
+            .unwrap_or_else(|| family.default_threads.to_vec());
+        plans.push(Plan {
+            family,
+            cases,
+            threads,
+            skipped,
+        });
+    }
+    if plans.is_empty()
+        && let Some(filter) = &options.cases
+    {
+        let known: Vec<&str> = options
+            .families
+            .iter()
+            .flat_map(|family| family.case_names.iter().copied())
+            .collect();
+        return Err(Error::input(format!(
+            "no case matches --cases {} (cases: {})",
+            filter.patterns().join(","),
+            known.join(", ")
+        )));
+    }
+    Ok(plans)
+}

@@ -21,6 +21,7 @@
 //! The padded layout is measured on a twentieth as many counters (each costs 128 bytes per
 //! possible CPU, plus the allocator's rounding) and reported per counter like the dense one.
 
+use super::affinity::{SavedAffinity, pin_to};
 use super::model::{Case, Family, Measured, Unit, Workload};
 use crate::report::table::{align_right, fmt_num, new_table, render, verdict};
 use std::hint::black_box;
@@ -130,37 +131,12 @@ impl Snapshot {
 }
 
 
-/// The calling thread's affinity, restored when dropped.
-struct Affinity(libc::cpu_set_t);
-
-impl Affinity {
-    fn save() -> Result<Affinity, String> {
-        // SAFETY: `cpu_set_t` is a plain bit array, valid when zeroed.
-        let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-        // SAFETY: the kernel writes at most `size_of_val(&set)` bytes into `set`.
-        if unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) } != 0 {
-            return Err(format!(
-                "sched_getaffinity: {}",
-                std::io::Error::last_os_error()
-            ));
-        }
-        Ok(Affinity(set))
-    }
-}
-
-impl Drop for Affinity {
-    fn drop(&mut self) {
-        // SAFETY: `self.0` is the valid mask read by `save`.
-        unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&self.0), &self.0) };
-    }
-}
-
 /// Runs `touch` on the calling thread pinned to each CPU of `cpus` in turn, then restores the
 /// thread's affinity.
 fn on_each_cpu(cpus: &[u32], mut touch: impl FnMut()) -> Result<(), String> {
-    let _restore = Affinity::save()?;
+    let _restore = SavedAffinity::save()?;
     for &cpu in cpus {
-        if !super::runner::pin_to(cpu) {
+        if !pin_to(cpu) {
             return Err(format!("cannot pin to CPU {cpu}"));
         }
         // sched_setaffinity moves the thread before returning; the loop only guards against

@@ -22,7 +22,7 @@
 //! - `getppid-*`: a loop of `getppid` system calls, which switch no context.
 
 use super::model::{Case, Family, Measured, Stats, Unit, Workload};
-use super::runner::pin_to;
+use super::affinity::pin_to;
 use crate::report::table::{fmt_ns, fmt_ratio};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};

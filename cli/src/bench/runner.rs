@@ -2,6 +2,7 @@
 //! thread count) pair of a family in interleaved rounds, on worker threads pinned one to a CPU
 //! and released together by a start gate, and checks each workload's exactness afterwards.
 
+use super::affinity::{self, pin_to};
 use super::model::{Case, Family, Measured, RunInfo, Skipped, Unit, Workload};
 use crate::error::{Error, Result};
 use std::io::IsTerminal;
@@ -304,7 +305,7 @@ fn measure(
 /// CPUs this process may run on, highest first, so that a single worker avoids CPU 0, which
 /// takes most housekeeping interrupts.
 pub fn worker_cpus() -> Vec<u32> {
-    let mut cpus = allowed_cpus();
+    let mut cpus = affinity::allowed_cpus();
     if cpus.is_empty() {
         cpus = thiscpu::topology::online_cpus();
     }
@@ -313,34 +314,4 @@ pub fn worker_cpus() -> Vec<u32> {
     }
     cpus.sort_unstable_by(|a, b| b.cmp(a));
     cpus
-}
-
-/// The calling thread's CPU affinity mask, as CPU ids.
-fn allowed_cpus() -> Vec<u32> {
-    // SAFETY: `cpu_set_t` is a plain bit array, valid when zeroed.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    // SAFETY: the kernel writes at most `size_of::<cpu_set_t>()` bytes into `set`.
-    let ret = unsafe { libc::sched_getaffinity(0, std::mem::size_of_val(&set), &mut set) };
-    if ret != 0 {
-        return Vec::new();
-    }
-    let bits = 8 * std::mem::size_of_val(&set);
-    (0..bits)
-        // SAFETY: `cpu` is below the set's size in bits.
-        .filter(|&cpu| unsafe { libc::CPU_ISSET(cpu, &set) })
-        .map(|cpu| cpu as u32)
-        .collect()
-}
-
-/// Pins the calling thread to `cpu`; returns whether it worked.
-pub fn pin_to(cpu: u32) -> bool {
-    // SAFETY: `cpu_set_t` is a plain bit array, valid when zeroed.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    if cpu as usize >= 8 * std::mem::size_of_val(&set) {
-        return false;
-    }
-    // SAFETY: `cpu` is below the set's size in bits (checked above).
-    unsafe { libc::CPU_SET(cpu as usize, &mut set) };
-    // SAFETY: `set` is a valid, initialized mask of the size passed.
-    unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) == 0 }
 }

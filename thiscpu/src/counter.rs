@@ -6,7 +6,6 @@
 //! restartable sequences positioned on the row's CPU (or concurrency id), by atomic adds when
 //! the process has no rseq at all, or, for the spare row, by atomic adds; each block says how.
 
-use crate::arch;
 use crate::dense;
 use crate::ops::{self, BY_CPU, BY_MM_CID, Outcome};
 use crate::registration::{self, MM_CID_USABLE, Registrar};
@@ -177,24 +176,16 @@ impl<S: Spread> Counter<S> {
 
     #[inline(always)]
     fn add_by<const FIELD: usize>(&self, n: u64) {
-        let offset = arch::area_offset();
-        let cpu = arch::field_at::<BY_CPU>(offset);
-        let index = if FIELD == BY_CPU || cpu < 0 {
-            cpu
-        } else {
-            arch::field_at::<FIELD>(offset)
-        };
-        // One unsigned comparison rejects both an unregistered area (cpu_id -1 or -2) and an
-        // index beyond the rows.
-        let index = index as u32;
+        let at = ops::position_as_is::<FIELD>();
+        let index = at.index();
+        // One unsigned comparison rejects both an unregistered area and an index beyond the
+        // rows.
         if index < dense::cpu_rows() {
-            // SAFETY: `offset` and `index` were just read from this thread's area, by FIELD; the
-            // word is row `index`'s, written only by sections positioned on that index with the
-            // same FIELD (process-wide: `MM_CID_USABLE` never changes once true) or, when the
-            // process has no rseq, by atomic adds (never both, see `add_slow`).
-            let outcome = unsafe {
-                arch::load_add_store::<FIELD>(offset, index, self.word(index).as_ptr(), n)
-            };
+            // SAFETY: `at` was just read from this thread's area, by FIELD; the word is row
+            // `index`'s, written only by sections positioned on that index with the same FIELD
+            // (process-wide: `MM_CID_USABLE` never changes once true) or, when the process has
+            // no rseq, by atomic adds (never both, see `add_slow`).
+            let outcome = unsafe { ops::load_add_store(at, self.word(index).as_ptr(), n) };
             if outcome == Outcome::Committed(()) {
                 return;
             }
@@ -207,24 +198,14 @@ impl<S: Spread> Counter<S> {
     #[inline(never)]
     fn add_slow<const FIELD: usize>(&self, n: u64) {
         let mut aborts = ops::AbortRun::new();
-        while let Some(cpu) = ops::position() {
-            let at = if FIELD == BY_CPU {
-                Some(cpu.index())
-            } else {
-                ops::mm_cid_position().map(|at| at.index())
-            };
-            let Some(index) = at.filter(|&index| index < dense::cpu_rows()) else {
-                break;
-            };
-            let offset = arch::area_offset();
-            if arch::field_at::<BY_CPU>(offset) < 0 {
+        while let Some(at) = ops::position_by::<FIELD>() {
+            let index = at.index();
+            if index >= dense::cpu_rows() {
                 break;
             }
-            // SAFETY: as in `add_by`; a migration since the reads above makes the section
-            // abort, since it compares FIELD again.
-            match unsafe {
-                arch::load_add_store::<FIELD>(offset, index, self.word(index).as_ptr(), n)
-            } {
+            // SAFETY: as in `add_by`; a migration since the read makes the section abort,
+            // since it compares FIELD again.
+            match unsafe { ops::load_add_store(at, self.word(index).as_ptr(), n) } {
                 Outcome::Committed(()) => return,
                 Outcome::Mismatch | Outcome::Aborted => {
                     ops::note_abort();

@@ -21,7 +21,7 @@
 //! types (`Counter`, the pool) uphold it by construction.
 
 use crate::abi::offset;
-use crate::arch;
+use crate::arch::{self, StackHead, StackOutcome};
 use crate::registration;
 use core::marker::PhantomData;
 use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -64,6 +64,12 @@ impl<const FIELD: usize> Position<FIELD> {
     pub fn index(self) -> u32 {
         self.index
     }
+
+    /// Whether the area was registered when read (its `cpu_id` not negative).
+    #[inline(always)]
+    fn registered(self) -> bool {
+        (self.index as i32) >= 0
+    }
 }
 
 /// The calling thread's CPU, for an operation to follow, or `None` if this thread has no
@@ -76,10 +82,9 @@ impl<const FIELD: usize> Position<FIELD> {
 /// ```
 #[inline]
 pub fn position() -> Option<Position<BY_CPU>> {
-    let offset = arch::area_offset();
-    let cpu = arch::field_at::<BY_CPU>(offset);
-    if cpu >= 0 {
-        return Some(Position::new(offset, cpu as u32));
+    let at = position_as_is::<BY_CPU>();
+    if at.registered() {
+        return Some(at);
     }
     position_slow()
 }
@@ -92,9 +97,40 @@ fn position_slow() -> Option<Position<BY_CPU>> {
     {
         return None;
     }
+    let at = position_as_is::<BY_CPU>();
+    at.registered().then_some(at)
+}
+
+/// The position by `FIELD` as the calling thread's area shows it now, for the fast paths of
+/// the safe types, which check the index themselves: nothing is registered, and an
+/// unregistered area (`cpu_id` -1 or -2) shows as an index of at least 2^31, beyond every
+/// table, so that one unsigned comparison rejects it together with indexes beyond the rows.
+/// Run an operation at it only after such a comparison.
+#[inline(always)]
+pub(crate) fn position_as_is<const FIELD: usize>() -> Position<FIELD> {
     let offset = arch::area_offset();
     let cpu = arch::field_at::<BY_CPU>(offset);
-    (cpu >= 0).then_some(Position::new(offset, cpu as u32))
+    let index = if FIELD == BY_CPU || cpu < 0 {
+        cpu
+    } else {
+        arch::field_at::<FIELD>(offset)
+    };
+    Position::new(offset, index as u32)
+}
+
+/// The calling thread's position by `FIELD`, registering it if needed: [`position`], or
+/// [`mm_cid_position`], read from one load of the area offset.
+#[inline]
+pub(crate) fn position_by<const FIELD: usize>() -> Option<Position<FIELD>> {
+    let cpu = position()?;
+    if FIELD == BY_CPU {
+        return Some(Position::new(cpu.offset, cpu.index));
+    }
+    if !crate::cpu::mm_cid_usable() {
+        return None;
+    }
+    let index = arch::field_at::<FIELD>(cpu.offset);
+    Some(Position::new(cpu.offset, index as u32))
 }
 
 /// The calling thread's `mm_cid`, for an operation indexed by concurrency id, or `None` where
@@ -107,12 +143,7 @@ fn position_slow() -> Option<Position<BY_CPU>> {
 /// ```
 #[inline]
 pub fn mm_cid_position() -> Option<Position<BY_MM_CID>> {
-    let cpu = position()?;
-    if !crate::cpu::mm_cid_usable() {
-        return None;
-    }
-    let cid = arch::field_at::<BY_MM_CID>(cpu.offset);
-    Some(Position::new(cpu.offset, cid as u32))
+    position_by::<BY_MM_CID>()
 }
 
 /// Adds `count` to `*v` on the position's CPU: load, add, store, with the store committing.
@@ -215,6 +246,42 @@ pub unsafe fn list_push<T, const FIELD: usize>(
     unsafe { next.write(current as *mut T) };
     // SAFETY: forwarded contract; the head is a pointer-sized word, 8 bytes on 64-bit targets.
     unsafe { load_cbne_store(at, head.cast(), current as u64, node as u64) }
+}
+
+/// Guarded push onto the position's stack: `if head.stopped != 0 leave(Stopped); n =
+/// head.count; if n >= capacity leave(Refused); slots[n] = item; commit head.count = n + 1`.
+/// The pool's per-CPU caches; `arch` documents the ordering of each step.
+///
+/// # Safety
+/// `head` and `slots` (valid for `capacity` pointer-sized words) are the stack of
+/// `at.index()`, whose `count` and slots only operations positioned on that index write, or a
+/// drainer after a fence of that CPU while `stopped` is set.
+#[inline(always)]
+pub(crate) unsafe fn stack_push<const FIELD: usize>(
+    at: Position<FIELD>,
+    head: *const StackHead,
+    slots: *mut usize,
+    capacity: u64,
+    item: usize,
+) -> StackOutcome {
+    // SAFETY: forwarded contract; a position was read by the thread that holds it.
+    unsafe { arch::stack_push::<FIELD>(at.offset, at.index, head, slots, capacity, item) }
+}
+
+/// Guarded pop from the position's stack: `if head.stopped != 0 leave(Stopped); n =
+/// head.count; if n == 0 leave(Refused); *out = slots[n - 1]; commit head.count = n - 1`.
+///
+/// # Safety
+/// As for [`stack_push`]; `out` is valid for a pointer-sized write (read only after a commit).
+#[inline(always)]
+pub(crate) unsafe fn stack_pop<const FIELD: usize>(
+    at: Position<FIELD>,
+    head: *const StackHead,
+    slots: *const usize,
+    out: *mut usize,
+) -> StackOutcome {
+    // SAFETY: forwarded contract.
+    unsafe { arch::stack_pop::<FIELD>(at.offset, at.index, head, slots, out) }
 }
 
 static ABORTS: AtomicU64 = AtomicU64::new(0);

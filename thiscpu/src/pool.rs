@@ -46,10 +46,10 @@
 //! objects in and out of the caches as raw pointers from `Box::into_raw`, and pins the calling
 //! thread with `sched_setaffinity` in the drain fallback; each block states why it holds.
 
-use crate::arch::{self, StackHead, StackOutcome};
+use crate::arch::{StackHead, StackOutcome};
 use crate::fence::{self, FenceUnavailable};
 use crate::mask::CpuMask;
-use crate::ops::{self, BY_CPU};
+use crate::ops::{self, BY_CPU, Position};
 use crate::percpu::CachePadded;
 use crate::registration::{self, Registrar};
 use crate::topology;
@@ -128,27 +128,6 @@ type Locked<T> = CachePadded<Mutex<Vec<Box<T>>>>;
 enum Caches<T> {
     Rseq(Stacks),
     Locked(Box<[Locked<T>]>),
-}
-
-/// The calling thread's rseq area offset and CPU, or `None` if this thread has no rseq.
-#[inline]
-fn here() -> Option<(arch::AreaOffset, u32)> {
-    let offset = arch::area_offset();
-    let cpu = arch::field_at::<BY_CPU>(offset);
-    if cpu >= 0 {
-        return Some((offset, cpu as u32));
-    }
-    here_slow()
-}
-
-#[cold]
-#[inline(never)]
-fn here_slow() -> Option<(arch::AreaOffset, u32)> {
-    // Registers this thread's own area when thiscpu owns rseq in the process.
-    ops::position()?;
-    let offset = arch::area_offset();
-    let cpu = arch::field_at::<BY_CPU>(offset);
-    (cpu >= 0).then_some((offset, cpu as u32))
 }
 
 fn lock<V>(mutex: &Mutex<V>) -> MutexGuard<'_, V> {
@@ -398,12 +377,10 @@ impl<T> Pool<T> {
     #[inline]
     pub fn put_box(&self, object: Box<T>) {
         if let Caches::Rseq(stacks) = &self.caches {
-            let offset = arch::area_offset();
-            let cpu = arch::field_at::<BY_CPU>(offset) as u32;
-            // One unsigned comparison rejects an unregistered area (-1, -2) and CPUs beyond
-            // the caches.
-            if (cpu as usize) < stacks.heads.len() {
-                let object = match self.push_at(stacks, offset, cpu, object) {
+            let at = ops::position_as_is::<BY_CPU>();
+            // One unsigned comparison rejects an unregistered area and CPUs beyond the caches.
+            if (at.index() as usize) < stacks.heads.len() {
+                let object = match self.push_at(stacks, at, object) {
                     Ok(()) => return,
                     Err((object, StackOutcome::Aborted)) => {
                         ops::note_abort();
@@ -423,12 +400,11 @@ impl<T> Pool<T> {
         let Caches::Rseq(stacks) = &self.caches else {
             return None;
         };
-        let offset = arch::area_offset();
-        let cpu = arch::field_at::<BY_CPU>(offset) as u32;
-        if (cpu as usize) >= stacks.heads.len() {
+        let at = ops::position_as_is::<BY_CPU>();
+        if (at.index() as usize) >= stacks.heads.len() {
             return None;
         }
-        match self.pop_at(stacks, offset, cpu) {
+        match self.pop_at(stacks, at) {
             Ok(object) => Some(object),
             Err(StackOutcome::Aborted) => {
                 ops::note_abort();
@@ -438,24 +414,20 @@ impl<T> Pool<T> {
         }
     }
 
-    /// Pops CPU `cpu`'s stack in one restartable sequence.
+    /// Pops the stack of `at`'s CPU in one restartable sequence.
     #[inline(always)]
-    fn pop_at(
-        &self,
-        stacks: &Stacks,
-        offset: arch::AreaOffset,
-        cpu: u32,
-    ) -> Result<Box<T>, StackOutcome> {
+    fn pop_at(&self, stacks: &Stacks, at: Position<BY_CPU>) -> Result<Box<T>, StackOutcome> {
+        let cpu = at.index();
         let head: &StackHead = &stacks.heads[cpu as usize];
         let slots = stacks.slots_ptr(cpu as usize);
         let mut out = 0usize;
-        // SAFETY: `offset` and `cpu` were just read from this thread's area (BY_CPU); `head`
+        // SAFETY: `at` was just read from this thread's area (BY_CPU); `head`
         // and `slots` are CPU `cpu`'s stack (`cpu` is below the number of heads, as indexing
         // `heads` checked, so `slots` starts `chunks_per_cpu * CHUNK >= capacity` words inside
         // `chunks`), whose count and slots only sections positioned on `cpu` write, or a
         // drainer that set `stopped` and fenced `cpu` (which the section checks). `out` is a
         // local.
-        let outcome = unsafe { arch::stack_pop::<BY_CPU>(offset, cpu, head, slots, &mut out) };
+        let outcome = unsafe { ops::stack_pop(at, head, slots, &mut out) };
         match outcome {
             // SAFETY: a committed pop took the pointer below the count: it came from
             // `Box::into_raw` in a committed push, and the count's decrement made this call its
@@ -465,16 +437,16 @@ impl<T> Pool<T> {
         }
     }
 
-    /// Pushes onto CPU `cpu`'s stack in one restartable sequence; gives the object back if
-    /// the push did not commit.
+    /// Pushes onto the stack of `at`'s CPU in one restartable sequence; gives the object back
+    /// if the push did not commit.
     #[inline(always)]
     fn push_at(
         &self,
         stacks: &Stacks,
-        offset: arch::AreaOffset,
-        cpu: u32,
+        at: Position<BY_CPU>,
         object: Box<T>,
     ) -> Result<(), (Box<T>, StackOutcome)> {
+        let cpu = at.index();
         let head: &StackHead = &stacks.heads[cpu as usize];
         // Before the object can be in the cache: `Drop` and `drain_all` visit touched CPUs
         // only. A stack only becomes non-empty through a push onto an empty one, and touched
@@ -488,9 +460,8 @@ impl<T> Pool<T> {
         let raw = Box::into_raw(object);
         // SAFETY: as in `pop_at`; the capacity is at most the slots' length; `raw` is owned by
         // this call until the push commits.
-        let outcome = unsafe {
-            arch::stack_push::<BY_CPU>(offset, cpu, head, slots, self.capacity as u64, raw as usize)
-        };
+        let outcome =
+            unsafe { ops::stack_push(at, head, slots, self.capacity as u64, raw as usize) };
         if outcome == StackOutcome::Committed {
             return Ok(());
         }
@@ -543,11 +514,11 @@ impl<T> Pool<T> {
     /// aborted.
     fn push_here(&self, stacks: &Stacks, mut object: Box<T>) -> Result<(), (Box<T>, StackOutcome)> {
         let mut aborts = ops::AbortRun::new();
-        while let Some((offset, cpu)) = here() {
-            if cpu as usize >= stacks.heads.len() {
+        while let Some(at) = ops::position() {
+            if at.index() as usize >= stacks.heads.len() {
                 break;
             }
-            match self.push_at(stacks, offset, cpu, object) {
+            match self.push_at(stacks, at, object) {
                 Ok(()) => return Ok(()),
                 Err((back, StackOutcome::Aborted)) => {
                     ops::note_abort();
@@ -566,11 +537,11 @@ impl<T> Pool<T> {
     /// `push_here`.
     fn pop_here(&self, stacks: &Stacks) -> Result<Box<T>, StackOutcome> {
         let mut aborts = ops::AbortRun::new();
-        while let Some((offset, cpu)) = here() {
-            if cpu as usize >= stacks.heads.len() {
+        while let Some(at) = ops::position() {
+            if at.index() as usize >= stacks.heads.len() {
                 break;
             }
-            match self.pop_at(stacks, offset, cpu) {
+            match self.pop_at(stacks, at) {
                 Ok(object) => return Ok(object),
                 Err(StackOutcome::Aborted) => {
                     ops::note_abort();
@@ -811,7 +782,7 @@ impl<T> Pool<T> {
 
     /// The fallback: run on `cpu` and pop its stack there. `None` if this thread cannot.
     fn drain_by_migrating(&self, stacks: &Stacks, cpu: u32) -> Option<Vec<Box<T>>> {
-        here()?;
+        ops::position()?;
         let previous = Affinity::current()?;
         if !Affinity::only(cpu).apply() {
             return None;
@@ -824,12 +795,12 @@ impl<T> Pool<T> {
         let mut attempts = 0;
         while taken.len() < limit && attempts < 4 * limit + 16 {
             attempts += 1;
-            let Some((offset, at)) = here() else { break };
-            if at != cpu {
+            let Some(at) = ops::position() else { break };
+            if at.index() != cpu {
                 std::thread::yield_now();
                 continue;
             }
-            match self.pop_at(stacks, offset, cpu) {
+            match self.pop_at(stacks, at) {
                 Ok(object) => taken.push(object),
                 Err(StackOutcome::Aborted) => ops::note_abort(),
                 Err(_) => break,

@@ -356,7 +356,7 @@ fn measure_memory(holder: Holder, threads: usize) -> Result<f64, String> {
         steps.wait_for(ALIVE, threads);
         let before = heap_in_use();
         let _ = values.set(match holder {
-            Holder::ThreadLocal => Values::ThreadLocal(Box::new(ThreadLocal::new())),
+            Holder::ThreadLocal => Values::ThreadLocal(Box::default()),
             Holder::Thiscpu => Values::Thiscpu(Sharded::default()),
         });
         steps.open(ALIVE);

@@ -13,7 +13,8 @@
 #                release as the compiler) with -D warnings, so this also lints them for
 #                aarch64 without a second pass over the dependencies
 #   test-glibc   `cargo test --workspace` in the VM, glibc registering rseq
-#   test-own     the same with GLIBC_TUNABLES=glibc.pthread.rseq=0: thiscpu registers its own
+#   test-own     the library's tests with GLIBC_TUNABLES=glibc.pthread.rseq=0: thiscpu registers
+#                its own
 #   test-release the library's unit tests and tests/optimiser.rs, built with --release
 #   test-off     the library's tests with THISCPU_RSEQ=off: the fallback without rseq
 #   test-static  the core tests linked with -C target-feature=+crt-static
@@ -23,7 +24,8 @@
 #   cli          `thiscpu --help`, `info`, `stress` and `bench --quick`
 #   fast-path    .ci/check_fast_path.py on the aarch64 probe, through aarch64-linux-gnu-objdump
 #   sid-test-glibc, sid-test-own, sid-cli
-#                test-glibc, test-own and cli again on sid's kernel; the builds are the same,
+#                the library's tests with both registrations and cli again on sid's kernel
+#                (the command's tests only on 6.1); the builds are the same,
 #                and the steps that do not depend on the kernel's rseq (test-off, static,
 #                inject's delays, fast-path) run on 6.1 only, to stay within the time budget
 #
@@ -109,15 +111,20 @@ build() {
 }
 step build build
 
+# The command's own tests (cli/tests: a quick bench of every family, about two minutes under
+# TCG) run once, with glibc's registration on 6.1; the other runs test the library, as
+# .ci/run's test-own does, and the `cli` steps run the command on both kernels.
+test_packages=(--workspace)
 test_glibc() (
     export THISCPU_EXPECT_REGISTRAR=glibc
-    run cargo test --workspace --target "$triple"
+    run cargo test "${test_packages[@]}" --target "$triple"
 )
 step test-glibc test_glibc
+test_packages=(-p thiscpu)
 
 test_own() (
     export GLIBC_TUNABLES=glibc.pthread.rseq=0 THISCPU_EXPECT_REGISTRAR=thiscpu
-    run cargo test --workspace --target "$triple"
+    run cargo test -p thiscpu --target "$triple"
 )
 step test-own test_own
 

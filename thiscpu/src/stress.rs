@@ -296,6 +296,19 @@ fn spawn_workers<T: Send + 'static, F: FnOnce() -> T + Send + 'static>(
 }
 
 /// The error for a thread the system would not create.
+/// A worker's start: publishes its thread id for the disturber, lets the coordinator run, and
+/// waits at the gate. The worker's deadline, or `None` when the run was called off.
+fn start_worker(
+    tids: &[AtomicI32],
+    index: usize,
+    gate: &StartGate,
+    duration: Duration,
+) -> Option<Instant> {
+    tids[index].store(gettid(), Ordering::Release);
+    yield_to_the_coordinator();
+    Some(gate.arrive()? + duration)
+}
+
 /// Sends the workers home after one of them ended without reaching the gate, waits for them,
 /// and says what happened.
 fn call_off<T>(gate: &StartGate, workers: Vec<std::thread::JoinHandle<T>>) -> std::io::Error {
@@ -541,12 +554,9 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
         let (counter, stop, gate, tids) =
             (counter.clone(), stop.clone(), gate.clone(), tids.clone());
         move || {
-            tids[index].store(gettid(), Ordering::Release);
-            yield_to_the_coordinator();
-            let Some(opened) = gate.arrive() else {
+            let Some(deadline) = start_worker(&tids, index, &gate, duration) else {
                 return 0;
             };
-            let deadline = opened + duration;
             let mut made = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 for _ in 0..64 {
@@ -792,12 +802,9 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
             tids.clone(),
         );
         move || {
-            tids[index].store(gettid(), Ordering::Release);
-            yield_to_the_coordinator();
-            let Some(opened) = gate.arrive() else {
+            let Some(deadline) = start_worker(&tids, index, &gate, duration) else {
                 return 0;
             };
-            let deadline = opened + duration;
             let mut random = Random(0x2545_f491_4f6c_dd1d ^ (index as u64 + 1));
             let mut made = 0u64;
             while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {

@@ -116,8 +116,9 @@ fn run_within(command: &mut Command, limit: Duration) -> (Output, Duration) {
 #[test]
 fn a_thousand_threads_take_about_the_time_asked() {
     let _one_at_a_time = MANY_THREADS.lock().unwrap_or_else(|e| e.into_inner());
-    // Two runs of one second each, plus starting and joining 2048 threads: a few seconds. A
-    // start barrier that releases its waiters through a mutex took minutes here.
+    // Two runs of one second each, plus starting and joining 2048 threads: a few seconds
+    // natively, five for one part in an emulated arm64 guest. A start barrier that releases
+    // its waiters through a mutex took minutes here; the bounds only catch that.
     let (output, elapsed) = run_within(
         Command::new(env!("CARGO_BIN_EXE_thiscpu")).args([
             "stress",
@@ -127,7 +128,7 @@ fn a_thousand_threads_take_about_the_time_asked() {
             "1",
             "--json",
         ]),
-        Duration::from_secs(25),
+        Duration::from_secs(60),
     );
     let stdout = text(&output.stdout);
     assert!(output.status.success(), "{stdout}{}", text(&output.stderr));
@@ -136,7 +137,7 @@ fn a_thousand_threads_take_about_the_time_asked() {
     for part in ["counter", "pool"] {
         assert_eq!(report[part]["workers"], 1024, "{report}");
         let seconds = report[part]["elapsed_seconds"].as_f64().unwrap();
-        assert!(seconds < 5.0, "{part} ran {seconds} s for 1 s asked");
+        assert!(seconds < 20.0, "{part} ran {seconds} s for 1 s asked");
         // The thread that migrates and signals the workers got CPU time among them.
         assert!(
             report[part]["migrations"].as_u64().unwrap() > 0,

@@ -247,7 +247,11 @@ fn decide_once() -> Option<&'static Process> {
     loop {
         match DECIDER.compare_exchange(UNDECIDED, me, Ordering::Acquire, Ordering::Acquire) {
             Ok(_) => {
+                // A decision that unwinds hands the decision back instead of leaving the
+                // other threads waiting for a thread that gave up.
+                let handing_back = HandBackOnUnwind;
                 let _ = PROCESS.set(decide());
+                core::mem::forget(handing_back);
                 DECIDER.store(DECIDED, Ordering::Release);
                 return PROCESS.get();
             }
@@ -264,7 +268,28 @@ fn decide_once() -> Option<&'static Process> {
 #[unsafe(link_section = ".init_array")]
 static DECIDE_AT_STARTUP: extern "C" fn() = decide_at_startup;
 
+/// Resets [`DECIDER`] when dropped: only while a decision unwinds (see `decide_once`).
+struct HandBackOnUnwind;
+
+impl Drop for HandBackOnUnwind {
+    fn drop(&mut self) {
+        DECIDER.store(UNDECIDED, Ordering::Release);
+    }
+}
+
+/// In the child of a `fork` that another thread made while this thread was deciding, the
+/// decider does not exist: the child's first call decides again instead of waiting for it.
+extern "C" fn forget_a_decider_after_fork() {
+    if DECIDER.load(Ordering::Relaxed) != DECIDED {
+        DECIDER.store(UNDECIDED, Ordering::Relaxed);
+    }
+}
+
 extern "C" fn decide_at_startup() {
+    // SAFETY: registers a handler that only touches an atomic and takes no lock, as a child's
+    // fork handler must; its code stays mapped, since the decision just below pins the object
+    // holding thiscpu (`pin_own_module`).
+    unsafe { libc::pthread_atfork(None, None, Some(forget_a_decider_after_fork)) };
     if inject::defer_decision() {
         return;
     }

@@ -779,3 +779,81 @@ fn a_signal_handler_during_the_decision_falls_back() {
         eprint!("{stderr}");
     }
 }
+
+/// Set in the environment of the re-executed test binary by the fork test below.
+#[cfg(thiscpu_inject)]
+const FORK_IN_DECISION: &str = "THISCPU_TEST_FORK_IN_DECISION";
+
+/// A process forked while the decision is being made: the child has no deciding thread, and
+/// its first call must decide again instead of waiting for a thread that does not exist there.
+/// The fork comes from a signal handler raised halfway through the decision (fault injection).
+#[cfg(thiscpu_inject)]
+#[test]
+fn a_child_forked_during_the_decision_decides_on_its_own() {
+    use std::sync::atomic::{AtomicI32, Ordering};
+    /// The child's exit status as the handler saw it: 0 answered, 1 wrong answer, 2 hung.
+    static CHILD: AtomicI32 = AtomicI32::new(-1);
+    extern "C" fn on_signal(_: libc::c_int) {
+        // SAFETY: fork in a single point of the test process; the child only calls thiscpu
+        // and `_exit`, the parent only waits for it.
+        let pid = unsafe { libc::fork() };
+        if pid == 0 {
+            // `source()` asks for the decision itself (the CPU-id fast path would not).
+            let possible = topology::possible_cpus() as u32;
+            let ok = thiscpu::source().this_thread.name() != "" && thiscpu::getcpu().cpu < possible;
+            // SAFETY: ends the child without running the parent's exit handlers.
+            unsafe { libc::_exit(if ok { 0 } else { 1 }) };
+        }
+        let mut status = 0;
+        for _ in 0..500 {
+            // SAFETY: waits for our own child without blocking.
+            if unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) } == pid {
+                CHILD.store(libc::WEXITSTATUS(status), Ordering::Relaxed);
+                return;
+            }
+            // SAFETY: a plain sleep.
+            unsafe { libc::usleep(20_000) };
+        }
+        // SAFETY: ends and reaps the hung child.
+        unsafe {
+            libc::kill(pid, libc::SIGKILL);
+            libc::waitpid(pid, &mut status, 0);
+        }
+        CHILD.store(2, Ordering::Relaxed);
+    }
+
+    if std::env::var_os(FORK_IN_DECISION).is_some() {
+        // SAFETY: installs a handler that forks and waits, as above.
+        unsafe {
+            let mut action: libc::sigaction = std::mem::zeroed();
+            action.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+            assert_eq!(
+                libc::sigaction(libc::SIGUSR2, &action, std::ptr::null_mut()),
+                0
+            );
+        }
+        let _ = thiscpu::source();
+        assert_eq!(
+            CHILD.load(Ordering::Relaxed),
+            0,
+            "the child forked during the decision (0 answered, 1 wrong CPU, 2 hung)"
+        );
+        return;
+    }
+    let name = "a_child_forked_during_the_decision_decides_on_its_own";
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env(FORK_IN_DECISION, "1")
+        .env(SIGNAL_IN_DECISION, libc::SIGUSR2.to_string())
+        .env_remove("THISCPU_RSEQ")
+        .env_remove("THISCPU_EXPECT_REGISTRAR")
+        .output()
+        .expect("re-run the test");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success() && stdout.contains("1 passed"),
+        "{}\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+}

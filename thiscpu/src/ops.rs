@@ -4,7 +4,7 @@
 //! migration, signal, membarrier). No `lock`-prefixed instruction is involved.
 //!
 //! Each operation is named after its steps, as librseq names them:
-//! - `load_add_store`: load `*v`, add, store (x86_64 commits with one `add` to memory).
+//! - `load_add_store`: load `*v`, add, store (the store commits).
 //! - `load_cbne_store`: load `*v`, compare-and-branch if not equal to `expect` (leave:
 //!   [`Outcome::Mismatch`]), store `newv`.
 //! - `load_cbeq_load_store`: load the list head, compare-and-branch if equal to null (leave:

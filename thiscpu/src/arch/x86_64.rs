@@ -355,7 +355,13 @@ pub(crate) fn field_at<const FIELD: usize>(offset: AreaOffset) -> i32 {
 // in `__rseq_failure`, preceded by the signature. The abort handler only jumps to the Rust
 // label block: no register the section wrote is needed there.
 
-/// `*v += count`, committed by one `add` to memory. See `ops::load_add_store`.
+/// `*v += count`: a load, an add in a register, and the committing store. See
+/// `ops::load_add_store`.
+///
+/// One `add` to memory would commit just as well, but it was slower: on an Intel Xeon
+/// (family 6 model 207) a loop of `Counter::inc` took 2.9 ns per increment with it and 2.0 ns
+/// with the split form, in alternating runs of the same program; the C reference's section
+/// splits it the same way.
 ///
 /// # Safety
 /// `offset` and `index` were read from this thread's area (`index` from `FIELD`), and `v` is
@@ -377,13 +383,16 @@ pub(crate) unsafe fn load_add_store<const FIELD: usize>(
             "cmp dword ptr fs:[{off} + {field}], {index:e}",
             "jne 5f",
             inject!(1),
-            "add qword ptr [{v}], {count}",
+            "mov {sum}, qword ptr [{v}]",
+            "add {sum}, {count}",
+            "mov qword ptr [{v}], {sum}",
             "4:",
             rseq_abort!("5", "jmp {abort}");
             off = in(reg) offset.0,
             index = in(reg) index,
             v = in(reg) v,
             count = in(reg) count,
+            sum = out(reg) _,
             cs = out(reg) _,
             rseq_cs = const offset::RSEQ_CS,
             field = const FIELD,

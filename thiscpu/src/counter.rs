@@ -194,9 +194,24 @@ impl<S: Spread> Counter<S> {
         self.add_slow::<FIELD>(n);
     }
 
+    /// The slow path. The fast path chose FIELD from `MM_CID_USABLE` as it read it; if this
+    /// thread was not registered then, the process may not have decided yet, and the decision
+    /// (which registering waits for) can make `mm_cid` usable. Every section on a word must
+    /// compare the same field, so a by-`mm_cid` counter chooses again once registered.
     #[cold]
     #[inline(never)]
     fn add_slow<const FIELD: usize>(&self, n: u64) {
+        if S::FIELD != BY_CPU
+            && FIELD == BY_CPU
+            && ops::position().is_some()
+            && MM_CID_USABLE.load(Ordering::Relaxed)
+        {
+            return self.add_slow_by::<BY_MM_CID>(n);
+        }
+        self.add_slow_by::<FIELD>(n)
+    }
+
+    fn add_slow_by<const FIELD: usize>(&self, n: u64) {
         let mut aborts = ops::AbortRun::new();
         while let Some(at) = ops::position_by::<FIELD>() {
             let index = at.index();

@@ -645,10 +645,14 @@ mod inject {
     }
 
     /// With `THISCPU_INJECT_SIGNAL_IN_DECISION` set, the decision waits for its first use, so
-    /// that a test can install its signal handler first.
+    /// that a test can install its signal handler first; with `THISCPU_INJECT_DEFER_DECISION`
+    /// set it waits too, so that a test can make a first call before anything is decided.
     #[cfg(thiscpu_inject)]
     pub(super) fn defer_decision() -> bool {
-        signal().is_some()
+        // SAFETY: `getenv` with a NUL-terminated name; only the result's nullness is used.
+        let deferred =
+            !unsafe { libc::getenv(c"THISCPU_INJECT_DEFER_DECISION".as_ptr()) }.is_null();
+        deferred || signal().is_some()
     }
 
     #[cfg(not(thiscpu_inject))]

@@ -213,3 +213,61 @@ fn per_cpu_lists_never_lose_or_duplicate_a_node() {
     }
     assert!(seen.iter().all(|&s| s), "a node was lost");
 }
+
+/// An increment by `mm_cid` made before the process decided how it uses rseq spreads by
+/// `mm_cid` too. The fast path cannot know yet whether the kernel provides `mm_cid`; the call
+/// that makes the decision must then use it, or its section would write a CPU's word that other
+/// threads write by concurrency id, on other CPUs. The decision normally runs before `main`; the
+/// instrumented build (`--cfg thiscpu_inject`) defers it to the first call here. Run in a fresh
+/// process, pinned to the last allowed CPU, whose number differs from the lone thread's
+/// concurrency id (0) on any machine with two CPUs or more.
+#[test]
+fn a_first_increment_by_mm_cid_lands_on_the_concurrency_id() {
+    const CHILD: &str = "THISCPU_COUNTER_TEST_FIRST_INCREMENT";
+    if std::env::var_os(CHILD).is_none() {
+        let status = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "a_first_increment_by_mm_cid_lands_on_the_concurrency_id",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, "1")
+            .env("THISCPU_INJECT_DEFER_DECISION", "1")
+            .status()
+            .expect("run the test binary again");
+        assert!(status.success(), "the fresh process failed: {status}");
+        return;
+    }
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; the calls only read and write it.
+    let last = unsafe {
+        let mut set: libc::cpu_set_t = core::mem::zeroed();
+        assert_eq!(
+            libc::sched_getaffinity(0, core::mem::size_of_val(&set), &mut set),
+            0
+        );
+        let last = (0..libc::CPU_SETSIZE as usize)
+            .rev()
+            .find(|&cpu| libc::CPU_ISSET(cpu, &set))
+            .expect("an allowed CPU");
+        libc::CPU_ZERO(&mut set);
+        libc::CPU_SET(last, &mut set);
+        assert_eq!(
+            libc::sched_setaffinity(0, core::mem::size_of_val(&set), &set),
+            0
+        );
+        last as u32
+    };
+    let counter = Counter::by_mm_cid();
+    counter.inc();
+    let Some(mm_cid) = thiscpu::mm_cid() else {
+        eprintln!("no mm_cid here (kernel before 6.3, or no rseq): the counter spreads by CPU");
+        return;
+    };
+    let rows: Vec<(u32, u64)> = counter.per_cpu().filter(|&(_, v)| v != 0).collect();
+    assert_eq!(
+        rows,
+        vec![(mm_cid, 1)],
+        "pinned to CPU {last}, concurrency id {mm_cid}: the increment must be in the id's row"
+    );
+}

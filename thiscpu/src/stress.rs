@@ -6,8 +6,8 @@
 //! This is what `thiscpu stress` runs; the test suite runs it too, in every environment.
 //!
 //! # Safety
-//! Installs a signal handler (restored afterwards), sends signals with `tgkill` and moves
-//! threads with `sched_setaffinity`; each block states why it holds.
+//! Installs a signal handler (restored afterwards) and sends signals with `tgkill`; each block
+//! states why it holds. Threads are moved between CPUs through [`crate::topology`].
 
 use crate::Counter;
 use core::sync::atomic::{AtomicBool, AtomicI32, AtomicPtr, AtomicU32, AtomicU64, Ordering};
@@ -377,29 +377,9 @@ impl Random {
     }
 }
 
-fn pin(tid: i32, cpu: u32) -> bool {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET stays within it for cpu < 1024.
-    unsafe {
-        let mut set: libc::cpu_set_t = core::mem::zeroed();
-        if cpu as usize >= libc::CPU_SETSIZE as usize {
-            return false;
-        }
-        libc::CPU_SET(cpu as usize, &mut set);
-        libc::sched_setaffinity(tid, core::mem::size_of::<libc::cpu_set_t>(), &set) == 0
-    }
-}
-
+/// The CPUs the workers are moved between: the caller's allowed CPUs.
 fn allowed_cpus() -> Vec<u32> {
-    // SAFETY: a zeroed cpu_set_t is valid; sched_getaffinity fills it.
-    unsafe {
-        let mut set: libc::cpu_set_t = core::mem::zeroed();
-        if libc::sched_getaffinity(0, core::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
-            return crate::topology::online_cpus();
-        }
-        (0..libc::CPU_SETSIZE as u32)
-            .filter(|&cpu| libc::CPU_ISSET(cpu as usize, &set))
-            .collect()
-    }
+    crate::topology::allowed_cpus().unwrap_or_else(|_| crate::topology::online_cpus())
 }
 
 /// Moves workers between CPUs and sends them signals, at random, and counts what it did.
@@ -433,7 +413,7 @@ impl<'a> Disturber<'a> {
             }
             if self.config.migrate
                 && !cpus.is_empty()
-                && pin(tid, cpus[self.random.next(cpus.len())])
+                && crate::topology::pin_thread(tid, cpus[self.random.next(cpus.len())]).is_ok()
             {
                 self.migrations += 1;
             }

@@ -1,4 +1,5 @@
-//! The `/sys` topology as thiscpu reads it, against `/sys` read by the test.
+//! The `/sys` topology as thiscpu reads it, against `/sys` read by the test; the calling
+//! thread's affinity against `/proc/thread-self/status`.
 
 mod common;
 
@@ -68,4 +69,88 @@ fn cpu_lists_parse_as_the_kernel_means_them() {
     assert!(parse("0-4294967295").is_err(), "a range no kernel writes");
     let text = std::fs::read_to_string("/sys/devices/system/cpu/possible").unwrap();
     assert_eq!(parse(&text).unwrap(), cpulist(&text));
+}
+
+/// `Cpus_allowed_list` of the calling thread, from `/proc/thread-self/status`.
+fn proc_allowed_cpus() -> Vec<u32> {
+    let status = std::fs::read_to_string("/proc/thread-self/status").unwrap();
+    let line = status
+        .lines()
+        .find_map(|line| line.strip_prefix("Cpus_allowed_list:"))
+        .expect("Cpus_allowed_list in /proc/thread-self/status");
+    cpulist(line)
+}
+
+#[test]
+fn allowed_cpus_are_the_threads_mask_as_proc_lists_it() {
+    std::thread::spawn(|| {
+        assert_eq!(topology::allowed_cpus().unwrap(), proc_allowed_cpus());
+        assert_eq!(topology::allowed_cpus().unwrap(), allowed_cpus());
+        let narrowed = *allowed_cpus().last().unwrap();
+        set_affinity(0, &Mask::of(&[narrowed])).unwrap();
+        assert_eq!(topology::allowed_cpus().unwrap(), [narrowed]);
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn a_pin_holds_until_its_guard_is_dropped_and_then_the_mask_comes_back() {
+    std::thread::spawn(|| {
+        let before = proc_allowed_cpus();
+        for &cpu in &before {
+            {
+                let _pinned = topology::pin_to(cpu).unwrap();
+                std::thread::yield_now();
+                // SAFETY: no precondition.
+                assert_eq!(unsafe { libc::sched_getcpu() }, cpu as i32);
+                assert_eq!(kernel_getcpu().0, cpu);
+                assert_eq!(thiscpu::current_cpu(), cpu);
+                assert_eq!(proc_allowed_cpus(), [cpu]);
+            }
+            assert_eq!(proc_allowed_cpus(), before, "after the pin to CPU {cpu}");
+        }
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn a_kept_pin_outlives_its_guard() {
+    let cpu = allowed_cpus()[0];
+    std::thread::spawn(move || {
+        topology::pin_to(cpu).unwrap().keep();
+        assert_eq!(proc_allowed_cpus(), [cpu]);
+    })
+    .join()
+    .unwrap();
+}
+
+#[test]
+fn pins_outside_the_allowed_cpus_are_errors_that_change_nothing() {
+    let possible = topology::possible_cpus() as u32;
+    std::thread::spawn(move || {
+        let before = proc_allowed_cpus();
+        for beyond in [possible, possible + 1, u32::MAX] {
+            let error = topology::pin_to(beyond).unwrap_err();
+            assert_eq!(error.kind(), std::io::ErrorKind::InvalidInput, "{error}");
+        }
+        assert_eq!(proc_allowed_cpus(), before);
+        // Narrow the mask to one CPU: every other possible CPU is then outside it.
+        let Some(&kept) = before.first() else {
+            panic!("no allowed CPU")
+        };
+        set_affinity(0, &Mask::of(&[kept])).unwrap();
+        if possible == 1 {
+            eprintln!("one possible CPU: no CPU outside the mask to try");
+            return;
+        }
+        for other in (0..possible).filter(|&cpu| cpu != kept) {
+            let error = topology::pin_to(other).unwrap_err();
+            assert_eq!(error.kind(), std::io::ErrorKind::InvalidInput, "{error}");
+            assert_eq!(proc_allowed_cpus(), [kept], "after refusing CPU {other}");
+        }
+    })
+    .join()
+    .unwrap();
 }

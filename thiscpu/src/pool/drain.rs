@@ -15,15 +15,14 @@
 //! Meanwhile a `get` or `put` that finds the flag set uses the shared list.
 //!
 //! # Safety
-//! The drainer owns a stopped and fenced stack, and pins the calling thread with
-//! `sched_setaffinity` in the fallback; each block states why it holds.
+//! The drainer owns a stopped and fenced stack; the block that takes it states why.
 
 use super::stacks::Stacks;
 use super::{Caches, Pool, lock};
 use crate::arch::StackOutcome;
 use crate::fence::{self, FenceUnavailable};
 use crate::ops;
-use core::mem::size_of;
+use crate::topology;
 
 /// How [`Pool::drain_cpu`] reached the cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -212,10 +211,8 @@ impl<T> Pool<T> {
     /// The fallback: run on `cpu` and pop its stack there. `None` if this thread cannot.
     fn drain_by_migrating(&self, stacks: &Stacks, cpu: u32) -> Option<Vec<Box<T>>> {
         ops::position()?;
-        let previous = Affinity::current()?;
-        if !Affinity::only(cpu).apply() {
-            return None;
-        }
+        // Restores this thread's affinity when the function returns.
+        let _pinned = topology::pin_to_beyond_mask(cpu).ok()?;
         let mut taken = Vec::new();
         // `sched_setaffinity` on oneself returns on an allowed CPU; pop while there. Pushes by
         // other threads on `cpu` meanwhile may refill the stack: stop after a full stack's
@@ -235,39 +232,7 @@ impl<T> Pool<T> {
                 Err(_) => break,
             }
         }
-        previous.apply();
         Some(taken)
-    }
-}
-
-/// A saved CPU affinity of the calling thread.
-struct Affinity(libc::cpu_set_t);
-
-impl Affinity {
-    fn current() -> Option<Affinity> {
-        // SAFETY: a zeroed cpu_set_t is a valid empty set, which sched_getaffinity fills.
-        unsafe {
-            let mut set: libc::cpu_set_t = core::mem::zeroed();
-            (libc::sched_getaffinity(0, size_of::<libc::cpu_set_t>(), &mut set) == 0)
-                .then_some(Affinity(set))
-        }
-    }
-
-    fn only(cpu: u32) -> Affinity {
-        // SAFETY: a zeroed cpu_set_t is a valid empty set; CPU_SET is called only for an id
-        // inside it. A CPU beyond it leaves the set empty, which the kernel refuses.
-        unsafe {
-            let mut set: libc::cpu_set_t = core::mem::zeroed();
-            if (cpu as usize) < 8 * size_of::<libc::cpu_set_t>() {
-                libc::CPU_SET(cpu as usize, &mut set);
-            }
-            Affinity(set)
-        }
-    }
-
-    fn apply(&self) -> bool {
-        // SAFETY: sets the calling thread's affinity from a valid cpu_set_t.
-        unsafe { libc::sched_setaffinity(0, size_of::<libc::cpu_set_t>(), &self.0) == 0 }
     }
 }
 

@@ -3,6 +3,14 @@
 //! Per-CPU data is sized by the number of *possible* CPUs (every CPU that could ever come
 //! online, `/sys/devices/system/cpu/possible`), not by `sysconf`, which counts configured or
 //! online CPUs and can be smaller than the largest CPU id the kernel hands out.
+//!
+//! The calling thread's affinity is here too: [`allowed_cpus`], and [`pin_to`], which pins the
+//! thread to one CPU until its guard is dropped.
+
+mod affinity;
+
+pub use affinity::{PinGuard, allowed_cpus, pin_to};
+pub(crate) use affinity::{pin_thread, pin_to_beyond_mask};
 
 use std::path::Path;
 use std::sync::OnceLock;

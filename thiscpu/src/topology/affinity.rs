@@ -1,0 +1,281 @@
+//! The calling thread's CPU affinity: the CPUs it may run on, and pinning it to one of them
+//! for as long as a guard lives.
+//!
+//! The masks are sized for the possible CPUs, not for glibc's fixed `cpu_set_t` of 1024 bits:
+//! the kernel refuses `sched_getaffinity` with a buffer shorter than its `nr_cpu_ids`, and a
+//! fixed set could not name CPUs from 1024 up.
+//!
+//! # Safety
+//! The `sched_getaffinity` and `sched_setaffinity` calls pass a buffer together with its
+//! exact length in bytes; each block states why it holds.
+
+use super::possible_cpus;
+use std::io;
+use std::marker::PhantomData;
+
+type Word = libc::c_ulong;
+const WORD_BITS: usize = Word::BITS as usize;
+
+/// The most CPUs a mask is grown to when the kernel keeps refusing a buffer as too short:
+/// Linux's largest `NR_CPUS` is 8192; this leaves room beyond it.
+const LARGEST_MASK_BITS: usize = 1 << 16;
+
+/// A CPU affinity mask of any length, in the kernel's layout: CPU `n` is bit `n % WORD_BITS`
+/// of word `n / WORD_BITS`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct CpuSet {
+    words: Vec<Word>,
+}
+
+impl CpuSet {
+    /// An empty mask with room for `cpus` CPUs.
+    fn with_room_for(cpus: usize) -> CpuSet {
+        CpuSet {
+            words: vec![0; cpus.div_ceil(WORD_BITS).max(1)],
+        }
+    }
+
+    /// The mask of `cpu` alone.
+    fn only(cpu: u32) -> CpuSet {
+        let mut set = CpuSet::with_room_for(possible_cpus().max(cpu as usize + 1));
+        set.words[cpu as usize / WORD_BITS] |= 1 << (cpu as usize % WORD_BITS);
+        set
+    }
+
+    fn contains(&self, cpu: u32) -> bool {
+        self.words
+            .get(cpu as usize / WORD_BITS)
+            .is_some_and(|word| word & (1 << (cpu as usize % WORD_BITS)) != 0)
+    }
+
+    /// The CPUs in the mask, lowest first.
+    fn cpus(&self) -> Vec<u32> {
+        (0..self.words.len() * WORD_BITS)
+            .map(|cpu| cpu as u32)
+            .filter(|&cpu| self.contains(cpu))
+            .collect()
+    }
+
+    fn bytes(&self) -> usize {
+        self.words.len() * size_of::<Word>()
+    }
+
+    /// The affinity mask of thread `tid` (0: the calling thread).
+    fn of_thread(tid: libc::pid_t) -> io::Result<CpuSet> {
+        // `possible_cpus` is the kernel's `nr_cpu_ids` when /sys can be read; when it could
+        // not be, the count may be short, and the kernel says so with EINVAL: grow and retry.
+        let mut bits = possible_cpus();
+        loop {
+            let mut set = CpuSet::with_room_for(bits);
+            // SAFETY: the kernel writes at most `set.bytes()` bytes, the length of the
+            // buffer it is given, which `set` owns for the duration of the call.
+            let written = unsafe {
+                libc::syscall(
+                    libc::SYS_sched_getaffinity,
+                    tid,
+                    set.bytes(),
+                    set.words.as_mut_ptr(),
+                )
+            };
+            if written >= 0 {
+                return Ok(set);
+            }
+            let error = io::Error::last_os_error();
+            if error.raw_os_error() != Some(libc::EINVAL) || bits >= LARGEST_MASK_BITS {
+                return Err(error);
+            }
+            bits = (bits * 2).max(WORD_BITS * 2);
+        }
+    }
+
+    /// Makes this the affinity mask of thread `tid` (0: the calling thread). The kernel
+    /// refuses a mask without any CPU that the thread's cpuset allows and that is online.
+    fn apply_to(&self, tid: libc::pid_t) -> io::Result<()> {
+        // SAFETY: the kernel reads `self.bytes()` bytes, the length of the buffer `self`
+        // owns, and keeps no reference to it.
+        let ret = unsafe {
+            libc::syscall(
+                libc::SYS_sched_setaffinity,
+                tid,
+                self.bytes(),
+                self.words.as_ptr(),
+            )
+        };
+        if ret == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+}
+
+/// The CPUs the calling thread may run on now (its affinity mask, as `sched_getaffinity`
+/// reports it), lowest first. Other threads, and `taskset` from outside, can change it at any
+/// time.
+///
+/// ```
+/// let allowed = thiscpu::topology::allowed_cpus().unwrap();
+/// assert!(allowed.contains(&thiscpu::current_cpu()));
+/// assert!(allowed.iter().all(|&cpu| (cpu as usize) < thiscpu::topology::possible_cpus()));
+/// ```
+#[doc(alias = "sched_getaffinity")]
+pub fn allowed_cpus() -> io::Result<Vec<u32>> {
+    CpuSet::of_thread(0).map(|set| set.cpus())
+}
+
+/// Pins the calling thread to `cpu`, one of its [`allowed_cpus`], until the returned guard is
+/// dropped; the guard then gives the thread back the affinity it had before. When this
+/// returns `Ok`, the thread runs on `cpu`: the kernel moves a thread that changes its own
+/// affinity before the call returns.
+///
+/// Errors, with nothing changed:
+/// - [`io::ErrorKind::InvalidInput`] when `cpu` is not below
+///   [`possible_cpus`](super::possible_cpus), or is not among the thread's allowed CPUs
+///   (pinning narrows what the thread was given, by `taskset` or a pin in force; to move a
+///   pinned thread elsewhere, drop its guard first);
+/// - the kernel's error when it refuses (`EINVAL` for a CPU that went offline).
+///
+/// ```
+/// use thiscpu::topology;
+///
+/// let cpu = *topology::allowed_cpus().unwrap().last().unwrap();
+/// {
+///     let _pinned = topology::pin_to(cpu).unwrap();
+///     assert_eq!(thiscpu::current_cpu(), cpu);
+///     assert_eq!(topology::allowed_cpus().unwrap(), [cpu]);
+/// } // the previous affinity is back
+/// assert!(topology::pin_to(topology::possible_cpus() as u32).is_err());
+/// ```
+///
+/// To pin threads that a runtime starts, keep the guard with [`PinGuard::keep`]: e.g. a
+/// tokio runtime's `on_thread_start` hook pins each new thread to the next allowed CPU.
+#[doc(alias = "sched_setaffinity")]
+pub fn pin_to(cpu: u32) -> io::Result<PinGuard> {
+    if cpu as usize >= possible_cpus() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("CPU {cpu} is not a possible CPU"),
+        ));
+    }
+    let previous = CpuSet::of_thread(0)?;
+    if !previous.contains(cpu) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("CPU {cpu} is not among this thread's allowed CPUs"),
+        ));
+    }
+    pin_with_previous(cpu, previous)
+}
+
+/// [`pin_to`] without the check against the thread's own mask: the drain of a pool moves its
+/// thread to the CPU it drains even when that thread was pinned elsewhere. The kernel still
+/// refuses a CPU outside the thread's cpuset or offline.
+pub(crate) fn pin_to_beyond_mask(cpu: u32) -> io::Result<PinGuard> {
+    pin_with_previous(cpu, CpuSet::of_thread(0)?)
+}
+
+fn pin_with_previous(cpu: u32, previous: CpuSet) -> io::Result<PinGuard> {
+    CpuSet::only(cpu).apply_to(0)?;
+    Ok(PinGuard {
+        previous: Some(previous),
+        on_this_thread: PhantomData,
+    })
+}
+
+/// Pins thread `tid` of this process to `cpu`, without a guard: the stress test moves its
+/// workers around with it.
+pub(crate) fn pin_thread(tid: libc::pid_t, cpu: u32) -> io::Result<()> {
+    CpuSet::only(cpu).apply_to(tid)
+}
+
+/// The calling thread pinned to one CPU by [`pin_to`]; dropping it restores the affinity the
+/// thread had before (if the kernel still accepts it: a mask whose every CPU went offline or
+/// left the thread's cpuset is refused, and the thread stays pinned).
+///
+/// Not `Send`: it restores the thread it was made on.
+///
+/// ```compile_fail,E0277
+/// let pinned = thiscpu::topology::pin_to(thiscpu::current_cpu()).unwrap();
+/// std::thread::spawn(move || drop(pinned));
+/// ```
+#[must_use = "dropping the guard at once unpins the thread"]
+#[derive(Debug)]
+pub struct PinGuard {
+    /// `None` once [`keep`](PinGuard::keep) gave the pin up for good.
+    previous: Option<CpuSet>,
+    on_this_thread: PhantomData<*const ()>,
+}
+
+impl PinGuard {
+    /// Leaves the thread pinned for good: the previous affinity is not restored.
+    ///
+    /// ```
+    /// use thiscpu::topology;
+    ///
+    /// let cpu = topology::allowed_cpus().unwrap()[0];
+    /// std::thread::spawn(move || {
+    ///     topology::pin_to(cpu).unwrap().keep();
+    ///     assert_eq!(topology::allowed_cpus().unwrap(), [cpu]);
+    /// })
+    /// .join()
+    /// .unwrap();
+    /// ```
+    pub fn keep(mut self) {
+        self.previous = None;
+    }
+}
+
+impl Drop for PinGuard {
+    fn drop(&mut self) {
+        if let Some(previous) = self.previous.take() {
+            // Nothing to report to: a refused mask leaves the thread where it is.
+            let _ = previous.apply_to(0);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_mask_holds_cpus_beyond_1024() {
+        let set = CpuSet::only(4000);
+        assert!(set.contains(4000));
+        assert!(!set.contains(3999) && !set.contains(4001) && !set.contains(u32::MAX));
+        assert_eq!(set.cpus(), [4000]);
+        assert!(set.bytes() * 8 > 4000);
+    }
+
+    #[test]
+    fn pinning_by_thread_id_moves_that_thread() {
+        let cpu = *allowed_cpus().unwrap().last().unwrap();
+        std::thread::spawn(move || {
+            // SAFETY: no precondition.
+            let tid = unsafe { libc::gettid() };
+            pin_thread(tid, cpu).unwrap();
+            assert_eq!(allowed_cpus().unwrap(), [cpu]);
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn the_pool_may_pin_beyond_the_threads_mask() {
+        let allowed = allowed_cpus().unwrap();
+        let [first, .., last] = allowed[..] else {
+            return; // one allowed CPU: there is nothing beyond it to reach
+        };
+        std::thread::spawn(move || {
+            let _narrowed = pin_to(first).unwrap();
+            assert!(pin_to(last).is_err());
+            {
+                let _moved = pin_to_beyond_mask(last).unwrap();
+                assert_eq!(allowed_cpus().unwrap(), [last]);
+            }
+            assert_eq!(allowed_cpus().unwrap(), [first]);
+        })
+        .join()
+        .unwrap();
+    }
+}

@@ -21,7 +21,6 @@
 //! The padded layout is measured on a twentieth as many counters (each costs 128 bytes per
 //! possible CPU, plus the allocator's rounding) and reported per counter like the dense one.
 
-use super::affinity::{SavedAffinity, pin_to};
 use super::model::{Case, Family, Measured, Unit, Workload};
 use crate::report::table::{align_right, fmt_num, new_table, render, verdict};
 use std::hint::black_box;
@@ -131,14 +130,12 @@ impl Snapshot {
 }
 
 
-/// Runs `touch` on the calling thread pinned to each CPU of `cpus` in turn, then restores the
-/// thread's affinity.
+/// Runs `touch` on the calling thread pinned to each CPU of `cpus` in turn; the thread's
+/// affinity is restored after each.
 fn on_each_cpu(cpus: &[u32], mut touch: impl FnMut()) -> Result<(), String> {
-    let _restore = SavedAffinity::save()?;
     for &cpu in cpus {
-        if !pin_to(cpu) {
-            return Err(format!("cannot pin to CPU {cpu}"));
-        }
+        let _pinned = thiscpu::topology::pin_to(cpu)
+            .map_err(|error| format!("cannot pin to CPU {cpu}: {error}"))?;
         // sched_setaffinity moves the thread before returning; the loop only guards against
         // a kernel that would not.
         for _ in 0..1000 {

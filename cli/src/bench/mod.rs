@@ -37,7 +37,6 @@
 //! counter's sum must equal the increments performed); an error from `verify` stops the run
 //! with exit status 1.
 
-pub mod affinity;
 pub mod command;
 pub mod model;
 pub mod runner;

@@ -22,7 +22,6 @@
 //! - `getppid-*`: a loop of `getppid` system calls, which switch no context.
 
 use super::model::{Case, Family, Measured, Stats, Unit, Workload};
-use super::affinity::pin_to;
 use crate::report::table::{fmt_ns, fmt_ratio};
 use std::io::{BufRead, BufReader, Read, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -334,10 +333,13 @@ pub fn child_main(work: &str) -> i32 {
     };
     // Both threads of the ping-pong on the CPU this process was started on.
     let cpu = thiscpu::current_cpu();
-    if !pin_to(cpu) {
-        eprintln!("cannot pin to CPU {cpu}");
-        return 1;
-    }
+    let _pinned = match thiscpu::topology::pin_to(cpu) {
+        Ok(pinned) => pinned,
+        Err(error) => {
+            eprintln!("cannot pin to CPU {cpu}: {error}");
+            return 1;
+        }
+    };
     let source = thiscpu::source();
     let Some(mode) = source.mode.filter(|_| source.this_thread == CpuSource::RseqThiscpu) else {
         eprintln!("thiscpu's own rseq registration is not in use here: {source:?}");
@@ -402,7 +404,7 @@ fn yield_round_trips(cpu: u32, mode: RseqMode, calls: u64) -> Result<u128, Strin
     let running = AtomicBool::new(true);
     std::thread::scope(|scope| {
         let partner = std::thread::Builder::new().spawn_scoped(scope, || {
-            let pinned = pin_to(cpu);
+            let pinned = thiscpu::topology::pin_to(cpu);
             let _ = thiscpu::current_cpu();
             let source = thiscpu::source();
             let registered =
@@ -411,7 +413,7 @@ fn yield_round_trips(cpu: u32, mode: RseqMode, calls: u64) -> Result<u128, Strin
             while running.load(Ordering::Relaxed) {
                 sched_yield();
             }
-            if pinned && registered {
+            if pinned.is_ok() && registered {
                 Ok(())
             } else {
                 Err(format!(

@@ -2,13 +2,13 @@
 //! thread count) pair of a family in interleaved rounds, on worker threads pinned one to a CPU
 //! and released together by a start gate, and checks each workload's exactness afterwards.
 
-use super::affinity::{self, pin_to};
 use super::model::{Case, Family, Measured, RunInfo, Skipped, Unit, Workload};
 use crate::error::{Error, Result};
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 use thiscpu::stress::StartGate;
+use thiscpu::topology;
 
 /// One family's plan: its runnable cases (after `--cases`), thread counts, and skipped cases.
 pub struct Plan {
@@ -175,7 +175,7 @@ fn calibrate(
     std::thread::scope(|scope| {
         let thread = std::thread::Builder::new()
             .spawn_scoped(scope, || {
-                pin_to(cpu);
+                let _pinned = topology::pin_to(cpu);
                 workload.prepare(1);
                 let mut ops = 1u64;
                 loop {
@@ -219,7 +219,7 @@ fn measure(
             let (gate, stop) = (&gate, &stop);
             let cpu = cpus[worker % cpus.len()];
             let spawned = std::thread::Builder::new().spawn_scoped(scope, move || {
-                let pinned = pin_to(cpu);
+                let pinned = topology::pin_to(cpu);
                 // Warm up: first-use work (rseq registration, page faults) stays out of
                 // the timed part. A panic here still reaches the gate (or the other
                 // threads would wait there forever) and is raised after it.
@@ -249,7 +249,7 @@ fn measure(
                     wall: begin.elapsed(),
                     cpu: thread_cpu_time().saturating_sub(begin_cpu),
                 };
-                Some((chunk, run, pinned))
+                Some((chunk, run, pinned.is_ok()))
             });
             match spawned {
                 Ok(handle) => workers.push(handle),
@@ -305,7 +305,7 @@ fn measure(
 /// CPUs this process may run on, highest first, so that a single worker avoids CPU 0, which
 /// takes most housekeeping interrupts.
 pub fn worker_cpus() -> Vec<u32> {
-    let mut cpus = affinity::allowed_cpus();
+    let mut cpus = topology::allowed_cpus().unwrap_or_default();
     if cpus.is_empty() {
         cpus = thiscpu::topology::online_cpus();
     }

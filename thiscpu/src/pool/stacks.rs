@@ -17,17 +17,34 @@ use crate::arch::{StackHead, StackOutcome};
 use crate::ops::{self, BY_CPU, Position};
 use crate::percpu::CachePadded;
 use core::mem::size_of;
-use core::sync::atomic::{AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Slots per 128-byte chunk.
 const CHUNK: usize = 16;
 type Chunk = CachePadded<[AtomicUsize; CHUNK]>;
 const _: () = assert!(size_of::<Chunk>() == CHUNK * size_of::<AtomicUsize>());
 
+/// One CPU's stack head, and on the same line whether the CPU is in the pool's `touched` mask.
+#[derive(Default)]
+pub(super) struct Head {
+    stack: StackHead,
+    /// Set, after the CPU's bit in the pool's `touched` mask, by the first push onto this
+    /// stack; never cleared, like the bit.
+    touched: AtomicBool,
+}
+
+impl core::ops::Deref for Head {
+    type Target = StackHead;
+
+    fn deref(&self) -> &StackHead {
+        &self.stack
+    }
+}
+
 /// Every CPU's stack: heads on lines of their own, and `chunks_per_cpu` chunks of slots per
 /// CPU on lines of their own.
 pub(super) struct Stacks {
-    pub(super) heads: Box<[CachePadded<StackHead>]>,
+    pub(super) heads: Box<[CachePadded<Head>]>,
     chunks: Box<[Chunk]>,
     chunks_per_cpu: usize,
 }
@@ -121,21 +138,22 @@ impl<T> Pool<T> {
         object: Box<T>,
     ) -> Result<(), (Box<T>, StackOutcome)> {
         let cpu = at.index();
-        let head: &StackHead = &stacks.heads[cpu as usize];
+        let head: &Head = &stacks.heads[cpu as usize];
         // Before the object can be in the cache: `Drop` and `drain_all` visit touched CPUs
-        // only. A stack only becomes non-empty through a push onto an empty one, and touched
-        // bits are never cleared, so a count seen non-zero means the bit is set already (by a
-        // thread that `Drop` and a later drain happen after). The count's line is the one the
-        // section reads next.
-        if head.count.load(Ordering::Relaxed) == 0 {
+        // only. The head's flag is set after the bit, and neither is ever cleared, so a flag
+        // seen set (acquire) means the bit is set already, by a store that this push, and so
+        // `Drop` and any drain after it, happen after. The flag shares the line the section
+        // reads next; the mask is only read on the first push onto each CPU's stack.
+        if !head.touched.load(Ordering::Acquire) {
             self.touched.set(cpu);
+            head.touched.store(true, Ordering::Release);
         }
         let slots = stacks.slots_ptr(cpu as usize);
         let raw = Box::into_raw(object);
         // SAFETY: as in `pop_at`; the capacity is at most the slots' length; `raw` is owned by
         // this call until the push commits.
         let outcome =
-            unsafe { ops::stack_push(at, head, slots, self.capacity as u64, raw as usize) };
+            unsafe { ops::stack_push(at, &**head, slots, self.capacity as u64, raw as usize) };
         if outcome == StackOutcome::Committed {
             return Ok(());
         }

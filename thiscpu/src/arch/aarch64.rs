@@ -124,6 +124,43 @@ macro_rules! rseq_asm {
     };
 }
 
+/// The opening of every section's frame: the active area's `cpu_id` address into `base`, the
+/// address of the descriptor at label 3 into the area's `rseq_cs` (which arms the section),
+/// then the start label 2. Uses the operands `base` and `cs` (scratch registers), `off` (the
+/// `AreaOffset`) and `rseq_cs` (the field's offset from `cpu_id`).
+macro_rules! rseq_arm {
+    () => {
+        concat!(
+            "mrs {base}, tpidr_el0\n",
+            "add {base}, {base}, {off}\n",
+            "adrp {cs}, 3b\n",
+            "add {cs}, {cs}, :lo12:3b\n",
+            "stur {cs}, [{base}, #{rseq_cs}]\n",
+            "2:\n",
+        )
+    };
+}
+
+/// `rseq_arm!`, then the section's first step: the comparison of the area's `FIELD` with the
+/// index the caller read before the section, through the scratch register operand named
+/// `$scratch`, branching to the Rust `abort` label if they differ (the thread migrated since;
+/// list that label as an exit point). Also uses the operands `field` (the offset of `FIELD`
+/// from `cpu_id`), `index` and `abort`.
+macro_rules! rseq_arm_and_check {
+    ($scratch:literal) => {
+        concat!(
+            rseq_arm!(),
+            "ldur {",
+            $scratch,
+            ":w}, [{base}, #{field}]\n",
+            "cmp {",
+            $scratch,
+            ":w}, {index:w}\n",
+            "b.ne {abort}\n",
+        )
+    };
+}
+
 /// `RSEQ_SIG` for aarch64, the same in glibc, librseq and the kernel selftests: the data value
 /// of the `brk #0x45e0` instruction word placed before each abort label, as the kernel reads it
 /// (a data load, hence byte-swapped on big-endian aarch64, where instructions stay
@@ -313,12 +350,7 @@ pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
         asm!(
             rseq_descriptor!("2", "4", "5"),
             "mov {aborted:w}, #0",
-            "mrs {base}, tpidr_el0",
-            "add {base}, {base}, {off}",
-            "adrp {cs}, 3b",
-            "add {cs}, {cs}, :lo12:3b",
-            "stur {cs}, [{base}, #{rseq_cs}]",
-            "2:",
+            rseq_arm!(),
             "ldr {cpu:w}, [{base}]",
             "ldur {node:w}, [{base}, #{node_id}]",
             "4:",
@@ -351,10 +383,11 @@ pub(crate) const NATIVE_CPU_READ: Option<NativeCpuRead> = None;
 /// None either: aarch64's counter register (`CNTVCT_EL0`) carries no CPU id.
 pub(crate) const NATIVE_CPU_READ_WITH_CLOCK: Option<NativeCpuRead> = None;
 
-// Every section below has the same frame: the descriptor (label 3), the arming store of its
-// address into `rseq_cs` (the `cpu_id` field's address plus 4), the start (label 2), the
-// comparison of the area's `FIELD` with the index the caller read before the section (any
-// migration since then branches to the Rust `abort` label, listed as an exit point), the
+// Every section below has the same frame: the descriptor (label 3, `rseq_descriptor!`), the
+// arming store of its address into `rseq_cs` (the `cpu_id` field's address plus 4), the start
+// (label 2), the comparison of the area's `FIELD` with the index the caller read before the
+// section (any migration since then branches to the Rust `abort` label, listed as an exit
+// point; these three are `rseq_arm_and_check!`), the
 // operation, the single committing store, the post-commit label 4, and the abort handler at
 // label 5 in `__rseq_failure`, preceded by the signature. The abort handler only branches to
 // the Rust `abort` label: no register the section wrote is needed there. Conditional branches
@@ -379,15 +412,7 @@ pub(crate) unsafe fn load_add_store<const FIELD: usize>(
         rseq_asm!(
             rseq_descriptor!("2", "4", "5"),
             rseq_exit_point!("2", "{abort}"),
-            "mrs {base}, tpidr_el0",
-            "add {base}, {base}, {off}",
-            "adrp {cs}, 3b",
-            "add {cs}, {cs}, :lo12:3b",
-            "stur {cs}, [{base}, #{rseq_cs}]",
-            "2:",
-            "ldur {cur:w}, [{base}, #{field}]",
-            "cmp {cur:w}, {index:w}",
-            "b.ne {abort}",
+            rseq_arm_and_check!("cur"),
             inject!(1),
             "ldr {cur}, [{v}]",
             "add {cur}, {cur}, {count}",
@@ -430,15 +455,7 @@ pub(crate) unsafe fn load_cbne_store<const FIELD: usize>(
             rseq_descriptor!("2", "4", "5"),
             rseq_exit_point!("2", "{abort}"),
             rseq_exit_point!("2", "{mismatch}"),
-            "mrs {base}, tpidr_el0",
-            "add {base}, {base}, {off}",
-            "adrp {cs}, 3b",
-            "add {cs}, {cs}, :lo12:3b",
-            "stur {cs}, [{base}, #{rseq_cs}]",
-            "2:",
-            "ldur {cur:w}, [{base}, #{field}]",
-            "cmp {cur:w}, {index:w}",
-            "b.ne {abort}",
+            rseq_arm_and_check!("cur"),
             "ldr {cur}, [{v}]",
             "cmp {cur}, {expect}",
             "b.ne {mismatch}",
@@ -486,15 +503,7 @@ pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>
             rseq_descriptor!("2", "4", "5"),
             rseq_exit_point!("2", "{abort}"),
             rseq_exit_point!("2", "{empty}"),
-            "mrs {base}, tpidr_el0",
-            "add {base}, {base}, {off}",
-            "adrp {cs}, 3b",
-            "add {cs}, {cs}, :lo12:3b",
-            "stur {cs}, [{base}, #{rseq_cs}]",
-            "2:",
-            "ldur {node:w}, [{base}, #{field}]",
-            "cmp {node:w}, {index:w}",
-            "b.ne {abort}",
+            rseq_arm_and_check!("node"),
             "ldr {node}, [{head}]",
             "cbz {node}, {empty}",
             "str {node}, [{out}]",
@@ -580,15 +589,7 @@ pub(crate) unsafe fn stack_push<const FIELD: usize>(
             rseq_exit_point!("2", "{abort}"),
             rseq_exit_point!("2", "{stopped}"),
             rseq_exit_point!("2", "{refused}"),
-            "mrs {base}, tpidr_el0",
-            "add {base}, {base}, {off}",
-            "adrp {cs}, 3b",
-            "add {cs}, {cs}, :lo12:3b",
-            "stur {cs}, [{base}, #{rseq_cs}]",
-            "2:",
-            "ldur {n:w}, [{base}, #{field}]",
-            "cmp {n:w}, {index:w}",
-            "b.ne {abort}",
+            rseq_arm_and_check!("n"),
             "ldar {n}, [{stopped_at}]",
             "cbnz {n}, {stopped}",
             inject!(3),
@@ -646,15 +647,7 @@ pub(crate) unsafe fn stack_pop<const FIELD: usize>(
             rseq_exit_point!("2", "{abort}"),
             rseq_exit_point!("2", "{stopped}"),
             rseq_exit_point!("2", "{refused}"),
-            "mrs {base}, tpidr_el0",
-            "add {base}, {base}, {off}",
-            "adrp {cs}, 3b",
-            "add {cs}, {cs}, :lo12:3b",
-            "stur {cs}, [{base}, #{rseq_cs}]",
-            "2:",
-            "ldur {n:w}, [{base}, #{field}]",
-            "cmp {n:w}, {index:w}",
-            "b.ne {abort}",
+            rseq_arm_and_check!("n"),
             "ldar {n}, [{stopped_at}]",
             "cbnz {n}, {stopped}",
             inject!(3),

@@ -82,6 +82,33 @@ macro_rules! rseq_asm {
     };
 }
 
+/// The opening of every section's frame: the address of the descriptor at label 3 into the
+/// area's `rseq_cs`, which arms the section, then the start label 2. Uses the operands `cs` (a
+/// scratch register), `off` (the `AreaOffset`) and `rseq_cs` (the field's offset).
+macro_rules! rseq_arm {
+    () => {
+        concat!(
+            "lea {cs}, [rip + 3b]\n",
+            "mov qword ptr fs:[{off} + {rseq_cs}], {cs}\n",
+            "2:\n",
+        )
+    };
+}
+
+/// `rseq_arm!`, then the section's first step: the comparison of the area's `FIELD` with the
+/// index the caller read before the section, leaving through the abort handler at label 5 if
+/// they differ (the thread migrated since). Also uses the operands `field` (the offset of
+/// `FIELD`) and `index`.
+macro_rules! rseq_arm_and_check {
+    () => {
+        concat!(
+            rseq_arm!(),
+            "cmp dword ptr fs:[{off} + {field}], {index:e}\n",
+            "jne 5f\n",
+        )
+    };
+}
+
 /// `RSEQ_SIG` for x86_64, the same in glibc, librseq and the kernel selftests.
 pub(crate) const RSEQ_SIG: u32 = 0x5305_3053;
 
@@ -222,9 +249,7 @@ pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
         asm!(
             rseq_descriptor!("2", "4", "5"),
             "xor {aborted:e}, {aborted:e}",
-            "lea {cs}, [rip + 3b]",
-            "mov qword ptr fs:[{off} + {rseq_cs}], {cs}",
-            "2:",
+            rseq_arm!(),
             "mov {cpu:e}, dword ptr fs:[{off} + {cpu_id}]",
             "mov {node:e}, dword ptr fs:[{off} + {node_id}]",
             "4:",
@@ -348,9 +373,10 @@ pub(crate) fn field_at<const FIELD: usize>(offset: AreaOffset) -> i32 {
     value
 }
 
-// Every section below has the same frame: the descriptor (label 3), the arming store of its
-// address into `rseq_cs`, the start (label 2), the comparison of the area's `FIELD` with the
-// index the caller read before the section (any migration since then aborts), the operation,
+// Every section below has the same frame: the descriptor (label 3, `rseq_descriptor!`), the
+// arming store of its address into `rseq_cs`, the start (label 2), the comparison of the area's
+// `FIELD` with the index the caller read before the section (any migration since then aborts;
+// these three are `rseq_arm_and_check!`), the operation,
 // the single committing instruction, the post-commit label 4, and the abort handler at label 5
 // in `__rseq_failure`, preceded by the signature. The abort handler only jumps to the Rust
 // label block: no register the section wrote is needed there.
@@ -377,11 +403,7 @@ pub(crate) unsafe fn load_add_store<const FIELD: usize>(
     unsafe {
         rseq_asm!(
             rseq_descriptor!("2", "4", "5"),
-            "lea {cs}, [rip + 3b]",
-            "mov qword ptr fs:[{off} + {rseq_cs}], {cs}",
-            "2:",
-            "cmp dword ptr fs:[{off} + {field}], {index:e}",
-            "jne 5f",
+            rseq_arm_and_check!(),
             inject!(1),
             "mov {sum}, qword ptr [{v}]",
             "add {sum}, {count}",
@@ -421,11 +443,7 @@ pub(crate) unsafe fn load_cbne_store<const FIELD: usize>(
         rseq_asm!(
             rseq_descriptor!("2", "4", "5"),
             rseq_exit_point!("2", "{mismatch}"),
-            "lea {cs}, [rip + 3b]",
-            "mov qword ptr fs:[{off} + {rseq_cs}], {cs}",
-            "2:",
-            "cmp dword ptr fs:[{off} + {field}], {index:e}",
-            "jne 5f",
+            rseq_arm_and_check!(),
             "cmp qword ptr [{v}], {expect}",
             "jne {mismatch}",
             inject!(1),
@@ -468,11 +486,7 @@ pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>
         rseq_asm!(
             rseq_descriptor!("2", "4", "5"),
             rseq_exit_point!("2", "{empty}"),
-            "lea {cs}, [rip + 3b]",
-            "mov qword ptr fs:[{off} + {rseq_cs}], {cs}",
-            "2:",
-            "cmp dword ptr fs:[{off} + {field}], {index:e}",
-            "jne 5f",
+            rseq_arm_and_check!(),
             "mov {node}, qword ptr [{head}]",
             "test {node}, {node}",
             "jz {empty}",
@@ -546,11 +560,7 @@ pub(crate) unsafe fn stack_push<const FIELD: usize>(
             rseq_descriptor!("2", "4", "5"),
             rseq_exit_point!("2", "{stopped}"),
             rseq_exit_point!("2", "{refused}"),
-            "lea {cs}, [rip + 3b]",
-            "mov qword ptr fs:[{off} + {rseq_cs}], {cs}",
-            "2:",
-            "cmp dword ptr fs:[{off} + {field}], {index:e}",
-            "jne 5f",
+            rseq_arm_and_check!(),
             "cmp qword ptr [{head} + {stopped_at}], 0",
             "jne {stopped}",
             inject!(3),
@@ -606,11 +616,7 @@ pub(crate) unsafe fn stack_pop<const FIELD: usize>(
             rseq_descriptor!("2", "4", "5"),
             rseq_exit_point!("2", "{stopped}"),
             rseq_exit_point!("2", "{refused}"),
-            "lea {cs}, [rip + 3b]",
-            "mov qword ptr fs:[{off} + {rseq_cs}], {cs}",
-            "2:",
-            "cmp dword ptr fs:[{off} + {field}], {index:e}",
-            "jne 5f",
+            rseq_arm_and_check!(),
             "cmp qword ptr [{head} + {stopped_at}], 0",
             "jne {stopped}",
             inject!(3),

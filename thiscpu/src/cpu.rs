@@ -198,7 +198,7 @@ fn arch_native_cpu_node() -> CpuNode {
 #[inline]
 #[must_use]
 pub fn current_cpu() -> u32 {
-    let cpu = arch::rseq_cpu_id();
+    let cpu = rseq_cpu_id();
     if cpu >= 0 {
         cpu as u32
     } else {
@@ -206,12 +206,18 @@ pub fn current_cpu() -> u32 {
     }
 }
 
+/// `cpu_id` of the calling thread's active area: negative while it is not registered.
+#[inline(always)]
+fn rseq_cpu_id() -> i32 {
+    arch::active_field::<{ offset::CPU_ID }>()
+}
+
 #[cold]
 #[inline(never)]
 fn current_cpu_slow() -> u32 {
     // Once the process is known to have no rseq, go straight to the fallback.
     if !registration::NO_RSEQ.load(Ordering::Relaxed) && registration::ensure_registered() {
-        let cpu = arch::rseq_cpu_id();
+        let cpu = rseq_cpu_id();
         if cpu >= 0 {
             return cpu as u32;
         }
@@ -269,7 +275,7 @@ fn getcpu_slow() -> CpuNode {
                 }
             }
         } else {
-            let cpu = arch::rseq_cpu_id();
+            let cpu = rseq_cpu_id();
             if let Some(node) = u32::try_from(cpu).ok().and_then(topology::node_of_cpu) {
                 return CpuNode {
                     cpu: cpu as u32,
@@ -289,8 +295,8 @@ fn getcpu_slow() -> CpuNode {
 #[inline]
 #[must_use]
 pub fn current_node() -> u32 {
-    if NODE_ID_USABLE.load(Ordering::Relaxed) && arch::rseq_cpu_id() >= 0 {
-        return arch::rseq_field::<{ offset::NODE_ID }>();
+    if NODE_ID_USABLE.load(Ordering::Relaxed) && rseq_cpu_id() >= 0 {
+        return arch::active_field::<{ offset::NODE_ID }>() as u32;
     }
     getcpu_slow().node
 }
@@ -310,8 +316,8 @@ pub fn current_node() -> u32 {
 #[inline]
 #[must_use]
 pub fn mm_cid() -> Option<u32> {
-    if MM_CID_USABLE.load(Ordering::Relaxed) && arch::rseq_cpu_id() >= 0 {
-        return Some(arch::rseq_field::<{ offset::MM_CID }>());
+    if MM_CID_USABLE.load(Ordering::Relaxed) && rseq_cpu_id() >= 0 {
+        return Some(arch::active_field::<{ offset::MM_CID }>() as u32);
     }
     mm_cid_slow()
 }
@@ -321,7 +327,7 @@ pub fn mm_cid() -> Option<u32> {
 fn mm_cid_slow() -> Option<u32> {
     decide_fallback();
     if MM_CID_USABLE.load(Ordering::Relaxed) && registration::ensure_registered() {
-        return Some(arch::rseq_field::<{ offset::MM_CID }>());
+        return Some(arch::active_field::<{ offset::MM_CID }>() as u32);
     }
     None
 }
@@ -354,7 +360,8 @@ pub fn source() -> Source {
         registered_size: process.registered_size,
         mode: process.mode(),
         optimized_size: process.optimized_size(),
-        area_offset: (process.registrar != Registrar::None).then(arch::active_offset),
+        area_offset: (process.registrar != Registrar::None)
+            .then(|| arch::area_offset().area_start()),
         usable_size: process.usable_size,
         glibc_rseq_size: process.glibc_rseq_size,
         glibc_rseq_offset: process.glibc_rseq_offset,

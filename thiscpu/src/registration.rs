@@ -523,10 +523,7 @@ pub(crate) fn ensure_registered() -> bool {
     let Some(process) = decided() else {
         return false;
     };
-    let area = arch::area_at(arch::active_offset());
-    // SAFETY: the active area is this thread's and live (see `arch`); a 32-bit aligned read.
-    let cpu_id = unsafe { core::ptr::addr_of!((*area).cpu_id).read_volatile() };
-    if cpu_id >= 0 {
+    if arch::field_at::<{ abi::offset::CPU_ID }>(arch::area_offset()) >= 0 {
         return true;
     }
     if process.registrar != Registrar::Thiscpu {

@@ -49,7 +49,7 @@
 //! block's comment details.
 
 use super::{AreaOffset, NativeCpuRead, Outcome, StackHead, StackOutcome};
-use crate::abi::{Rseq, offset};
+use crate::abi::offset;
 use core::arch::{asm, global_asm};
 use core::sync::atomic::{AtomicIsize, Ordering};
 
@@ -161,6 +161,10 @@ macro_rules! rseq_arm_and_check {
     };
 }
 
+/// An `AreaOffset` leads to the area's `cpu_id` field, so that reading `cpu_id` takes one
+/// register-offset load.
+pub(crate) const AREA_OFFSET_FIELD: usize = offset::CPU_ID;
+
 /// `RSEQ_SIG` for aarch64, the same in glibc, librseq and the kernel selftests: the data value
 /// of the `brk #0x45e0` instruction word placed before each abort label, as the kernel reads it
 /// (a data load, hence byte-swapped on big-endian aarch64, where instructions stay
@@ -240,22 +244,12 @@ pub(crate) fn own_area_offset() -> isize {
     offset
 }
 
-/// Offset from the thread pointer to the area the fast path reads.
-pub(crate) fn active_offset() -> isize {
-    area_offset().0 - offset::CPU_ID as isize
-}
-
 /// Points the fast path at another area, e.g. glibc's. Every thread must have a live,
 /// 32-byte area at that offset from its thread pointer.
 pub(crate) fn set_active_offset(offset: isize) {
-    let delta = offset - own_area_offset() + offset::CPU_ID as isize;
+    let delta = offset - own_area_offset() + AREA_OFFSET_FIELD as isize;
     // SAFETY: the symbol is an 8-byte aligned word in `.data`, only accessed atomically.
     unsafe { __thiscpu_0_1_cpu_id_delta.store(delta, Ordering::Relaxed) }
-}
-
-/// This thread's area at `offset` from the thread pointer.
-pub(crate) fn area_at(offset: isize) -> *mut Rseq {
-    thread_pointer().wrapping_add_signed(offset) as *mut Rseq
 }
 
 /// The active area's position, loaded once before a section so that the CPU read and the
@@ -319,16 +313,11 @@ pub(crate) fn field_at<const FIELD: usize>(offset: AreaOffset) -> i32 {
     value
 }
 
-/// `cpu_id` of the active area: the fast path of `current_cpu`; the caller tests the sign.
+/// The 32-bit field `FIELD` of the active area, read alone: `field_at(area_offset())`, which is
+/// already the shortest form here (the `add` of the two words is needed either way).
 #[inline(always)]
-pub(crate) fn rseq_cpu_id() -> i32 {
-    field_at::<{ offset::CPU_ID }>(area_offset())
-}
-
-/// A 32-bit field of the active area, read with one load (`node_id`, `mm_cid`).
-#[inline(always)]
-pub(crate) fn rseq_field<const FIELD: usize>() -> u32 {
-    field_at::<FIELD>(area_offset()) as u32
+pub(crate) fn active_field<const FIELD: usize>() -> i32 {
+    field_at::<FIELD>(area_offset())
 }
 
 /// Reads `cpu_id` and `node_id` inside one restartable sequence, so both come from the same
@@ -688,13 +677,14 @@ mod tests {
 
     use super::*;
     use crate::abi::RseqCs;
+    use crate::arch::area_at;
     use crate::registration::{self, Registrar};
 
     /// The descriptor the calling thread's active area points at, right after a section ran;
     /// `None` if the kernel already cleared it (it does so lazily, at the next preemption or
     /// signal after the section).
     fn last_descriptor() -> Option<&'static RseqCs> {
-        let area = area_at(active_offset());
+        let area = area_at(area_offset().area_start());
         // SAFETY: the active area is this thread's; `rseq_cs` is an aligned 64-bit field.
         let cs = unsafe { core::ptr::addr_of!((*area).rseq_cs).read_volatile() };
         // SAFETY: a non-zero `rseq_cs` was stored by one of this module's sections (the kernel
@@ -753,13 +743,13 @@ mod tests {
     }
 
     #[test]
-    fn active_offset_follows_the_registrar() {
+    fn area_offset_follows_the_registrar() {
         let process = registration::process();
+        let active = area_offset().area_start();
         match process.registrar {
-            Registrar::Glibc => assert_eq!(Some(active_offset()), process.glibc_rseq_offset),
-            _ => assert_eq!(active_offset(), own_area_offset()),
+            Registrar::Glibc => assert_eq!(Some(active), process.glibc_rseq_offset),
+            _ => assert_eq!(active, own_area_offset()),
         }
-        assert_eq!(area_offset().0, active_offset() + offset::CPU_ID as isize);
     }
 
     #[test]
@@ -767,7 +757,7 @@ mod tests {
         if !register() {
             return;
         }
-        let area = area_at(active_offset());
+        let area = area_at(area_offset().area_start());
         for _ in 0..1000 {
             // SAFETY: the active area is this thread's; aligned 32-bit fields.
             let (start, id) = unsafe {
@@ -776,9 +766,9 @@ mod tests {
                     core::ptr::addr_of!((*area).cpu_id).read_volatile(),
                 )
             };
-            let fast = rseq_cpu_id();
-            let start_field = rseq_field::<{ offset::CPU_ID_START }>();
-            let mm_cid = rseq_field::<{ offset::MM_CID }>();
+            let fast = active_field::<{ offset::CPU_ID }>();
+            let start_field = active_field::<{ offset::CPU_ID_START }>() as u32;
+            let mm_cid = active_field::<{ offset::MM_CID }>() as u32;
             // SAFETY: as above.
             let mm_cid_direct = unsafe { core::ptr::addr_of!((*area).mm_cid).read_volatile() };
             if start as i32 == id && fast == id && start_field == start && mm_cid == mm_cid_direct {

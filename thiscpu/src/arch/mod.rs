@@ -9,6 +9,13 @@
 //! list at the end of this file spells out their signatures, so a build for either
 //! architecture fails if its file strays from the contract.
 //!
+//! The active area is read in two ways: `area_offset` loads where it is, for a section and the
+//! reads that position it (`field_at`), and `active_field` reads one field alone, in the
+//! fewest steps (the fast path of `current_cpu`); `own_area_offset` and `set_active_offset`
+//! are for the registration, which chooses the area. What is the same on both architectures (the area's address from an
+//! offset, an `AreaOffset`'s area start) is written here, from `thread_pointer` and
+//! `AREA_OFFSET_FIELD`.
+//!
 //! # Safety
 //! The submodules are built from `asm!`; each block states why it holds.
 
@@ -73,13 +80,26 @@ use core::mem::{offset_of, size_of};
 use core::sync::atomic::AtomicU64;
 
 /// Where the active rseq area is, as `area_offset` loaded it: the offset from the thread
-/// pointer (on aarch64, to the area's `cpu_id` field). Only the architecture files can make one,
+/// pointer to the area's field at `AREA_OFFSET_FIELD` (its start on x86_64, its `cpu_id` on
+/// aarch64). Only the architecture files can make one,
 /// so every value names a live area in whichever thread holds it: the process-wide offset is
 /// the same for every thread, and an offset that was active once (thiscpu's own area, before
 /// the switch to glibc's) stays valid, since every thread keeps its own area. That is what lets
 /// `field_at` be a safe function.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct AreaOffset(isize);
+
+impl AreaOffset {
+    /// The offset from the thread pointer to the area's start.
+    pub(crate) fn area_start(self) -> isize {
+        self.0 - AREA_OFFSET_FIELD as isize
+    }
+}
+
+/// The calling thread's area at `offset` from the thread pointer (to the area's start).
+pub(crate) fn area_at(offset: isize) -> *mut Rseq {
+    thread_pointer().wrapping_add_signed(offset) as *mut Rseq
+}
 
 /// How a restartable operation ended.
 #[must_use = "an aborted operation did nothing and must be retried"]
@@ -169,13 +189,11 @@ const _: () = {
     let _: u32 = RSEQ_SIG;
     let _: fn() -> usize = thread_pointer;
     let _: fn() -> isize = own_area_offset;
-    let _: fn() -> isize = active_offset;
     let _: fn(isize) = set_active_offset;
-    let _: fn(isize) -> *mut Rseq = area_at;
+    let _: usize = AREA_OFFSET_FIELD;
     let _: fn() -> AreaOffset = area_offset;
     let _: fn(AreaOffset) -> i32 = field_at::<CPU_ID>;
-    let _: fn() -> i32 = rseq_cpu_id;
-    let _: fn() -> u32 = rseq_field::<MM_CID>;
+    let _: fn() -> i32 = active_field::<MM_CID>;
     let _: fn() -> Option<(i32, u32)> = load_cpu_node;
     let _: Option<NativeCpuRead> = NATIVE_CPU_READ;
     let _: Option<NativeCpuRead> = NATIVE_CPU_READ_WITH_CLOCK;

@@ -10,9 +10,9 @@
 //! instruction, but the linker refuses its relocation (`R_X86_64_TPOFF64`) in a shared object,
 //! so a library that used it could never be part of a `cdylib`. The data word holds what
 //! changes at run time instead: the distance from the own area to the active area (0 until the
-//! process switches to glibc's area). The fast path of `current_cpu` is the two loads, which
-//! do not depend on each other, and the load of `cpu_id` at their sum (`%fs:4(%rcx,%rax)`):
-//! one load deep, as before, plus one instruction.
+//! process switches to glibc's area). The fast path of `current_cpu` (`active_field`) is the two
+//! loads, which do not depend on each other, and the load of `cpu_id` at their sum
+//! (`%fs:4(%rcx,%rax)`): one load deep, as before, plus one instruction.
 //!
 //! # Safety
 //! Every `asm!` here touches only this thread's rseq area (through the process-wide offset
@@ -20,7 +20,7 @@
 //! descriptor) and its own registers, as each block's comment details.
 
 use super::{AreaOffset, NativeCpuRead, Outcome, StackHead, StackOutcome};
-use crate::abi::{Rseq, offset};
+use crate::abi::offset;
 use core::arch::{asm, global_asm};
 use core::sync::atomic::{AtomicIsize, Ordering};
 
@@ -109,6 +109,9 @@ macro_rules! rseq_arm_and_check {
     };
 }
 
+/// An `AreaOffset` leads to the area's start.
+pub(crate) const AREA_OFFSET_FIELD: usize = 0;
+
 /// `RSEQ_SIG` for x86_64, the same in glibc, librseq and the kernel selftests.
 pub(crate) const RSEQ_SIG: u32 = 0x5305_3053;
 
@@ -184,11 +187,6 @@ pub(crate) fn own_area_offset() -> isize {
     offset
 }
 
-/// Offset from the thread pointer to the area the fast path reads.
-pub(crate) fn active_offset() -> isize {
-    area_offset().0
-}
-
 /// Points the fast path at another area, e.g. glibc's. Every thread must have a live,
 /// 32-byte area at that offset from its thread pointer.
 pub(crate) fn set_active_offset(offset: isize) {
@@ -197,22 +195,13 @@ pub(crate) fn set_active_offset(offset: isize) {
     unsafe { __thiscpu_0_1_area_delta.store(delta, Ordering::Relaxed) }
 }
 
-/// This thread's area at `offset` from the thread pointer.
-pub(crate) fn area_at(offset: isize) -> *mut Rseq {
-    thread_pointer().wrapping_add_signed(offset) as *mut Rseq
-}
-
-/// `cpu_id` of the active area: the fast path of `current_cpu`; the caller tests the sign.
+/// The 32-bit field `FIELD` (`cpu_id`, `node_id`, `mm_cid`) of the active area, read alone: the
+/// own area's offset and the delta, loaded independently, and one load of the field at their
+/// sum, which the processor adds while it forms the address. `field_at(area_offset())` reads
+/// the same field with an `add` before the load, which costs a step on the way to the value.
 #[inline(always)]
-pub(crate) fn rseq_cpu_id() -> i32 {
-    rseq_field::<{ offset::CPU_ID }>() as i32
-}
-
-/// A 32-bit field of the active area (`cpu_id`, `node_id`, `mm_cid`): the own area's offset
-/// and the delta, loaded independently, and one load of the field at their sum.
-#[inline(always)]
-pub(crate) fn rseq_field<const FIELD: usize>() -> u32 {
-    let value: u32;
+pub(crate) fn active_field<const FIELD: usize>() -> i32 {
+    let value: i32;
     // SAFETY: the own area's offset (see `own_area_offset`) plus the delta, a relaxed load of an
     // aligned word in `.data` that only `set_active_offset` writes, always name a live area in
     // this thread (see the module's `global_asm!`); FIELD is one of the `abi::offset` constants,
@@ -336,8 +325,8 @@ pub(crate) const NATIVE_CPU_READ_WITH_CLOCK: Option<NativeCpuRead> = Some(Native
     read: rdtscp,
 });
 
-/// The active offset, loaded once before a section so that the CPU read and the section use the
-/// same area.
+/// The active area's offset from the thread pointer (to its start: `AREA_OFFSET_FIELD` is 0),
+/// loaded once before a section so that the CPU read and the section use the same area.
 #[inline(always)]
 pub(crate) fn area_offset() -> AreaOffset {
     let offset: isize;
@@ -657,6 +646,7 @@ mod tests {
     //! fast path's reads of the active area.
 
     use super::*;
+    use crate::arch::area_at;
     use crate::registration::{self, Registrar};
 
     #[test]
@@ -688,20 +678,20 @@ mod tests {
     }
 
     #[test]
-    fn active_offset_follows_the_registrar() {
+    fn area_offset_follows_the_registrar() {
         let process = registration::process();
+        let active = area_offset().area_start();
         match process.registrar {
-            Registrar::Glibc => assert_eq!(Some(active_offset()), process.glibc_rseq_offset),
-            _ => assert_eq!(active_offset(), own_area_offset()),
+            Registrar::Glibc => assert_eq!(Some(active), process.glibc_rseq_offset),
+            _ => assert_eq!(active, own_area_offset()),
         }
-        assert_eq!(area_offset().0, active_offset());
     }
 
     #[test]
     fn fast_path_reads_the_active_area() {
         crate::cpu::decide_fallback();
         let registered = registration::ensure_registered();
-        let area = area_at(active_offset());
+        let area = area_at(area_offset().area_start());
         for _ in 0..1000 {
             // SAFETY: the active area is this thread's; aligned 32-bit fields.
             let (start, id) = unsafe {
@@ -710,8 +700,8 @@ mod tests {
                     core::ptr::addr_of!((*area).cpu_id).read_volatile(),
                 )
             };
-            let fast = rseq_cpu_id();
-            let start_field = rseq_field::<{ offset::CPU_ID_START }>();
+            let fast = active_field::<{ offset::CPU_ID }>();
+            let start_field = active_field::<{ offset::CPU_ID_START }>() as u32;
             if fast == id && start_field == start {
                 // Unregistered (no rseq in this process): the fast path sees -1 or -2 and
                 // takes the slow path.

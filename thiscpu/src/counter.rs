@@ -7,43 +7,12 @@
 //! the process has no rseq at all, or, for the spare row, by atomic adds; each block says how.
 
 use crate::dense;
-use crate::ops::{self, BY_CPU, BY_MM_CID, Outcome};
+use crate::ops::{self, ByCpu, ByMmCid, Outcome, Spread};
 use crate::registration::{self, MM_CID_USABLE, Registrar};
 use core::marker::PhantomData;
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
-
-mod sealed {
-    pub trait Sealed {}
-}
-
-/// What a [`Counter`]'s increments (or a [`crate::Sharded`]'s shards) are spread by: the CPU
-/// ([`ByCpu`], the default) or the memory-map concurrency id ([`ByMmCid`]).
-pub trait Spread: sealed::Sealed + Send + Sync + 'static {
-    /// The rseq field the sections compare (`ops::BY_CPU` or `ops::BY_MM_CID`).
-    #[doc(hidden)]
-    const FIELD: usize;
-}
-
-/// Spread increments by CPU: one word per CPU that ran the program.
-#[derive(Debug)]
-pub struct ByCpu;
-
-/// Spread increments by `mm_cid` (Linux 6.3+): ids are dense, below the number of threads the
-/// process runs at once, so memory follows threads, not CPUs. Where the kernel has no `mm_cid`
-/// this spreads by CPU.
-#[derive(Debug)]
-pub struct ByMmCid;
-
-impl sealed::Sealed for ByCpu {}
-impl sealed::Sealed for ByMmCid {}
-impl Spread for ByCpu {
-    const FIELD: usize = BY_CPU;
-}
-impl Spread for ByMmCid {
-    const FIELD: usize = BY_MM_CID;
-}
 
 /// A counter that many threads increment at once without contention and without atomic
 /// read-modify-write instructions: each increment adds to the word of the CPU the thread runs
@@ -167,22 +136,22 @@ impl<S: Spread> Counter<S> {
     /// ```
     #[inline]
     pub fn add(&self, n: u64) {
-        if S::FIELD == BY_CPU || !MM_CID_USABLE.load(Ordering::Relaxed) {
-            self.add_by::<BY_CPU>(n);
+        if S::FIELD == ByCpu::FIELD || !MM_CID_USABLE.load(Ordering::Relaxed) {
+            self.add_by::<ByCpu>(n);
         } else {
-            self.add_by::<BY_MM_CID>(n);
+            self.add_by::<ByMmCid>(n);
         }
     }
 
     #[inline(always)]
-    fn add_by<const FIELD: usize>(&self, n: u64) {
-        let at = ops::position_as_is::<FIELD>();
+    fn add_by<By: Spread>(&self, n: u64) {
+        let at = ops::position_as_is::<By>();
         let index = at.index();
         // One unsigned comparison rejects both an unregistered area and an index beyond the
         // rows.
         if index < dense::cpu_rows() {
-            // SAFETY: `at` was just read from this thread's area, by FIELD; the word is row
-            // `index`'s, written only by sections positioned on that index with the same FIELD
+            // SAFETY: `at` was just read from this thread's area, by `By`; the word is row
+            // `index`'s, written only by sections positioned on that index with the same spread
             // (process-wide: `MM_CID_USABLE` never changes once true) or, when the process has
             // no rseq, by atomic adds (never both, see `add_slow`).
             let outcome = unsafe { ops::load_add_store(at, self.word(index).as_ptr(), n) };
@@ -191,35 +160,35 @@ impl<S: Spread> Counter<S> {
             }
             ops::note_abort();
         }
-        self.add_slow::<FIELD>(n);
+        self.add_slow::<By>(n);
     }
 
-    /// The slow path. The fast path chose FIELD from `MM_CID_USABLE` as it read it; if this
+    /// The slow path. The fast path chose its spread `By` from `MM_CID_USABLE` as it read it; if this
     /// thread was not registered then, the process may not have decided yet, and the decision
     /// (which registering waits for) can make `mm_cid` usable. Every section on a word must
     /// compare the same field, so a by-`mm_cid` counter chooses again once registered.
     #[cold]
     #[inline(never)]
-    fn add_slow<const FIELD: usize>(&self, n: u64) {
-        if S::FIELD != BY_CPU
-            && FIELD == BY_CPU
+    fn add_slow<By: Spread>(&self, n: u64) {
+        if S::FIELD != ByCpu::FIELD
+            && By::FIELD == ByCpu::FIELD
             && ops::position().is_some()
             && MM_CID_USABLE.load(Ordering::Relaxed)
         {
-            return self.add_slow_by::<BY_MM_CID>(n);
+            return self.add_slow_by::<ByMmCid>(n);
         }
-        self.add_slow_by::<FIELD>(n)
+        self.add_slow_by::<By>(n)
     }
 
-    fn add_slow_by<const FIELD: usize>(&self, n: u64) {
+    fn add_slow_by<By: Spread>(&self, n: u64) {
         let mut aborts = ops::AbortRun::new();
-        while let Some(at) = ops::position_by::<FIELD>() {
+        while let Some(at) = ops::position_by::<By>() {
             let index = at.index();
             if index >= dense::cpu_rows() {
                 break;
             }
             // SAFETY: as in `add_by`; a migration since the read makes the section abort,
-            // since it compares FIELD again.
+            // since it compares the spread's field again.
             match unsafe { ops::load_add_store(at, self.word(index).as_ptr(), n) } {
                 Outcome::Committed(()) => return,
                 Outcome::Mismatch | Outcome::Aborted => {

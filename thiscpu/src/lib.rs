@@ -138,10 +138,11 @@ pub mod stress;
 #[allow(unsafe_code)]
 pub mod topology;
 
-pub use counter::{ByCpu, ByMmCid, Counter, Spread};
+pub use counter::Counter;
 pub use cpu::{CpuNode, CpuSource, Source, current_cpu, current_node, getcpu, mm_cid, source, via};
 pub use histogram::Histogram;
 pub use mask::CpuMask;
+pub use ops::{ByCpu, ByMmCid, Spread};
 pub use percpu::{CachePadded, PerCpu};
 pub use pool::{Pool, Pooled};
 pub use registration::{Registrar, RseqMode, Unavailable};

@@ -12,9 +12,9 @@
 //! - `list_push`: store the head into the node's `next` outside the section, then
 //!   `load_cbne_store` the head from that value to the node.
 //!
-//! A [`Position`] is read before the operation: the CPU (or `mm_cid`) this thread is on and the
-//! area it was read from. The section compares it again at its start, so an operation can only
-//! commit on the CPU whose data the caller addressed.
+//! A [`Position`] is read before the operation: the CPU (or `mm_cid`, by its [`Spread`]) this
+//! thread is on and the area it was read from. The section compares it again at its start, so
+//! an operation can only commit on the CPU whose data the caller addressed.
 //!
 //! # Safety
 //! The operations are `unsafe fn`s whose `# Safety` sections state the contract; the safe
@@ -28,13 +28,92 @@ use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 pub use crate::arch::Outcome;
 
-/// Sections indexed by CPU compare the area's `cpu_id`.
-pub const BY_CPU: usize = offset::CPU_ID;
-/// Sections indexed by memory-map concurrency id compare the area's `mm_cid`.
-pub const BY_MM_CID: usize = offset::MM_CID;
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// What per-CPU data is spread by, and so what a [`Position`] holds and its operations compare:
+/// the CPU ([`ByCpu`], the default) or the memory-map concurrency id ([`ByMmCid`]). A
+/// [`crate::Counter`]'s increments and a [`crate::Sharded`]'s shards are spread the same way.
+///
+/// Code written over `Position<S>` serves both:
+///
+/// ```
+/// use core::sync::atomic::{AtomicU64, Ordering};
+/// use thiscpu::ops::{self, Outcome, Position, Spread};
+///
+/// /// Adds one to the slot of `at`'s index in `slots`, which only sections spread by `S` write.
+/// fn bump<S: Spread>(slots: &[AtomicU64], at: Position<S>) -> bool {
+///     let Some(slot) = slots.get(at.index() as usize) else { return false };
+///     // SAFETY: `slot` belongs to `at.index()` and is written only by sections at positions
+///     // of the same spread and index.
+///     let outcome = unsafe { ops::load_add_store(at, slot.as_ptr(), 1) };
+///     outcome == Outcome::Committed(())
+/// }
+///
+/// let cpus = thiscpu::topology::possible_cpus();
+/// let by_cpu: Vec<AtomicU64> = (0..cpus).map(|_| AtomicU64::new(0)).collect();
+/// let by_cid: Vec<AtomicU64> = (0..cpus).map(|_| AtomicU64::new(0)).collect();
+/// while let Some(at) = ops::position() {
+///     if bump(&by_cpu, at) {
+///         break;
+///     }
+/// }
+/// while let Some(at) = ops::mm_cid_position() {
+///     if bump(&by_cid, at) {
+///         break;
+///     }
+/// }
+/// let total = |slots: &[AtomicU64]| slots.iter().map(|s| s.load(Ordering::Relaxed)).sum::<u64>();
+/// assert_eq!(total(&by_cpu), u64::from(ops::position().is_some()));
+/// assert_eq!(total(&by_cid), u64::from(ops::mm_cid_position().is_some()));
+/// ```
+pub trait Spread: sealed::Sealed + Send + Sync + 'static {
+    /// The offset of the rseq area's field that positions hold and sections compare.
+    #[doc(hidden)]
+    const FIELD: usize;
+}
+
+/// Spread by CPU: one word (or shard) per CPU that ran the program; sections compare the rseq
+/// area's `cpu_id`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ByCpu;
+
+/// Spread by `mm_cid` (Linux 6.3+): ids are dense, below the number of threads the process runs
+/// at once, so memory follows threads, not CPUs; sections compare the rseq area's `mm_cid`.
+/// Where the kernel has no `mm_cid`, [`mm_cid_position`] is `None`, and a
+/// [`crate::Counter`] or [`crate::Sharded`] spread by it spreads by CPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ByMmCid;
+
+impl sealed::Sealed for ByCpu {}
+impl sealed::Sealed for ByMmCid {}
+impl Spread for ByCpu {
+    const FIELD: usize = offset::CPU_ID;
+}
+impl Spread for ByMmCid {
+    const FIELD: usize = offset::MM_CID;
+}
+
+/// `arch::$section::<FIELD, ...>($args)` with FIELD the field that spread `$S` compares. The
+/// `arch` sections take the field as a constant, which a generic `S` cannot name on stable
+/// Rust; `Spread` is sealed, so FIELD is one of two, and the test is on constants and folds
+/// away.
+macro_rules! section_by {
+    ($S:ty, $section:ident, [$($more:tt)*], $($arg:expr),* $(,)?) => {{
+        const {
+            assert!(<$S as Spread>::FIELD == offset::CPU_ID || <$S as Spread>::FIELD == offset::MM_CID)
+        };
+        if <$S as Spread>::FIELD == offset::MM_CID {
+            arch::$section::<{ offset::MM_CID } $(, $more)*>($($arg),*)
+        } else {
+            arch::$section::<{ offset::CPU_ID } $(, $more)*>($($arg),*)
+        }
+    }};
+}
 
 /// Where the calling thread is, read from its rseq area just before an operation: the CPU (or
-/// `mm_cid`, by `FIELD`) and the area the section must check it against.
+/// `mm_cid`, by the spread `S`) and the area the section must check it against.
 ///
 /// A position names the calling thread's own area, so it is neither `Send` nor `Sync`:
 ///
@@ -42,14 +121,36 @@ pub const BY_MM_CID: usize = offset::MM_CID;
 /// fn send<T: Send>(_: T) {}
 /// send(thiscpu::ops::position());
 /// ```
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Position<const FIELD: usize = BY_CPU> {
+pub struct Position<S: Spread = ByCpu> {
     offset: arch::AreaOffset,
     index: u32,
-    this_thread_only: PhantomData<*const ()>,
+    this_thread_only: PhantomData<(S, *const ())>,
 }
 
-impl<const FIELD: usize> Position<FIELD> {
+// By hand, since derives would ask the same of `S`, a marker.
+impl<S: Spread> Clone for Position<S> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<S: Spread> Copy for Position<S> {}
+impl<S: Spread> PartialEq for Position<S> {
+    fn eq(&self, other: &Self) -> bool {
+        (self.offset, self.index) == (other.offset, other.index)
+    }
+}
+impl<S: Spread> Eq for Position<S> {}
+impl<S: Spread> core::fmt::Debug for Position<S> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Position")
+            .field("spread", &core::any::type_name::<S>())
+            .field("offset", &self.offset)
+            .field("index", &self.index)
+            .finish()
+    }
+}
+
+impl<S: Spread> Position<S> {
     #[inline(always)]
     fn new(offset: arch::AreaOffset, index: u32) -> Self {
         Position {
@@ -81,8 +182,8 @@ impl<const FIELD: usize> Position<FIELD> {
 /// }
 /// ```
 #[inline]
-pub fn position() -> Option<Position<BY_CPU>> {
-    let at = position_as_is::<BY_CPU>();
+pub fn position() -> Option<Position<ByCpu>> {
+    let at = position_as_is::<ByCpu>();
     if at.registered() {
         return Some(at);
     }
@@ -91,45 +192,45 @@ pub fn position() -> Option<Position<BY_CPU>> {
 
 #[cold]
 #[inline(never)]
-fn position_slow() -> Option<Position<BY_CPU>> {
+fn position_slow() -> Option<Position<ByCpu>> {
     if registration::NO_RSEQ.load(core::sync::atomic::Ordering::Relaxed)
         || !registration::ensure_registered()
     {
         return None;
     }
-    let at = position_as_is::<BY_CPU>();
+    let at = position_as_is::<ByCpu>();
     at.registered().then_some(at)
 }
 
-/// The position by `FIELD` as the calling thread's area shows it now, for the fast paths of
+/// The position by `S` as the calling thread's area shows it now, for the fast paths of
 /// the safe types, which check the index themselves: nothing is registered, and an
 /// unregistered area (`cpu_id` -1 or -2) shows as an index of at least 2^31, beyond every
 /// table, so that one unsigned comparison rejects it together with indexes beyond the rows.
 /// Run an operation at it only after such a comparison.
 #[inline(always)]
-pub(crate) fn position_as_is<const FIELD: usize>() -> Position<FIELD> {
-    let offset = arch::area_offset();
-    let cpu = arch::field_at::<BY_CPU>(offset);
-    let index = if FIELD == BY_CPU || cpu < 0 {
+pub(crate) fn position_as_is<S: Spread>() -> Position<S> {
+    let area = arch::area_offset();
+    let cpu = arch::field_at::<{ offset::CPU_ID }>(area);
+    let index = if S::FIELD == offset::CPU_ID || cpu < 0 {
         cpu
     } else {
-        arch::field_at::<FIELD>(offset)
+        arch::field_at::<{ offset::MM_CID }>(area)
     };
-    Position::new(offset, index as u32)
+    Position::new(area, index as u32)
 }
 
-/// The calling thread's position by `FIELD`, registering it if needed: [`position`], or
+/// The calling thread's position by `S`, registering it if needed: [`position`], or
 /// [`mm_cid_position`], read from one load of the area offset.
 #[inline]
-pub(crate) fn position_by<const FIELD: usize>() -> Option<Position<FIELD>> {
+pub(crate) fn position_by<S: Spread>() -> Option<Position<S>> {
     let cpu = position()?;
-    if FIELD == BY_CPU {
+    if S::FIELD == offset::CPU_ID {
         return Some(Position::new(cpu.offset, cpu.index));
     }
     if !crate::cpu::mm_cid_usable() {
         return None;
     }
-    let index = arch::field_at::<FIELD>(cpu.offset);
+    let index = arch::field_at::<{ offset::MM_CID }>(cpu.offset);
     Some(Position::new(cpu.offset, index as u32))
 }
 
@@ -142,8 +243,8 @@ pub(crate) fn position_by<const FIELD: usize>() -> Option<Position<FIELD>> {
 /// }
 /// ```
 #[inline]
-pub fn mm_cid_position() -> Option<Position<BY_MM_CID>> {
-    position_by::<BY_MM_CID>()
+pub fn mm_cid_position() -> Option<Position<ByMmCid>> {
+    position_by::<ByMmCid>()
 }
 
 /// Adds `count` to `*v` on the position's CPU: load, add, store, with the store committing.
@@ -152,7 +253,7 @@ pub fn mm_cid_position() -> Option<Position<BY_MM_CID>> {
 /// - `at` was read by the calling thread (the type keeps a position in the thread that read it).
 /// - `v` is valid for reads and writes of a `u64` (8-byte aligned) for the whole call.
 /// - `v` is the word for `at.index()`: every write to it is made by an operation whose position
-///   has the same index and field (so that only one CPU ever runs a committing section on it),
+///   has the same index and spread (so that only one CPU ever runs a committing section on it),
 ///   or happens after a fence that guarantees no such operation is in flight. Other threads may
 ///   read it concurrently with atomic loads.
 ///
@@ -172,13 +273,9 @@ pub fn mm_cid_position() -> Option<Position<BY_MM_CID>> {
 /// }
 /// ```
 #[inline]
-pub unsafe fn load_add_store<const FIELD: usize>(
-    at: Position<FIELD>,
-    v: *mut u64,
-    count: u64,
-) -> Outcome {
+pub unsafe fn load_add_store<S: Spread>(at: Position<S>, v: *mut u64, count: u64) -> Outcome {
     // SAFETY: forwarded contract.
-    unsafe { arch::load_add_store::<FIELD>(at.offset, at.index, v, count) }
+    unsafe { section_by!(S, load_add_store, [], at.offset, at.index, v, count) }
 }
 
 /// Stores `newv` into `*v` if `*v` still holds `expect`, on the position's CPU.
@@ -188,14 +285,14 @@ pub unsafe fn load_add_store<const FIELD: usize>(
 /// time `*v` differs from `expect` (no section can commit then): a lock word, whose holder
 /// releases it from any CPU, is such a word ([`crate::Sharded`]).
 #[inline]
-pub unsafe fn load_cbne_store<const FIELD: usize>(
-    at: Position<FIELD>,
+pub unsafe fn load_cbne_store<S: Spread>(
+    at: Position<S>,
     v: *mut u64,
     expect: u64,
     newv: u64,
 ) -> Outcome {
     // SAFETY: forwarded contract.
-    unsafe { arch::load_cbne_store::<FIELD>(at.offset, at.index, v, expect, newv) }
+    unsafe { section_by!(S, load_cbne_store, [], at.offset, at.index, v, expect, newv) }
 }
 
 /// Pops the first node of the position's singly linked list at `head`, whose nodes keep their
@@ -209,14 +306,22 @@ pub unsafe fn load_cbne_store<const FIELD: usize>(
 /// at `head` (and in the `next` field of every node reachable from it) points to a live node
 /// whose `next` field at byte offset `NEXT` is readable until it is popped.
 #[inline]
-pub unsafe fn load_cbeq_load_store<T, const FIELD: usize, const NEXT: usize>(
-    at: Position<FIELD>,
+pub unsafe fn load_cbeq_load_store<T, S: Spread, const NEXT: usize>(
+    at: Position<S>,
     head: *mut *mut T,
 ) -> Outcome<*mut T> {
     let mut node = 0usize;
     // SAFETY: forwarded contract; `node` is a local the section may write.
     let outcome = unsafe {
-        arch::load_cbeq_load_store::<FIELD, NEXT>(at.offset, at.index, head.cast(), &mut node)
+        section_by!(
+            S,
+            load_cbeq_load_store,
+            [NEXT],
+            at.offset,
+            at.index,
+            head.cast(),
+            &mut node
+        )
     };
     match outcome {
         Outcome::Committed(()) => Outcome::Committed(node as *mut T),
@@ -233,8 +338,8 @@ pub unsafe fn load_cbeq_load_store<T, const FIELD: usize, const NEXT: usize>(
 /// As for [`load_cbeq_load_store`]; moreover `node` is exclusively owned by the caller until
 /// the push commits, and `next` is its `next` field.
 #[inline]
-pub unsafe fn list_push<T, const FIELD: usize>(
-    at: Position<FIELD>,
+pub unsafe fn list_push<T, S: Spread>(
+    at: Position<S>,
     head: *mut *mut T,
     node: *mut T,
     next: *mut *mut T,
@@ -257,15 +362,27 @@ pub unsafe fn list_push<T, const FIELD: usize>(
 /// `at.index()`, whose `count` and slots only operations positioned on that index write, or a
 /// drainer after a fence of that CPU while `stopped` is set.
 #[inline(always)]
-pub(crate) unsafe fn stack_push<const FIELD: usize>(
-    at: Position<FIELD>,
+pub(crate) unsafe fn stack_push<S: Spread>(
+    at: Position<S>,
     head: *const StackHead,
     slots: *mut usize,
     capacity: u64,
     item: usize,
 ) -> StackOutcome {
     // SAFETY: forwarded contract; a position was read by the thread that holds it.
-    unsafe { arch::stack_push::<FIELD>(at.offset, at.index, head, slots, capacity, item) }
+    unsafe {
+        section_by!(
+            S,
+            stack_push,
+            [],
+            at.offset,
+            at.index,
+            head,
+            slots,
+            capacity,
+            item
+        )
+    }
 }
 
 /// Guarded pop from the position's stack: `if head.stopped != 0 leave(Stopped); n =
@@ -274,14 +391,14 @@ pub(crate) unsafe fn stack_push<const FIELD: usize>(
 /// # Safety
 /// As for [`stack_push`]; `out` is valid for a pointer-sized write (read only after a commit).
 #[inline(always)]
-pub(crate) unsafe fn stack_pop<const FIELD: usize>(
-    at: Position<FIELD>,
+pub(crate) unsafe fn stack_pop<S: Spread>(
+    at: Position<S>,
     head: *const StackHead,
     slots: *const usize,
     out: *mut usize,
 ) -> StackOutcome {
     // SAFETY: forwarded contract.
-    unsafe { arch::stack_pop::<FIELD>(at.offset, at.index, head, slots, out) }
+    unsafe { section_by!(S, stack_pop, [], at.offset, at.index, head, slots, out) }
 }
 
 static ABORTS: AtomicU64 = AtomicU64::new(0);

@@ -73,9 +73,8 @@
 //! The module runs [`ops::load_cbne_store`] on the shards' lock words and hands out `&mut T`
 //! to the holder of a shard; each block states why it holds.
 
-use crate::counter::{ByCpu, ByMmCid, Spread};
 use crate::fence;
-use crate::ops::{self, BY_MM_CID, Outcome, Position};
+use crate::ops::{self, ByCpu, ByMmCid, Outcome, Position, Spread};
 use crate::percpu::CachePadded;
 use crate::registration::{self, Registrar};
 use crate::topology;
@@ -232,7 +231,7 @@ impl<T, S: Spread> Sharded<T, S> {
         Sharded {
             shards,
             rseq,
-            by_mm_cid: rseq && S::FIELD == BY_MM_CID && crate::cpu::mm_cid_usable(),
+            by_mm_cid: rseq && S::FIELD == ByMmCid::FIELD && crate::cpu::mm_cid_usable(),
             spread: PhantomData,
         }
     }
@@ -313,7 +312,7 @@ impl<T, S: Spread> Sharded<T, S> {
     #[must_use = "the shard is released as soon as the guard is dropped"]
     pub fn lock_current(&self) -> ShardGuard<'_, T> {
         if self.rseq {
-            let taken = if S::FIELD == BY_MM_CID && self.by_mm_cid {
+            let taken = if S::FIELD == ByMmCid::FIELD && self.by_mm_cid {
                 ops::mm_cid_position().and_then(|at| self.try_section(at, token()))
             } else {
                 ops::position().and_then(|at| self.try_section(at, token()))
@@ -328,15 +327,11 @@ impl<T, S: Spread> Sharded<T, S> {
     /// One restartable take of the shard at `at`: `None` if it is held, out of range, or the
     /// section was aborted.
     #[inline(always)]
-    fn try_section<const FIELD: usize>(
-        &self,
-        at: Position<FIELD>,
-        token: u64,
-    ) -> Option<ShardGuard<'_, T>> {
+    fn try_section<By: Spread>(&self, at: Position<By>, token: u64) -> Option<ShardGuard<'_, T>> {
         let index = at.index();
         let shard = self.shards.get(index as usize)?;
         // SAFETY: `at` was just read by this thread; the word is an aligned `u64` that lives as
-        // long as `self`. Shards are indexed by FIELD for the whole life of `self` (decided at
+        // long as `self`. Shards are indexed by `By` for the whole life of `self` (decided at
         // construction), so sections commit on this word only from `index`'s CPU (or
         // concurrency id), one at a time. Every other write to it is atomic and happens while
         // no section can commit there: takers (`fence::take_over`, after its fence) and the
@@ -362,7 +357,7 @@ impl<T, S: Spread> Sharded<T, S> {
         let mut aborts = ops::AbortRun::new();
         loop {
             let index = if self.rseq {
-                let at = if S::FIELD == BY_MM_CID && self.by_mm_cid {
+                let at = if S::FIELD == ByMmCid::FIELD && self.by_mm_cid {
                     ops::mm_cid_position().map(|at| (at.index(), self.try_section(at, token)))
                 } else {
                     ops::position().map(|at| (at.index(), self.try_section(at, token)))

@@ -165,7 +165,7 @@ fn per_cpu_lists_never_lose_or_duplicate_a_node() {
                             let head = heads[at.index() as usize].as_ptr().cast::<*mut Node>();
                             // SAFETY: as above; listed nodes are live until popped.
                             match unsafe {
-                                ops::load_cbeq_load_store::<Node, { ops::BY_CPU }, NEXT>(at, head)
+                                ops::load_cbeq_load_store::<Node, ops::ByCpu, NEXT>(at, head)
                             } {
                                 Outcome::Committed(node) => {
                                     owned.push(node);

@@ -41,7 +41,7 @@ pub use drain::{DrainAllError, DrainError, DrainMethod, Drained};
 
 use crate::arch::StackOutcome;
 use crate::mask::CpuMask;
-use crate::ops::{self, BY_CPU};
+use crate::ops::{self, ByCpu};
 use crate::percpu::CachePadded;
 use crate::registration::{self, Registrar};
 use crate::topology;
@@ -218,7 +218,7 @@ impl<T> Pool<T> {
     #[inline]
     pub fn put_box(&self, object: Box<T>) {
         if let Caches::Rseq(stacks) = &self.caches {
-            let at = ops::position_as_is::<BY_CPU>();
+            let at = ops::position_as_is::<ByCpu>();
             // One unsigned comparison rejects an unregistered area and CPUs beyond the caches.
             if (at.index() as usize) < stacks.heads.len() {
                 let object = match self.push_at(stacks, at, object) {
@@ -241,7 +241,7 @@ impl<T> Pool<T> {
         let Caches::Rseq(stacks) = &self.caches else {
             return None;
         };
-        let at = ops::position_as_is::<BY_CPU>();
+        let at = ops::position_as_is::<ByCpu>();
         if (at.index() as usize) >= stacks.heads.len() {
             return None;
         }

@@ -14,7 +14,7 @@
 
 use super::Pool;
 use crate::arch::{StackHead, StackOutcome};
-use crate::ops::{self, BY_CPU, Position};
+use crate::ops::{self, Position};
 use crate::percpu::CachePadded;
 use core::mem::size_of;
 use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -103,16 +103,12 @@ impl Stacks {
 impl<T> Pool<T> {
     /// Pops the stack of `at`'s CPU in one restartable sequence.
     #[inline(always)]
-    pub(super) fn pop_at(
-        &self,
-        stacks: &Stacks,
-        at: Position<BY_CPU>,
-    ) -> Result<Box<T>, StackOutcome> {
+    pub(super) fn pop_at(&self, stacks: &Stacks, at: Position) -> Result<Box<T>, StackOutcome> {
         let cpu = at.index();
         let head: &StackHead = &stacks.heads[cpu as usize];
         let slots = stacks.slots_ptr(cpu as usize);
         let mut out = 0usize;
-        // SAFETY: `at` was just read from this thread's area (BY_CPU); `head`
+        // SAFETY: `at` was just read from this thread's area (by CPU); `head`
         // and `slots` are CPU `cpu`'s stack (`cpu` is below the number of heads, as indexing
         // `heads` checked, so `slots` starts `chunks_per_cpu * CHUNK >= capacity` words inside
         // `chunks`), whose count and slots only sections positioned on `cpu` write, or a
@@ -134,7 +130,7 @@ impl<T> Pool<T> {
     pub(super) fn push_at(
         &self,
         stacks: &Stacks,
-        at: Position<BY_CPU>,
+        at: Position,
         object: Box<T>,
     ) -> Result<(), (Box<T>, StackOutcome)> {
         let cpu = at.index();

@@ -1,46 +1,72 @@
 #!/usr/bin/env bash
-# Cargo runner for aarch64-unknown-linux-gnu: runs one binary on a real arm64 Linux kernel in
+# Cargo runner for aarch64-unknown-linux-gnu: runs binaries on a real arm64 Linux kernel in
 # qemu-system-aarch64 (TCG), so that rseq is the kernel's and not qemu-user's (which answers
 # the rseq syscall with ENOSYS).
 #
 #   CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER=/path/to/.ci/aarch64/runner.sh
-#   runner.sh BINARY [ARGS...]
+#   runner.sh BINARY [ARGS...]     one binary, from the current directory
+#   runner.sh --batch MANIFEST     several binaries, one after the other, in one boot
 #
-# Builds an initramfs holding busybox, the binary, and the aarch64 glibc libraries it needs;
-# its /init mounts proc/sys/dev/tmp, runs the binary with the arguments and the RUST_*,
+# A manifest has one line per binary: the directory it runs from, the binary and its
+# arguments, separated by tabs. Booting is what a run costs most under TCG, so a batch boots
+# once for all of them.
+#
+# Builds an initramfs holding busybox, the binaries, and the aarch64 glibc libraries they need;
+# its /init mounts proc/sys/dev/tmp, runs each binary with its arguments and the RUST_*,
 # GLIBC_TUNABLES, THISCPU_* and cargo's CARGO_* variables of this environment, prints a marker
-# line with the exit code and powers off. The guest's output is relayed (without the marker)
-# and the runner exits with the guest's exit code. No marker (kernel panic, crash, hang) is a
-# failure, and so is a run longer than $THISCPU_VM_TIMEOUT seconds (default 300).
+# line with each exit code and powers off. The guest's output is relayed (without the
+# markers). A single binary's exit code is the runner's; a batch names each binary before its
+# output, ends with a summary of the exit codes and exits with the first code that is not 0.
+# A missing marker (kernel panic, crash, hang) is a failure, and so is a run longer than
+# $THISCPU_VM_TIMEOUT seconds per binary (default 300).
 #
-# So that tests find what cargo promised them, the guest mirrors some host paths: the current
-# directory (cargo runs tests from the package's root) when it holds a Cargo.toml, copied
-# without its target/ and run from there; the program itself; the workspace's executables that the binary names
-# by absolute path (CARGO_BIN_EXE_*), and the shared libraries built as examples that it names
-# by file name (in <profile>/examples/), at the same paths; the files of $THISCPU_TEST_C_DIR
-# (programs the tests run, built beforehand), at the same paths; and an empty, writable
-# CARGO_TARGET_TMPDIR. Otherwise the program runs from /.
+# So that tests find what cargo promised them, the guest mirrors some host paths: the directory
+# a binary runs from (cargo runs tests from the package's root) when it holds a Cargo.toml,
+# copied without its target/ and run from there; the binaries themselves; the workspace's
+# executables that a binary names by absolute path (CARGO_BIN_EXE_*), and the shared
+# libraries built as examples that it names by file name (in <profile>/examples/), at the same
+# paths; the files of $THISCPU_TEST_C_DIR (programs the tests run, built beforehand), at the
+# same paths; and an empty, writable CARGO_TARGET_TMPDIR. Otherwise a binary runs from /.
 #
-# Other knobs: THISCPU_VM_SMP (default 2), THISCPU_VM_MEM (MiB, default 1024),
+# Other knobs: THISCPU_VM_SMP (default 2), THISCPU_VM_MEM (MiB, default 1024 and twice the
+# initramfs),
 # THISCPU_AARCH64_TOOLS (where setup.sh put the kernel and busybox), THISCPU_VM_KERNEL (another
 # arm64 kernel image to boot instead of setup.sh's), THISCPU_AARCH64_SYSROOT
 # (where the shared libraries come from, default /usr/aarch64-linux-gnu; its lib/ may also
 # hold a program's own shared objects).
 set -euo pipefail
 
-if [ $# -lt 1 ]; then
-    echo "usage: $0 BINARY [ARGS...]" >&2
+usage() {
+    echo "usage: $0 BINARY [ARGS...] | $0 --batch MANIFEST" >&2
     exit 2
+}
+[ $# -ge 1 ] || usage
+
+# The runs, one line each: directory, binary, arguments, separated by tabs.
+runs=()
+batch=no
+if [ "$1" = --batch ]; then
+    [ $# -eq 2 ] || usage
+    batch=yes
+    mapfile -t runs < <(grep -v '^[[:space:]]*$' "$2")
+    if [ ${#runs[@]} -eq 0 ]; then
+        echo "runner: $2 names no binary" >&2
+        exit 2
+    fi
+else
+    run_line=$PWD
+    for arg in "$@"; do
+        run_line+=$'\t'$arg
+    done
+    runs=("$run_line")
 fi
-binary=$1
-shift
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 tools=${THISCPU_AARCH64_TOOLS:-$repo/target/aarch64-tools}
 kernel=${THISCPU_VM_KERNEL:-$tools/guest/vmlinuz}
 busybox=$tools/guest/busybox
 sysroot=${THISCPU_AARCH64_SYSROOT:-/usr/aarch64-linux-gnu}
-timeout_s=${THISCPU_VM_TIMEOUT:-300}
+timeout_s=$((${THISCPU_VM_TIMEOUT:-300} * ${#runs[@]}))
 marker=THISCPU_GUEST_EXIT
 
 for f in "$kernel" "$busybox"; do
@@ -52,11 +78,6 @@ trap 'rm -rf "$work"' EXIT
 root=$work/root
 mkdir -p "$root"/{bin,lib,proc,sys,dev,tmp}
 cp "$busybox" "$root/bin/busybox"
-# The program runs from its host path, so that what it finds next to itself (through
-# /proc/self/exe) is where cargo put it.
-program=$(cd "$(dirname "$binary")" && pwd)/$(basename "$binary")
-mkdir -p "$root$(dirname "$program")"
-cp "$binary" "$root$program"
 
 # Shared libraries: the DT_NEEDED entries of every executable copied in, followed
 # recursively, plus libgcc_s (glibc loads it with dlopen for unwinding), all from the cross
@@ -85,50 +106,73 @@ add_libs() {
         queue+=("${more[@]}")
     done
 }
-add_libs "$binary"
 
-# Host paths mirrored in the guest (see the header).
-workdir=/
-if [ -f "$PWD/Cargo.toml" ] && [ "$PWD" != / ]; then
-    workdir=$PWD
-    mkdir -p "$root$workdir"
-    tar -C "$workdir" --exclude=./target --exclude=./.git -cf - . | tar -C "$root$workdir" -xf -
-fi
-# A test binary lives in <target-dir>/<triple>/<profile>/deps/; the workspace's executables in
-# <profile>/, and CARGO_TARGET_TMPDIR is <target-dir>/tmp.
-bin_dir=$(cd "$(dirname "$binary")" && pwd)
-if [ "$(basename "$bin_dir")" = deps ]; then
-    profile_dir=$(dirname "$bin_dir")
-    for exe in "$profile_dir"/*; do
-        [ -f "$exe" ] && [ -x "$exe" ] || continue
-        if grep -qF "$exe" "$binary"; then
-            mkdir -p "$root$profile_dir"
-            cp "$exe" "$root$exe"
-            add_libs "$exe"
+# Copies a host file into the guest at the same path, with its libraries.
+add_file() {
+    [ ! -e "$root$1" ] || return 0
+    mkdir -p "$root$(dirname "$1")"
+    cp "$1" "$root$1"
+    add_libs "$1"
+}
+
+# Puts a binary into the guest at its host path, so that what it finds next to itself
+# (through /proc/self/exe) is where cargo put it, with the host paths it expects (see the
+# header). Prints that path.
+add_program() {
+    local program bin_dir profile_dir exe lib
+    if [ ! -f "$1" ]; then
+        echo "runner: $1 not found" >&2
+        exit 2
+    fi
+    program=$(cd "$(dirname "$1")" && pwd)/$(basename "$1")
+    add_file "$program"
+    chmod +x "$root$program"
+    # A test binary lives in <target-dir>/<triple>/<profile>/deps/; the workspace's
+    # executables in <profile>/, and CARGO_TARGET_TMPDIR is <target-dir>/tmp.
+    bin_dir=$(dirname "$program")
+    if [ "$(basename "$bin_dir")" = deps ]; then
+        profile_dir=$(dirname "$bin_dir")
+        for exe in "$profile_dir"/*; do
+            [ -f "$exe" ] && [ -x "$exe" ] || continue
+            if grep -qF "$exe" "$program"; then
+                add_file "$exe"
+            fi
+        done
+        # Shared libraries built as examples, which a test loads with dlopen by file name.
+        for lib in "$profile_dir"/examples/lib*.so; do
+            [ -f "$lib" ] && grep -qF "$(basename "$lib")" "$program" || continue
+            add_file "$lib"
+        done
+        mkdir -p "$root$(dirname "$(dirname "$profile_dir")")/tmp"
+    fi
+    printf '%s\n' "$program"
+}
+
+# Mirrors the directory a binary runs from when it is a package's root; prints where the
+# binary runs in the guest.
+add_workdir() {
+    if [ -f "$1/Cargo.toml" ] && [ "$1" != / ]; then
+        if [ ! -d "$root$1" ]; then
+            mkdir -p "$root$1"
+            tar -C "$1" --exclude=./target --exclude=./.git -cf - . | tar -C "$root$1" -xf -
         fi
-    done
-    # Shared libraries built as examples, which a test loads with dlopen by file name.
-    for lib in "$profile_dir"/examples/lib*.so; do
-        [ -f "$lib" ] && grep -qF "$(basename "$lib")" "$binary" || continue
-        mkdir -p "$root$profile_dir/examples"
-        cp "$lib" "$root$lib"
-        add_libs "$lib"
-    done
-    mkdir -p "$root$(dirname "$(dirname "$profile_dir")")/tmp"
-fi
+        printf '%s\n' "$1"
+    else
+        printf '/\n'
+    fi
+}
+
 if [ -n "${THISCPU_TEST_C_DIR:-}" ] && [ -d "$THISCPU_TEST_C_DIR" ]; then
     c_dir=$(cd "$THISCPU_TEST_C_DIR" && pwd)
-    mkdir -p "$root$c_dir"
     for f in "$c_dir"/*; do
         [ -f "$f" ] || continue
-        cp "$f" "$root$f"
-        add_libs "$f"
+        add_file "$f"
     done
 fi
 guest_tmpdir=${CARGO_TARGET_TMPDIR:-}
 [ -z "$guest_tmpdir" ] || mkdir -p "$root$guest_tmpdir"
 
-# The variables the program sees, by name: the test harness's, glibc's tunables, thiscpu's
+# The variables the programs see, by name: the test harness's, glibc's tunables, thiscpu's
 # (less the runner's own), and those cargo sets for tests.
 pass_through='RUST_|GLIBC_TUNABLES$|THISCPU_'
 pass_through+='|CARGO_(MANIFEST_|PKG_|CRATE_|BIN_|TARGET_TMPDIR)'
@@ -136,6 +180,8 @@ pass_through+='|CARGO_(MANIFEST_|PKG_|CRATE_|BIN_|TARGET_TMPDIR)'
 # Single-quotes a word for the guest's shell.
 quote() { printf "'%s'" "$(printf '%s' "$1" | sed "s/'/'\\\\''/g")"; }
 
+# What each run is called in a batch's output and summary.
+names=()
 {
     echo '#!/bin/busybox sh'
     echo '/bin/busybox --install -s /bin'
@@ -145,40 +191,69 @@ quote() { printf "'%s'" "$(printf '%s' "$1" | sed "s/'/'\\\\''/g")"; }
     echo 'mount -t devtmpfs devtmpfs /dev'
     # Not over mirrored host paths under /tmp (the initramfs is writable anyway).
     echo '[ -n "$(ls -A /tmp)" ] || mount -t tmpfs tmpfs /tmp'
-    printf 'cd %s\n' "$(quote "$workdir")"
     while IFS= read -r name; do
         printf 'export %s=%s\n' "$name" "$(quote "${!name}")"
     done < <(compgen -e | grep -E "^($pass_through)" | grep -v '^THISCPU_VM_' || true)
-    quote "$program"
-    for arg in "$@"; do
-        printf ' %s' "$(quote "$arg")"
+    index=0
+    for run_line in "${runs[@]}"; do
+        IFS=$'\t' read -r -a fields <<<"$run_line"
+        if [ ${#fields[@]} -lt 2 ]; then
+            echo "runner: no binary in: $run_line" >&2
+            exit 2
+        fi
+        index=$((index + 1))
+        dir=$(add_workdir "${fields[0]}")
+        program=$(add_program "${fields[1]}")
+        names+=("$program")
+        if [ "$batch" = yes ]; then
+            printf 'echo %s\n' "$(quote "runner: [$index/${#runs[@]}] $program (in $dir)")"
+        fi
+        printf 'cd %s\n' "$(quote "$dir")"
+        quote "$program"
+        for arg in "${fields[@]:2}"; do
+            printf ' %s' "$(quote "$arg")"
+        done
+        printf ' </dev/null\n'
+        echo 'code=$?'
+        echo "echo; echo $marker=\$code"
     done
-    printf ' </dev/null\n'
-    echo 'code=$?'
-    echo "echo $marker=\$code"
     echo 'poweroff -f'
 } >"$root/init"
-chmod +x "$root/init" "$root/bin/busybox" "$root$program"
+chmod +x "$root/init" "$root/bin/busybox"
 
 (cd "$root" && find . -mindepth 1 | cpio -o -H newc --quiet >"$work/initrd.cpio")
+# The guest holds the initramfs twice while unpacking it (a batch's test executables, with
+# their debug information, weigh hundreds of MiB), and the tests need room besides.
+initrd_mib=$(($(stat -c %s "$work/initrd.cpio") / 1048576 + 1))
+mem_mib=${THISCPU_VM_MEM:-$((1024 + 2 * initrd_mib))}
 
-# The console is a serial port: lines end in CR LF there. Output is relayed as it comes;
-# the marker line is eaten and its code kept, and so is the kernel's power-off message.
+# The console is a serial port: lines end in CR LF there. Output is relayed as it comes; the
+# marker lines (each after an empty line, in case the output did not end its last line) are
+# eaten and their codes kept, and so is the kernel's power-off message.
 relay() {
-    local line
+    local line pending=no
     while IFS= read -r line || [ -n "$line" ]; do
         line=${line%$'\r'}
+        if [ "$pending" = yes ]; then
+            pending=no
+            case $line in
+            "$marker="*) ;;
+            *) printf '\n' ;;
+            esac
+        fi
         case $line in
-        "$marker="*) printf '%s\n' "${line#"$marker="}" >"$work/code" ;;
+        "$marker="*) printf '%s\n' "${line#"$marker="}" >>"$work/codes" ;;
         *"] reboot: Power down") ;;
+        "") pending=yes ;;
         *) printf '%s\n' "$line" ;;
         esac
     done
+    [ "$pending" = no ] || printf '\n'
 }
 set +e
 timeout --foreground -k 10 "$timeout_s" \
     qemu-system-aarch64 -M virt -cpu max,pauth-impdef=on \
-    -smp "${THISCPU_VM_SMP:-2}" -m "${THISCPU_VM_MEM:-1024}" \
+    -smp "${THISCPU_VM_SMP:-2}" -m "$mem_mib" \
     -nographic -no-reboot -nic none \
     -kernel "$kernel" -initrd "$work/initrd.cpio" \
     -append "console=ttyAMA0 panic=-1 quiet loglevel=1 rdinit=/init" \
@@ -186,14 +261,32 @@ timeout --foreground -k 10 "$timeout_s" \
 status=${PIPESTATUS[0]}
 set -e
 
-code=$(cat "$work/code" 2>/dev/null || true)
-if [ -n "$code" ]; then
-    exit "$code"
+codes=()
+[ ! -f "$work/codes" ] || mapfile -t codes <"$work/codes"
+result=0
+if [ "$batch" = yes ]; then
+    echo "runner: exit codes:"
+    for i in "${!names[@]}"; do
+        printf 'runner:   %-4s %s\n' "${codes[$i]:-none}" "${names[$i]}"
+    done
 fi
-cat "$work/qemu-stderr" >&2
-if [ "$status" = 124 ] || [ "$status" = 137 ]; then
-    echo "runner: the VM did not finish within ${timeout_s}s" >&2
-else
-    echo "runner: the guest printed no exit code (qemu exit status $status): crash or panic" >&2
+for code in "${codes[@]}"; do
+    if [ "$code" != 0 ]; then
+        result=$code
+        break
+    fi
+done
+if [ ${#codes[@]} -lt ${#runs[@]} ]; then
+    cat "$work/qemu-stderr" >&2
+    echo "runner: while running ${names[${#codes[@]}]}:" >&2
+    if [ "$status" = 124 ] || [ "$status" = 137 ]; then
+        echo "runner: the VM did not finish within ${timeout_s}s" >&2
+    else
+        echo "runner: the guest printed no exit code (qemu exit status $status): crash or panic" >&2
+    fi
+    [ "$result" != 0 ] || result=101
 fi
-exit 101
+if [ "$batch" = yes ] && [ "$result" != 0 ]; then
+    echo "runner: a binary of the batch failed" >&2
+fi
+exit "$result"

@@ -3,7 +3,7 @@
 # kernel needs, on a Debian 12 x86_64 machine (see docs: aarch64.md in the shared docs):
 #
 # - system packages (as root): the arm64 foreign architecture, the aarch64 cross gcc/binutils
-#   and glibc, cpio, qemu-system-aarch64;
+#   and glibc, cpio, jq (test.sh reads cargo's JSON with it), qemu-system-aarch64;
 # - in a project-local tool directory (nothing else is installed system-wide):
 #     rust/      Debian's rustc-web with its x86_64 and aarch64 standard libraries, its LLVM
 #                and clippy, unpacked with `dpkg -x`;
@@ -56,16 +56,17 @@ system_ready() {
         command -v aarch64-linux-gnu-objdump >/dev/null &&
         command -v qemu-system-aarch64 >/dev/null &&
         command -v cpio >/dev/null &&
+        command -v jq >/dev/null &&
         [ -e /usr/aarch64-linux-gnu/lib/libc.so.6 ]
 }
 if ! system_ready; then
     need_root "install packages"
     apt_update
-    log "apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross cpio qemu-system-arm"
+    log "apt-get install gcc-aarch64-linux-gnu libc6-dev-arm64-cross cpio jq qemu-system-arm"
     # qemu-system-arm from bookworm replaces a newer qemu-utils if one is installed; nothing
     # here needs qemu-utils.
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-        gcc-aarch64-linux-gnu libc6-dev-arm64-cross cpio qemu-system-arm >/dev/null
+        gcc-aarch64-linux-gnu libc6-dev-arm64-cross cpio jq qemu-system-arm >/dev/null
     system_ready || { log "packages installed but tools still missing"; exit 1; }
 fi
 

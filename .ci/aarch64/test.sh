@@ -112,20 +112,50 @@ build() {
 }
 step build build
 
+# `cargo test ARGS` for the guest: builds the test executables that command would run, lists
+# them with their packages' roots from cargo's JSON messages, and runs them all in one boot
+# (runner.sh --batch; booting is most of what a short test costs under TCG), each from its
+# package's root as cargo does. The step fails when any of them fails; the runner ends with
+# every executable's exit code.
+runner=.ci/aarch64/runner.sh
+vm_test() {
+    local listing manifest
+    listing=$(mktemp)
+    manifest=$(mktemp)
+    run cargo test "$@" --target "$triple" --no-run --message-format=json-render-diagnostics \
+        >"$listing"
+    # run's echo of the command is the one line that is not JSON.
+    jq -rR 'fromjson? | select(.reason == "compiler-artifact" and .profile.test
+        and .executable != null)
+        | (.manifest_path | rtrimstr("/Cargo.toml")) + "\t" + .executable' "$listing" |
+        awk '!seen[$0]++' >"$manifest"
+    cat "$manifest"
+    run bash "$runner" --batch "$manifest"
+    rm -f "$listing" "$manifest"
+}
+
+# The doctests: rustdoc builds them and hands them to the runner through cargo, merged into one
+# executable per crate (edition 2024), so this is one more boot.
+vm_doctests() {
+    run cargo test "$@" --target "$triple" --doc
+}
+
 # The command's own tests (cli/tests: a quick bench of every family, about two minutes under
 # TCG) run once, with glibc's registration on 6.1; the other runs test the library, as
 # .ci/run's test-own does, and the `cli` steps run the command on both kernels.
 test_packages=(--workspace)
 test_glibc() (
     export THISCPU_EXPECT_REGISTRAR=glibc
-    run cargo test "${test_packages[@]}" --target "$triple"
+    vm_test "${test_packages[@]}"
+    vm_doctests "${test_packages[@]}"
 )
 step test-glibc test_glibc
 test_packages=(-p thiscpu)
 
 test_own() (
     export GLIBC_TUNABLES=glibc.pthread.rseq=0 THISCPU_EXPECT_REGISTRAR=thiscpu
-    run cargo test -p thiscpu --target "$triple"
+    vm_test -p thiscpu
+    vm_doctests -p thiscpu
 )
 step test-own test_own
 
@@ -133,7 +163,7 @@ step test-own test_own
 # miscompiled form of the rseq size clamp (tests/optimiser.rs) went wrong on aarch64 only.
 test_release() (
     export THISCPU_EXPECT_REGISTRAR=glibc
-    run cargo test --release -p thiscpu --target "$triple" --lib --test optimiser
+    vm_test --release -p thiscpu --lib --test optimiser
 )
 step test-release test_release
 
@@ -141,7 +171,8 @@ step test-release test_release
 # getcpu nor an instruction for it), counters add atomically and pools lock.
 test_off() (
     export THISCPU_RSEQ=off THISCPU_EXPECT_REGISTRAR=none
-    run cargo test -p thiscpu --target "$triple"
+    vm_test -p thiscpu
+    vm_doctests -p thiscpu
 )
 step test-off test_off
 
@@ -151,20 +182,17 @@ step test-off test_off
 test_static() (
     export RUSTFLAGS="-C target-feature=+crt-static" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/static"
     export THISCPU_EXPECT_REGISTRAR=glibc
-    run cargo test -p thiscpu --target "$triple" \
-        --test registration --test identity --test counter --test pool
+    vm_test -p thiscpu --test registration --test identity --test counter --test pool
 )
 step test-static test_static
 
 # Same layout as .ci/run: an instrumented build in a directory of its own.
 inject() (
     export RUSTFLAGS="--cfg thiscpu_inject" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/inject"
-    run cargo test -p thiscpu --target "$triple" --test counter --test pool --test fence --test sharded \
-        --test registration
+    vm_test -p thiscpu --test counter --test pool --test fence --test sharded --test registration
 )
 step inject inject
 
-runner=.ci/aarch64/runner.sh
 cli_bin=$CARGO_TARGET_DIR/$triple/debug/thiscpu
 bench_families=()
 cli() {

@@ -30,12 +30,15 @@
 #                and the steps that do not depend on the kernel's rseq (test-off, static,
 #                inject's delays, fast-path) run on 6.1 only, to stay within the time budget
 #
-# Doctests run too: Debian's rustdoc (same release as the compiler) builds them for aarch64
-# and cargo hands them to the runner. Nothing is skipped on purpose; a step that cannot run
-# says why.
+# A test step boots one guest for all of its test executables (vm_test below: booting is
+# most of what a short test costs under TCG, and there are about 25 executables), each run
+# from its package's root with the step's environment; the step fails when any of them
+# fails. Doctests run too, through cargo: Debian's rustdoc (same release as the compiler)
+# builds them for aarch64, merged into one executable, and cargo hands it to the runner, one
+# more boot. Nothing is skipped on purpose; a step that cannot run says why.
 #
 # Knobs: THISCPU_AARCH64_TARGET_DIR (default target/aarch64), THISCPU_VM_TIMEOUT (seconds per
-# VM run, default 300), THISCPU_AARCH64_JOBS (cargo -j, default 2).
+# test executable in a VM run, default 300), THISCPU_AARCH64_JOBS (cargo -j, default 2).
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)

@@ -21,12 +21,14 @@
 //! types (`Counter`, the pool) uphold it by construction.
 
 use crate::abi::offset;
-use crate::arch::{self, StackHead, StackOutcome};
+use crate::arch;
 use crate::registration;
 use core::marker::PhantomData;
 use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
 pub use crate::arch::Outcome;
+/// The guarded stack's head and the outcome of its sections, for the pool's caches.
+pub(crate) use crate::arch::{StackHead, StackOutcome};
 
 mod sealed {
     pub trait Sealed {}

@@ -19,9 +19,8 @@
 
 use super::stacks::Stacks;
 use super::{Caches, Pool, lock};
-use crate::arch::StackOutcome;
 use crate::fence::{self, FenceUnavailable};
-use crate::ops;
+use crate::ops::{self, StackOutcome};
 use crate::topology;
 
 /// How [`Pool::drain_cpu`] reached the cache.

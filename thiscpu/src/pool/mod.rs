@@ -39,9 +39,8 @@ mod stacks;
 
 pub use drain::{DrainAllError, DrainError, DrainMethod, Drained};
 
-use crate::arch::StackOutcome;
 use crate::mask::CpuMask;
-use crate::ops::{self, ByCpu};
+use crate::ops::{self, ByCpu, StackOutcome};
 use crate::percpu::CachePadded;
 use crate::registration::{self, Registrar};
 use crate::topology;

@@ -13,8 +13,7 @@
 //! why it holds.
 
 use super::Pool;
-use crate::arch::{StackHead, StackOutcome};
-use crate::ops::{self, Position};
+use crate::ops::{self, Position, StackHead, StackOutcome};
 use crate::percpu::CachePadded;
 use core::mem::size_of;
 use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -119,12 +119,12 @@ step build build
 # them with their packages' roots from cargo's JSON messages, and runs them all in one boot
 # (runner.sh --batch; booting is most of what a short test costs under TCG), each from its
 # package's root as cargo does. The step fails when any of them fails; the runner ends with
-# every executable's exit code.
+# every executable's exit code. The manifest stays in the target directory, so that the last
+# batch can be run again by hand.
 runner=.ci/aarch64/runner.sh
 vm_test() {
-    local listing manifest
-    listing=$(mktemp)
-    manifest=$(mktemp)
+    local listing=$CARGO_TARGET_DIR/vm-test.json manifest=$CARGO_TARGET_DIR/vm-test.manifest
+    mkdir -p "$CARGO_TARGET_DIR"
     run cargo test "$@" --target "$triple" --no-run --message-format=json-render-diagnostics \
         >"$listing"
     # run's echo of the command is the one line that is not JSON.
@@ -132,9 +132,9 @@ vm_test() {
         and .executable != null)
         | (.manifest_path | rtrimstr("/Cargo.toml")) + "\t" + .executable' "$listing" |
         awk '!seen[$0]++' >"$manifest"
+    rm -f "$listing"
     cat "$manifest"
     run bash "$runner" --batch "$manifest"
-    rm -f "$listing" "$manifest"
 }
 
 # The doctests: rustdoc builds them and hands them to the runner through cargo, merged into one

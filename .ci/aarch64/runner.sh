@@ -180,7 +180,7 @@ pass_through+='|CARGO_(MANIFEST_|PKG_|CRATE_|BIN_|TARGET_TMPDIR)'
 # Single-quotes a word for the guest's shell.
 quote() { printf "'%s'" "$(printf '%s' "$1" | sed "s/'/'\\\\''/g")"; }
 
-# What each run is called in a batch's output and summary.
+# What each run is called in a batch's output and summary: the program and its arguments.
 names=()
 {
     echo '#!/bin/busybox sh'
@@ -204,9 +204,13 @@ names=()
         index=$((index + 1))
         dir=$(add_workdir "${fields[0]}")
         program=$(add_program "${fields[1]}")
-        names+=("$program")
+        name=$program
+        for arg in "${fields[@]:2}"; do
+            name+=" $arg"
+        done
+        names+=("$name")
         if [ "$batch" = yes ]; then
-            printf 'echo %s\n' "$(quote "runner: [$index/${#runs[@]}] $program (in $dir)")"
+            printf 'echo %s\n' "$(quote "runner: [$index/${#runs[@]}] $name (in $dir)")"
         fi
         printf 'cd %s\n' "$(quote "$dir")"
         quote "$program"

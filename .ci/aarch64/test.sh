@@ -198,12 +198,24 @@ step inject inject
 
 cli_bin=$CARGO_TARGET_DIR/$triple/debug/thiscpu
 bench_families=()
+# One line of a runner manifest: its arguments separated by tabs.
+manifest_line() {
+    local IFS=$'\t'
+    printf '%s\n' "$*"
+}
+# The runs with the step's environment in one boot; the one that sets glibc's tunables in a
+# boot of its own.
 cli() {
-    run bash "$runner" "$cli_bin" --help
-    run bash "$runner" "$cli_bin" info
+    local manifest=$CARGO_TARGET_DIR/vm-cli.manifest
+    {
+        manifest_line / "$cli_bin" --help
+        manifest_line / "$cli_bin" info
+        manifest_line / "$cli_bin" stress --seconds 2
+        manifest_line / "$cli_bin" bench --quick "${bench_families[@]}"
+    } >"$manifest"
+    cat "$manifest"
+    run bash "$runner" --batch "$manifest"
     (export GLIBC_TUNABLES=glibc.pthread.rseq=0 && run bash "$runner" "$cli_bin" info)
-    run bash "$runner" "$cli_bin" stress --seconds 2
-    run bash "$runner" "$cli_bin" bench --quick "${bench_families[@]}"
 }
 step cli cli
 

@@ -111,7 +111,8 @@ impl CpuSet {
 
 /// The CPUs the calling thread may run on now (its affinity mask, as `sched_getaffinity`
 /// reports it), lowest first. Other threads, and `taskset` from outside, can change it at any
-/// time.
+/// time. The kernel reports only active CPUs: an offline CPU in the thread's mask (which
+/// `/proc/thread-self/status` still lists) is not among them.
 ///
 /// ```
 /// let allowed = thiscpu::topology::allowed_cpus().unwrap();
@@ -124,9 +125,10 @@ pub fn allowed_cpus() -> io::Result<Vec<u32>> {
 }
 
 /// Pins the calling thread to `cpu`, one of its [`allowed_cpus`], until the returned guard is
-/// dropped; the guard then gives the thread back the affinity it had before. When this
-/// returns `Ok`, the thread runs on `cpu`: the kernel moves a thread that changes its own
-/// affinity before the call returns.
+/// dropped; the guard then gives the thread back the affinity it had before, as far as
+/// [`allowed_cpus`] saw it: CPUs offline at the time of the pin are not given back, so the
+/// thread does not follow them when they come online. When this returns `Ok`, the thread runs
+/// on `cpu`: the kernel moves a thread that changes its own affinity before the call returns.
 ///
 /// Errors, with nothing changed:
 /// - [`io::ErrorKind::InvalidInput`] when `cpu` is not below

@@ -65,10 +65,12 @@ type Line = CachePadded<[AtomicU64; LINE_WORDS]>;
 ///
 /// ```
 /// let latency = thiscpu::Histogram::new(&[0.01, 0.1, 1.0]).unwrap();
+/// // Binary fractions, so their sum is exact whichever CPU sums them in whichever order.
+/// let values = [0.0078125, 0.0625, 0.5, 4.0];
 /// std::thread::scope(|s| {
 ///     for _ in 0..4 {
 ///         s.spawn(|| {
-///             for v in [0.005, 0.05, 0.5, 5.0] {
+///             for v in values {
 ///                 latency.observe(v);
 ///             }
 ///         });
@@ -76,7 +78,7 @@ type Line = CachePadded<[AtomicU64; LINE_WORDS]>;
 /// });
 /// let snapshot = latency.snapshot();
 /// assert_eq!(snapshot.count, 16);
-/// assert_eq!(snapshot.sum, 4.0 * (0.005 + 0.05 + 0.5 + 5.0));
+/// assert_eq!(snapshot.sum, 4.0 * values.iter().sum::<f64>());
 /// let counts: Vec<u64> = snapshot.buckets.iter().map(|b| b.count).collect();
 /// assert_eq!(counts, [4, 4, 4, 4]); // le 0.01, 0.1, 1, +Inf
 /// assert_eq!(snapshot.buckets[3].le, f64::INFINITY);

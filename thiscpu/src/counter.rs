@@ -8,7 +8,7 @@
 
 use crate::dense;
 use crate::ops::{self, ByCpu, ByMmCid, Outcome, Spread};
-use crate::registration::{self, MM_CID_USABLE, Registrar};
+use crate::registration::{self, Registrar};
 use core::marker::PhantomData;
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -136,7 +136,7 @@ impl<S: Spread> Counter<S> {
     /// ```
     #[inline]
     pub fn add(&self, n: u64) {
-        if S::FIELD == ByCpu::FIELD || !MM_CID_USABLE.load(Ordering::Relaxed) {
+        if S::FIELD == ByCpu::FIELD || !registration::mm_cid_usable() {
             self.add_by::<ByCpu>(n);
         } else {
             self.add_by::<ByMmCid>(n);
@@ -152,18 +152,27 @@ impl<S: Spread> Counter<S> {
         if index < dense::cpu_rows() {
             // SAFETY: `at` was just read from this thread's area, by `By`; the word is row
             // `index`'s, written only by sections positioned on that index with the same spread
-            // (process-wide: `MM_CID_USABLE` never changes once true) or, when the process has
+            // (process-wide: `mm_cid` usable never changes once true) or, when the process has
             // no rseq, by atomic adds (never both, see `add_slow`).
             let outcome = unsafe { ops::load_add_store(at, self.word(index).as_ptr(), n) };
             if outcome == Outcome::Committed(()) {
                 return;
             }
-            ops::note_abort();
+            return self.add_after_abort::<By>(n);
         }
         self.add_slow::<By>(n);
     }
 
-    /// The slow path. The fast path chose its spread `By` from `MM_CID_USABLE` as it read it; if this
+    /// The fast path's abort: counted, then retried on the slow path. One call that the fast
+    /// path jumps to, so the fast path keeps nothing across a call and saves no register.
+    #[cold]
+    #[inline(never)]
+    fn add_after_abort<By: Spread>(&self, n: u64) {
+        ops::note_abort();
+        self.add_slow::<By>(n);
+    }
+
+    /// The slow path. The fast path chose its spread `By` from `registration::mm_cid_usable` as it read it; if this
     /// thread was not registered then, the process may not have decided yet, and the decision
     /// (which registering waits for) can make `mm_cid` usable. Every section on a word must
     /// compare the same field, so a by-`mm_cid` counter chooses again once registered.
@@ -173,7 +182,7 @@ impl<S: Spread> Counter<S> {
         if S::FIELD != ByCpu::FIELD
             && By::FIELD == ByCpu::FIELD
             && ops::position().is_some()
-            && MM_CID_USABLE.load(Ordering::Relaxed)
+            && registration::mm_cid_usable()
         {
             return self.add_slow_by::<ByMmCid>(n);
         }

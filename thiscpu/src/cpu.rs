@@ -99,12 +99,10 @@ pub struct Source {
     pub mm_cid: bool,
 }
 
-use registration::{MM_CID_USABLE, NODE_ID_USABLE};
-
 /// Whether `mm_cid` is kept current in this process's areas.
 #[inline]
 pub(crate) fn mm_cid_usable() -> bool {
-    MM_CID_USABLE.load(Ordering::Relaxed)
+    registration::mm_cid_usable()
         || registration::decided().is_some_and(|process| process.mm_cid_usable())
 }
 
@@ -240,7 +238,7 @@ fn current_cpu_slow() -> u32 {
 #[inline]
 #[must_use]
 pub fn getcpu() -> CpuNode {
-    if NODE_ID_USABLE.load(Ordering::Relaxed)
+    if registration::node_id_usable()
         && let Some((cpu, node)) = arch::load_cpu_node()
         && cpu >= 0
     {
@@ -256,7 +254,7 @@ pub fn getcpu() -> CpuNode {
 #[inline(never)]
 fn getcpu_slow() -> CpuNode {
     if !registration::NO_RSEQ.load(Ordering::Relaxed) && registration::ensure_registered() {
-        if NODE_ID_USABLE.load(Ordering::Relaxed) {
+        if registration::node_id_usable() {
             // Aborts are rare: a section two loads long is only interrupted by events that
             // happen between them, unless the thread is interrupted at every instruction
             // (single-stepped), which the bound on consecutive aborts is for.
@@ -295,8 +293,11 @@ fn getcpu_slow() -> CpuNode {
 #[inline]
 #[must_use]
 pub fn current_node() -> u32 {
-    if NODE_ID_USABLE.load(Ordering::Relaxed) && rseq_cpu_id() >= 0 {
-        return arch::active_field::<{ offset::NODE_ID }>() as u32;
+    if registration::node_id_usable() {
+        let area = arch::area_offset();
+        if arch::field_at::<{ offset::CPU_ID }>(area) >= 0 {
+            return arch::field_at::<{ offset::NODE_ID }>(area) as u32;
+        }
     }
     getcpu_slow().node
 }
@@ -316,8 +317,12 @@ pub fn current_node() -> u32 {
 #[inline]
 #[must_use]
 pub fn mm_cid() -> Option<u32> {
-    if MM_CID_USABLE.load(Ordering::Relaxed) && rseq_cpu_id() >= 0 {
-        return Some(arch::active_field::<{ offset::MM_CID }>() as u32);
+    // Two fields from one load of the area's offset: fewer steps than two `active_field`s.
+    if registration::mm_cid_usable() {
+        let area = arch::area_offset();
+        if arch::field_at::<{ offset::CPU_ID }>(area) >= 0 {
+            return Some(arch::field_at::<{ offset::MM_CID }>(area) as u32);
+        }
     }
     mm_cid_slow()
 }
@@ -326,7 +331,7 @@ pub fn mm_cid() -> Option<u32> {
 #[inline(never)]
 fn mm_cid_slow() -> Option<u32> {
     decide_fallback();
-    if MM_CID_USABLE.load(Ordering::Relaxed) && registration::ensure_registered() {
+    if registration::mm_cid_usable() && registration::ensure_registered() {
         return Some(arch::active_field::<{ offset::MM_CID }>() as u32);
     }
     None

@@ -14,11 +14,12 @@
 //! # Safety
 //! Maps memory with `mmap` and hands out raw addresses inside it; each block states why it holds.
 
+use crate::arch::{self, hot};
 use crate::topology;
 use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Bytes between the rows of two consecutive CPUs. 64 KiB: a range holds 8192 `u64` slots per
 /// CPU; the address space a range reserves (64 KiB per possible CPU) is never backed for CPUs
@@ -32,15 +33,13 @@ const _: () = assert!(1 << STRIDE_SHIFT == STRIDE);
 /// Largest alignment a slot may ask for: one page keeps every row aligned alike.
 pub const MAX_ALIGN: usize = 4096;
 
-/// Number of per-CPU rows: set once, before the first slot is handed out, and never changed.
-/// A CPU index below it addresses an existing row.
-static ROWS: AtomicU32 = AtomicU32::new(0);
-
-/// Rows for CPUs (the number of possible CPUs). 0 until the first slot is allocated, so an
-/// index check against it is always conservative.
+/// Rows for CPUs (the number of possible CPUs). Set once, before the first slot is handed out,
+/// and never changed; 0 until then, so an index check against it is always conservative. A CPU
+/// index below it addresses an existing row. Kept in a hot word, which a counter's fast path
+/// reads with one load.
 #[inline(always)]
 pub(crate) fn cpu_rows() -> u32 {
-    ROWS.load(Ordering::Relaxed)
+    arch::hot_word::<{ hot::ROWS }>()
 }
 
 struct Range {
@@ -151,7 +150,7 @@ pub(crate) fn alloc(size: usize, align: usize) -> NonNull<u8> {
         .unwrap_or_else(|poisoned| poisoned.into_inner());
     let arena = guard.get_or_insert_with(|| {
         let cpus = topology::possible_cpus();
-        ROWS.store(cpus as u32, Ordering::Relaxed);
+        arch::set_hot_word::<{ hot::ROWS }>(cpus as u32);
         Arena {
             ranges: Vec::new(),
             free: HashMap::new(),

@@ -8,7 +8,7 @@
 //! calling thread's own area before registering it; each block states why it holds.
 
 use crate::abi::{self, Rseq};
-use crate::arch;
+use crate::arch::{self, hot};
 use core::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::cell::Cell;
 use std::ffi::CStr;
@@ -191,10 +191,21 @@ impl Process {
 
 static PROCESS: OnceLock<Process> = OnceLock::new();
 
-// Process-wide facts that inline fast paths test with one relaxed load. They start false, which
-// sends the first calls to the slow path, where the decision is made and these are set.
-pub(crate) static NODE_ID_USABLE: AtomicBool = AtomicBool::new(false);
-pub(crate) static MM_CID_USABLE: AtomicBool = AtomicBool::new(false);
+/// Whether the process decided that the areas' `node_id` is kept current: a process-wide fact
+/// that inline fast paths test with one load (a hot word). False until the decision, which
+/// sends the first calls to the slow path, where the decision is made.
+#[inline(always)]
+pub(crate) fn node_id_usable() -> bool {
+    arch::hot_word::<{ hot::NODE_ID_USABLE }>() != 0
+}
+
+/// Whether the process decided that the areas' `mm_cid` is kept current; as `node_id_usable`.
+/// Never changes once true.
+#[inline(always)]
+pub(crate) fn mm_cid_usable() -> bool {
+    arch::hot_word::<{ hot::MM_CID_USABLE }>() != 0
+}
+
 /// Set once the decision is that nobody uses rseq in this process, so slow paths skip the
 /// registration check.
 pub(crate) static NO_RSEQ: AtomicBool = AtomicBool::new(false);
@@ -407,8 +418,8 @@ fn decide() -> Process {
     let process = decide_registrar();
     inject::signal_in_decision();
     crate::cpu::choose_fallback();
-    NODE_ID_USABLE.store(process.node_id_usable(), Ordering::Relaxed);
-    MM_CID_USABLE.store(process.mm_cid_usable(), Ordering::Relaxed);
+    arch::set_hot_word::<{ hot::NODE_ID_USABLE }>(process.node_id_usable().into());
+    arch::set_hot_word::<{ hot::MM_CID_USABLE }>(process.mm_cid_usable().into());
     NO_RSEQ.store(process.registrar == Registrar::None, Ordering::Relaxed);
     process
 }

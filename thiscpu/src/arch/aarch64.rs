@@ -48,7 +48,7 @@
 //! glibc's thread descriptor), memory the caller vouches for, and its own registers, as each
 //! block's comment details.
 
-use super::{AreaOffset, NativeCpuRead, Outcome, StackHead, StackOutcome};
+use super::{AreaOffset, NativeCpuRead, Outcome, StackHead, StackOutcome, hot};
 use crate::abi::offset;
 use core::arch::{asm, global_asm};
 use core::sync::atomic::{AtomicIsize, Ordering};
@@ -183,8 +183,8 @@ pub(crate) const RSEQ_SIG: u32 = u32::from_le(0xd428_bc00);
 // `__thiscpu_0_1_cpu_id_delta` is the distance from the own area to the `cpu_id` field of the
 // area in use, the same for every thread (areas sit at one offset from every thread pointer).
 // It starts at 4, the own area's `cpu_id`, and is switched once to glibc's area when glibc
-// registered. Both names carry the crate version so that two versions in one binary never
-// share them.
+// registered. `__thiscpu_0_1_hot_words` follows it, in the same line (see `arch::hot`). The
+// names carry the crate version so that two versions in one binary never share them.
 global_asm!(
     ".pushsection .tdata,\"awT\",%progbits",
     ".balign {capacity}",
@@ -204,9 +204,14 @@ global_asm!(
     ".hidden __thiscpu_0_1_cpu_id_delta",
     "__thiscpu_0_1_cpu_id_delta:",
     ".quad {cpu_id}",
+    ".globl __thiscpu_0_1_hot_words",
+    ".hidden __thiscpu_0_1_hot_words",
+    "__thiscpu_0_1_hot_words:",
+    ".zero {hot_bytes}",
     ".popsection",
     cpu_id = const offset::CPU_ID,
     capacity = const crate::abi::OWN_AREA_CAPACITY,
+    hot_bytes = const 4 * hot::WORDS,
 );
 
 unsafe extern "C" {
@@ -274,6 +279,27 @@ pub(crate) fn area_offset() -> AreaOffset {
         );
     }
     AreaOffset(offset)
+}
+
+/// The hot word `WORD` (one of the `arch::hot` indexes): a page address and one load.
+#[inline(always)]
+pub(crate) fn hot_word<const WORD: usize>() -> u32 {
+    const { assert!(WORD < hot::WORDS) };
+    let value: u32;
+    // SAFETY: the table is `hot::WORDS` aligned 32-bit words in `.data` (the `global_asm!`
+    // above), written only atomically (`arch::set_hot_word`); WORD is in range (checked at
+    // compile time), so this is one aligned, hence single-copy atomic, load inside it.
+    unsafe {
+        asm!(
+            "adrp {a}, __thiscpu_0_1_hot_words + {at}",
+            "ldr {v:w}, [{a}, :lo12:__thiscpu_0_1_hot_words + {at}]",
+            a = out(reg) _,
+            v = lateout(reg) value,
+            at = const 4 * WORD,
+            options(nostack, readonly, preserves_flags),
+        );
+    }
+    value
 }
 
 /// The 32-bit field `FIELD` (`cpu_id`, `node_id` or `mm_cid`) of the area whose `cpu_id` is at

@@ -14,7 +14,8 @@
 //! fewest steps (the fast path of `current_cpu`); `own_area_offset` and `set_active_offset`
 //! are for the registration, which chooses the area. What is the same on both architectures (the area's address from an
 //! offset, an `AreaOffset`'s area start) is written here, from `thread_pointer` and
-//! `AREA_OFFSET_FIELD`.
+//! `AREA_OFFSET_FIELD`. The fast paths' process-wide flags and bounds (`hot`) are read by
+//! `hot_word`, next to the area delta.
 //!
 //! # Safety
 //! The submodules are built from `asm!`; each block states why it holds.
@@ -77,7 +78,38 @@ pub(crate) use imp::*;
 
 use crate::abi::Rseq;
 use core::mem::{offset_of, size_of};
-use core::sync::atomic::AtomicU64;
+use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+/// The process-wide words that inline fast paths test on every call, as indexes into one table
+/// of `u32`s. Each architecture file places the table right after its area delta, so the words
+/// and the delta share a cache line, and reads a word with one PC-relative load (`hot_word`).
+/// A Rust static of this crate, inlined into another crate, would be reached through the GOT:
+/// rustc emits a `GOTPCREL` relocation that the linker does not relax, one more dependent load
+/// per call (`pub static X: AtomicU32` and `#[inline] pub fn get() -> u32 { X.load(Relaxed) }`
+/// in one crate, `get()` called from another: `mov X@GOTPCREL(%rip), %rax; mov (%rax), %eax`
+/// with rustc 1.95).
+pub(crate) mod hot {
+    /// `dense`'s number of per-CPU rows (0 until its first slot).
+    pub(crate) const ROWS: usize = 0;
+    /// Non-zero once the process decided that the areas' `node_id` is kept current.
+    pub(crate) const NODE_ID_USABLE: usize = 1;
+    /// Non-zero once the process decided that the areas' `mm_cid` is kept current.
+    pub(crate) const MM_CID_USABLE: usize = 2;
+    /// The table's length.
+    pub(crate) const WORDS: usize = 3;
+}
+
+unsafe extern "C" {
+    /// Defined in the architecture file's `global_asm!`, zero at start.
+    static __thiscpu_0_1_hot_words: [AtomicU32; hot::WORDS];
+}
+
+/// Sets the hot word `WORD` (one of the `hot` indexes) for every thread of the process.
+pub(crate) fn set_hot_word<const WORD: usize>(value: u32) {
+    // SAFETY: the table is `hot::WORDS` aligned words in `.data`, defined by the architecture
+    // file, and accessed only atomically (here, or by `hot_word`'s single aligned load).
+    unsafe { __thiscpu_0_1_hot_words[WORD].store(value, Ordering::Relaxed) }
+}
 
 /// Where the active rseq area is, as `area_offset` loaded it: the offset from the thread
 /// pointer to the area's field at `AREA_OFFSET_FIELD` (its start on x86_64, its `cpu_id` on
@@ -194,6 +226,7 @@ const _: () = {
     let _: fn() -> AreaOffset = area_offset;
     let _: fn(AreaOffset) -> i32 = field_at::<CPU_ID>;
     let _: fn() -> i32 = active_field::<MM_CID>;
+    let _: fn() -> u32 = hot_word::<{ hot::ROWS }>;
     let _: fn() -> Option<(i32, u32)> = load_cpu_node;
     let _: Option<NativeCpuRead> = NATIVE_CPU_READ;
     let _: Option<NativeCpuRead> = NATIVE_CPU_READ_WITH_CLOCK;

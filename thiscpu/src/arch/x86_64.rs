@@ -19,7 +19,7 @@
 //! that always names a live, 32-byte area in this thread's static TLS or glibc's thread
 //! descriptor) and its own registers, as each block's comment details.
 
-use super::{AreaOffset, NativeCpuRead, Outcome, StackHead, StackOutcome};
+use super::{AreaOffset, NativeCpuRead, Outcome, StackHead, StackOutcome, hot};
 use crate::abi::offset;
 use core::arch::{asm, global_asm};
 use core::sync::atomic::{AtomicIsize, Ordering};
@@ -128,8 +128,9 @@ pub(crate) const RSEQ_SIG: u32 = 0x5305_3053;
 // `__thiscpu_0_1_area_delta` is the distance from the own area to the area in use, the same for
 // every thread (areas sit at one offset from every thread pointer). It starts at 0, so the fast
 // path is sound before the process-wide decision is made; it is switched to glibc's area once,
-// when glibc registered. Both names carry the crate version so that two versions in one binary
-// never share them.
+// when glibc registered. `__thiscpu_0_1_hot_words` follows it, in the same line (see
+// `arch::hot`). The names carry the crate version so that two versions in one binary never
+// share them.
 global_asm!(
     ".pushsection .tdata,\"awT\",@progbits",
     ".balign {capacity}",
@@ -149,8 +150,13 @@ global_asm!(
     ".hidden __thiscpu_0_1_area_delta",
     "__thiscpu_0_1_area_delta:",
     ".quad 0",
+    ".globl __thiscpu_0_1_hot_words",
+    ".hidden __thiscpu_0_1_hot_words",
+    "__thiscpu_0_1_hot_words:",
+    ".zero {hot_bytes}",
     ".popsection",
     capacity = const crate::abi::OWN_AREA_CAPACITY,
+    hot_bytes = const 4 * hot::WORDS,
 );
 
 unsafe extern "C" {
@@ -193,6 +199,25 @@ pub(crate) fn set_active_offset(offset: isize) {
     let delta = offset - own_area_offset();
     // SAFETY: the symbol is an 8-byte aligned word in `.data`, only accessed atomically.
     unsafe { __thiscpu_0_1_area_delta.store(delta, Ordering::Relaxed) }
+}
+
+/// The hot word `WORD` (one of the `arch::hot` indexes): one RIP-relative load.
+#[inline(always)]
+pub(crate) fn hot_word<const WORD: usize>() -> u32 {
+    const { assert!(WORD < hot::WORDS) };
+    let value: u32;
+    // SAFETY: the table is `hot::WORDS` aligned 32-bit words in `.data` (the `global_asm!`
+    // above), written only atomically (`arch::set_hot_word`); WORD is in range (checked at
+    // compile time), so this is one aligned, hence atomic, load inside it.
+    unsafe {
+        asm!(
+            "mov {v:e}, dword ptr [rip + __thiscpu_0_1_hot_words + {at}]",
+            v = out(reg) value,
+            at = const 4 * WORD,
+            options(nostack, readonly, preserves_flags),
+        );
+    }
+    value
 }
 
 /// The 32-bit field `FIELD` (`cpu_id`, `node_id`, `mm_cid`) of the active area, read alone: the

@@ -349,33 +349,33 @@ pub(crate) fn active_field<const FIELD: usize>() -> i32 {
 /// Reads `cpu_id` and `node_id` inside one restartable sequence, so both come from the same
 /// scheduling interval: any preemption, migration or signal between the two loads sends the
 /// thread to the abort label, and the pair is discarded. Returns `None` when aborted, and a
-/// negative cpu when the area is not registered.
+/// negative cpu when the area is not registered. The abort handler marks the cpu with
+/// `i32::MIN`, which no area holds, rather than setting a flag of its own: then one sign test
+/// of the cpu rejects both an abort and an unregistered area.
 #[inline]
 pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
     let offset = area_offset();
     let cpu: i32;
     let node: u32;
-    let aborted: u32;
     // SAFETY: the section only loads from this thread's area and stores the descriptor address
     // into its `rseq_cs` field, as the rseq ABI prescribes; the descriptor and the abort
     // handler (preceded by the signature) are emitted alongside, and every instruction between
     // start (label 2) and post-commit (label 4) lies inside the described range. The handler
-    // writes only `aborted` and branches back to label 4.
+    // writes only `cpu` and branches back to label 4.
     unsafe {
         asm!(
             rseq_descriptor!("2", "4", "5"),
-            "mov {aborted:w}, #0",
             rseq_arm!(),
             "ldr {cpu:w}, [{base}]",
             "ldur {node:w}, [{base}, #{node_id}]",
             "4:",
-            rseq_abort!("5", "mov {aborted:w}, #1", "b 4b"),
+            rseq_abort!("5", "mov {cpu:w}, #{aborted}", "b 4b"),
             off = in(reg) offset.0,
             base = out(reg) _,
             cs = out(reg) _,
             cpu = out(reg) cpu,
             node = out(reg) node,
-            aborted = out(reg) aborted,
+            aborted = const i32::MIN,
             rseq_cs = const offset::RSEQ_CS - offset::CPU_ID,
             node_id = const offset::NODE_ID - offset::CPU_ID,
             out("x16") _,
@@ -383,11 +383,7 @@ pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
             options(nostack, preserves_flags),
         );
     }
-    if aborted == 0 {
-        Some((cpu, node))
-    } else {
-        None
-    }
+    (cpu != i32::MIN).then_some((cpu, node))
 }
 
 /// aarch64 has no instruction that tells user space the Linux CPU number: `MPIDR_EL1` is the

@@ -249,12 +249,13 @@ pub(crate) fn active_field<const FIELD: usize>() -> i32 {
 /// Reads `cpu_id` and `node_id` inside one restartable sequence, so both come from the same
 /// scheduling interval: any preemption, migration or signal between the two loads sends the
 /// thread to the abort label, and the pair is discarded. Returns `None` when aborted, and a
-/// negative cpu when the area is not registered.
+/// negative cpu when the area is not registered. The abort handler marks the cpu with
+/// `i32::MIN`, which no area holds, rather than setting a flag of its own: then one sign test
+/// of the cpu rejects both an abort and an unregistered area.
 #[inline]
 pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
     let cpu: i32;
     let node: u32;
-    let aborted: u32;
     // SAFETY: the section only loads from this thread's area and stores the descriptor address
     // into its `rseq_cs` field, as the rseq ABI prescribes; the descriptor and the abort
     // handler (preceded by the signature) are emitted alongside, and every instruction between
@@ -262,28 +263,23 @@ pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
     unsafe {
         asm!(
             rseq_descriptor!("2", "4", "5"),
-            "xor {aborted:e}, {aborted:e}",
             rseq_arm!(),
             "mov {cpu:e}, dword ptr fs:[{off} + {cpu_id}]",
             "mov {node:e}, dword ptr fs:[{off} + {node_id}]",
             "4:",
-            rseq_abort!("5", "mov {aborted:e}, 1", "jmp 4b"),
+            rseq_abort!("5", "mov {cpu:e}, {aborted}", "jmp 4b"),
             off = in(reg) area_offset().0,
             cs = out(reg) _,
             cpu = out(reg) cpu,
             node = out(reg) node,
-            aborted = out(reg) aborted,
+            aborted = const i32::MIN,
             rseq_cs = const offset::RSEQ_CS,
             cpu_id = const offset::CPU_ID,
             node_id = const offset::NODE_ID,
             options(nostack),
         );
     }
-    if aborted == 0 {
-        Some((cpu, node))
-    } else {
-        None
-    }
+    (cpu != i32::MIN).then_some((cpu, node))
 }
 
 const _: () = assert!(

@@ -118,6 +118,7 @@ pub mod dense;
 pub mod fence;
 #[allow(unsafe_code)]
 pub mod histogram;
+#[allow(unsafe_code)]
 pub mod mask;
 #[cfg(feature = "metrics")]
 pub mod metrics;

@@ -13,8 +13,10 @@
 //! Reading first has a price when the bit *does* change: the load brings the line in shared,
 //! and the read-modify-write that follows must then upgrade it, a second coherence transaction
 //! (measured with two threads flipping their bits: 12.2 ns against 8.8 ns for a bare
-//! `fetch_or`). So a mask has two modes, in one byte next to its word pointer (read on every
-//! call anyway, written only when the mode changes):
+//! `fetch_or`). So a mask has two modes, written only when the mode changes. A call reads the
+//! mode as the number of words it may read first, kept next to the word pointer: all of them in
+//! read-first mode, none otherwise, so one comparison of the word's index checks both the mode
+//! and the bounds:
 //! - **read first** (the start, and the steady state of "the bit is usually right"): one load;
 //!   a read-modify-write only when the bit must change. Each thread counts, in its own TLS and
 //!   only on that rare path, the changes it made; after [`STREAK`] of them it switches the mask
@@ -26,15 +28,19 @@
 //! In the steady states nothing but the bits is written: "always right" stays in read-first,
 //! "changes every call" stays in read-modify-write. A pattern that changes the bit once in a
 //! while (one call in 16, say) visits read-modify-write once every `STREAK` changes (of each
-//! thread) and pays two wasted read-modify-writes and three writes of the mode byte there. The hot path never touches TLS: on some machines
-//! (AMD EPYC virtual machines among them) an `fs`-relative load costs as much as the
-//! read-first fast path itself.
+//! thread) and pays two wasted read-modify-writes and a few writes of the mode there. The hot
+//! path never touches TLS: on some machines (AMD EPYC virtual machines among them) an
+//! `fs`-relative load costs as much as the read-first fast path itself.
 //!
 //! # Memory ordering
 //! Every operation is `Relaxed`: a mask says *which* CPUs, it does not publish data. A thread
 //! that set a bit before writing data elsewhere is seen with its bit by any reader that
 //! happens-after the write (by `join`, a lock, or an acquire/release pair of the caller's), by
 //! the coherence of the word; order the data itself with that same synchronization.
+//!
+//! # Safety
+//! One unchecked index, on the read-first path: the count of words that path may read is only
+//! ever 0 or the number of words.
 
 use crate::topology;
 use core::cell::Cell;
@@ -74,7 +80,7 @@ static NEXT_ID: AtomicUsize = AtomicUsize::new(0);
 ///   see every bit as it was at some moment during the call.
 /// - Every operation is `Relaxed` (see "Memory ordering" in the module documentation).
 ///
-/// Size: one `u64` per 64 CPUs and two words (plus 16 bytes of static TLS per thread, shared
+/// Size: one `u64` per 64 CPUs and four words (plus 16 bytes of static TLS per thread, shared
 /// by all masks).
 ///
 /// ```
@@ -87,10 +93,14 @@ static NEXT_ID: AtomicUsize = AtomicUsize::new(0);
 /// ```
 pub struct CpuMask {
     words: Box<[AtomicU64]>,
+    /// The words a call may read first: `words.len()` in read-first mode, 0 in
+    /// read-modify-write mode, never anything else. One comparison of a word's index with it
+    /// checks the bounds and the mode at once.
+    read_first_words: AtomicUsize,
     /// 0: read first; 1..=`RMW_FRESH`: read-modify-write, counting down wasted calls.
     mode: AtomicU8,
     /// This mask's change counter in every thread, below `COUNTERS`.
-    counter: usize,
+    counter: u8,
 }
 
 impl CpuMask {
@@ -114,12 +124,14 @@ impl CpuMask {
     /// assert_eq!(mask.first(), Some(299));
     /// ```
     pub fn with_capacity(cpus: usize) -> Self {
+        let words: Box<[AtomicU64]> = (0..cpus.max(1).div_ceil(BITS))
+            .map(|_| AtomicU64::new(0))
+            .collect();
         CpuMask {
-            words: (0..cpus.max(1).div_ceil(BITS))
-                .map(|_| AtomicU64::new(0))
-                .collect(),
+            read_first_words: AtomicUsize::new(words.len()),
+            words,
             mode: AtomicU8::new(0),
-            counter: NEXT_ID.fetch_add(1, Ordering::Relaxed) % COUNTERS,
+            counter: (NEXT_ID.fetch_add(1, Ordering::Relaxed) % COUNTERS) as u8,
         }
     }
 
@@ -134,13 +146,6 @@ impl CpuMask {
         self.words.len() * BITS
     }
 
-    /// The word and the bit of `cpu`; panics beyond the capacity.
-    #[inline(always)]
-    fn locate(&self, cpu: u32) -> (&AtomicU64, u64) {
-        let index = cpu as usize;
-        (&self.words[index / BITS], 1 << (index % BITS))
-    }
-
     /// Adds `cpu`; returns whether it was absent (whether this call changed the mask).
     /// Panics if `cpu >= capacity()`.
     ///
@@ -151,8 +156,7 @@ impl CpuMask {
     /// ```
     #[inline]
     pub fn set(&self, cpu: u32) -> bool {
-        let (word, bit) = self.locate(cpu);
-        self.update(word, bit, true)
+        self.update(cpu, true)
     }
 
     /// Removes `cpu`; returns whether it was present (whether this call changed the mask).
@@ -166,8 +170,7 @@ impl CpuMask {
     /// ```
     #[inline]
     pub fn clear(&self, cpu: u32) -> bool {
-        let (word, bit) = self.locate(cpu);
-        self.update(word, bit, false)
+        self.update(cpu, false)
     }
 
     /// Adds the CPU the calling thread runs on now, and returns it. The thread may migrate
@@ -305,24 +308,50 @@ impl CpuMask {
 impl CpuMask {
     /// The update of one bit, by the mask's mode.
     #[inline(always)]
-    fn update(&self, word: &AtomicU64, bit: u64, set: bool) -> bool {
-        let mode = self.mode.load(Ordering::Relaxed);
-        if mode == 0 {
+    fn update(&self, cpu: u32, set: bool) -> bool {
+        let index = cpu as usize / BITS;
+        let bit = 1 << (cpu as usize % BITS);
+        if index < self.read_first_words.load(Ordering::Relaxed) {
+            // SAFETY: `read_first_words` is 0 or `words.len()` (see its definition), so the index
+            // is in bounds.
+            let word = unsafe { self.words.get_unchecked(index) };
             // Read first: the usual case finds the bit right and writes nothing.
             if (word.load(Ordering::Relaxed) & bit != 0) == set {
                 return false;
             }
             return self.change_after_read(word, bit, set);
         }
-        // Read-modify-write mode: learn from the old value. In the steady "every call changes
-        // it" state nothing else is written; a wasted call counts towards reading first.
+        // Read-modify-write mode (or an index beyond the capacity, which panics here): learn
+        // from the old value. In the steady "every call changes it" state nothing else is
+        // written; a wasted call counts towards reading first.
+        let word = &self.words[index];
+        let mode = self.mode.load(Ordering::Relaxed);
         let changed = read_modify_write(word, bit, set);
         if !changed {
-            self.mode.store(mode - 1, Ordering::Relaxed);
+            if mode <= 1 {
+                self.switch_to_read_first();
+            } else {
+                self.mode.store(mode - 1, Ordering::Relaxed);
+            }
         } else if mode != RMW_FRESH {
             self.mode.store(RMW_FRESH, Ordering::Relaxed);
         }
         changed
+    }
+
+    /// The two fields of a mode are written one after the other, so racing switches can leave
+    /// them apart for a while: a read-first mask counting down, or a read-modify-write mask at
+    /// 0. Either is only a mode, never a wrong bit, and the next switch sets both again.
+    #[inline(always)]
+    fn switch_to_read_first(&self) {
+        self.mode.store(0, Ordering::Relaxed);
+        self.read_first_words
+            .store(self.words.len(), Ordering::Relaxed);
+    }
+
+    fn switch_to_read_modify_write(&self) {
+        self.mode.store(RMW_FRESH, Ordering::Relaxed);
+        self.read_first_words.store(0, Ordering::Relaxed);
     }
 
     /// A read-first call found the bit wrong: change it, and count the change.
@@ -332,14 +361,14 @@ impl CpuMask {
         let changed = read_modify_write(word, bit, set);
         let streak = CHANGES
             .try_with(|counters| {
-                let counter = &counters[self.counter % COUNTERS];
+                let counter = &counters[usize::from(self.counter) % COUNTERS];
                 let streak = counter.get().saturating_add(1);
                 counter.set(if streak >= STREAK { 0 } else { streak });
                 streak
             })
             .unwrap_or(0);
         if streak >= STREAK {
-            self.mode.store(RMW_FRESH, Ordering::Relaxed);
+            self.switch_to_read_modify_write();
         }
         changed
     }
@@ -463,6 +492,7 @@ mod tests {
         let mask = CpuMask::with_capacity(2);
         for change in 0..STREAK {
             assert_eq!(mask.mode.load(Ordering::Relaxed), 0, "reads first");
+            assert_eq!(mask.read_first_words.load(Ordering::Relaxed), 1);
             if change % 2 == 0 {
                 assert!(mask.set(1));
             } else {
@@ -479,10 +509,12 @@ mod tests {
             assert!(mask.clear(1));
         }
         assert_eq!(mask.mode.load(Ordering::Relaxed), RMW_FRESH);
+        assert_eq!(mask.read_first_words.load(Ordering::Relaxed), 0);
         for _ in 0..RMW_FRESH + 1 {
             mask.set(0);
         }
         assert_eq!(mask.mode.load(Ordering::Relaxed), 0, "idle calls");
+        assert_eq!(mask.read_first_words.load(Ordering::Relaxed), 1);
         assert!(mask.contains(0) && !mask.contains(1));
     }
 }

@@ -391,16 +391,15 @@ pub(crate) unsafe fn stack_push<S: Spread>(
 /// head.count; if n == 0 leave(Refused); *out = slots[n - 1]; commit head.count = n - 1`.
 ///
 /// # Safety
-/// As for [`stack_push`]; `out` is valid for a pointer-sized write (read only after a commit).
+/// As for [`stack_push`].
 #[inline(always)]
 pub(crate) unsafe fn stack_pop<S: Spread>(
     at: Position<S>,
     head: *const StackHead,
     slots: *const usize,
-    out: *mut usize,
-) -> StackOutcome {
+) -> (StackOutcome, usize) {
     // SAFETY: forwarded contract.
-    unsafe { section_by!(S, stack_pop, [], at.offset, at.index, head, slots, out) }
+    unsafe { section_by!(S, stack_pop, [], at.offset, at.index, head, slots) }
 }
 
 static ABORTS: AtomicU64 = AtomicU64::new(0);

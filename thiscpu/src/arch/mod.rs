@@ -176,15 +176,30 @@ const _: () = {
 
 /// How a guarded stack section ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u32)]
 pub(crate) enum StackOutcome {
     /// The count was stored.
-    Committed,
+    Committed = 0,
     /// The stack was full (push) or empty (pop): nothing stored.
-    Refused,
+    Refused = 1,
     /// A drainer owns the stack: nothing stored.
-    Stopped,
+    Stopped = 2,
     /// The kernel aborted the section, or the thread was not on the CPU any more.
-    Aborted,
+    Aborted = 3,
+}
+
+impl StackOutcome {
+    /// The outcome of a section that reports it as a number in a register (its discriminant),
+    /// the way `stack_pop` does: `asm!` cannot both jump to Rust labels and return a value.
+    #[inline(always)]
+    pub(crate) fn from_code(code: u32) -> StackOutcome {
+        match code {
+            0 => StackOutcome::Committed,
+            1 => StackOutcome::Refused,
+            2 => StackOutcome::Stopped,
+            _ => StackOutcome::Aborted,
+        }
+    }
 }
 
 /// An instruction that tells user space which CPU it runs on without entering the kernel.
@@ -236,6 +251,6 @@ const _: () = {
         load_cbeq_load_store::<CPU_ID, NEXT>;
     let _: unsafe fn(AreaOffset, u32, *const StackHead, *mut usize, u64, usize) -> StackOutcome =
         stack_push::<CPU_ID>;
-    let _: unsafe fn(AreaOffset, u32, *const StackHead, *const usize, *mut usize) -> StackOutcome =
+    let _: unsafe fn(AreaOffset, u32, *const StackHead, *const usize) -> (StackOutcome, usize) =
         stack_pop::<CPU_ID>;
 };

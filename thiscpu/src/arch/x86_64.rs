@@ -605,60 +605,75 @@ pub(crate) unsafe fn stack_push<const FIELD: usize>(
 }
 
 /// Guarded pop: `if head.stopped != 0 leave(Stopped); n = head.count; if n == 0
-/// leave(Refused); *out = slots[n - 1]; commit head.count = n - 1`.
+/// leave(Refused); item = slots[n - 1]; commit head.count = n - 1`. Returns the outcome and
+/// `item`, which is meaningful only when committed.
+///
+/// The item comes back in a register, so the outcome does too, as a number that the exits set
+/// (`StackOutcome::from_code`): an `asm!` that jumps to Rust labels cannot have outputs (the
+/// `asm_goto_with_outputs` feature is unstable), and returning through memory would put a
+/// store and a reload between the pop and the caller's use of the object.
 ///
 /// # Safety
-/// As for `stack_push`; `out` is valid for a pointer-sized write (read by the caller only after
-/// a commit).
+/// As for `stack_push`.
 #[inline(always)]
 pub(crate) unsafe fn stack_pop<const FIELD: usize>(
     offset: AreaOffset,
     index: u32,
     head: *const StackHead,
     slots: *const usize,
-    out: *mut usize,
-) -> StackOutcome {
-    // SAFETY: the caller's contract; the section follows the frame described above; its two
-    // early exits are listed as exit points; the store to `out` before the commit is harmless
-    // if the section aborts.
+) -> (StackOutcome, usize) {
+    let code: u32;
+    let item: usize;
+    // SAFETY: the caller's contract; the section follows the frame described above, and
+    // writes nothing but the count (its commit) and the area's `rseq_cs`; its two early exits
+    // (labels 6 and 7, outside the section with the abort handler) are listed as exit points,
+    // and they and the handler only set the code and go back to label 4.
     unsafe {
         rseq_asm!(
             rseq_descriptor!("2", "4", "5"),
-            rseq_exit_point!("2", "{stopped}"),
-            rseq_exit_point!("2", "{refused}"),
+            rseq_exit_point!("2", "6f"),
+            rseq_exit_point!("2", "7f"),
+            "xor {code:e}, {code:e}",
             rseq_arm_and_check!(),
             "cmp qword ptr [{head} + {stopped_at}], 0",
-            "jne {stopped}",
+            "jne 6f",
             inject!(3),
             "mov {n}, qword ptr [{head} + {count_at}]",
             "test {n}, {n}",
-            "jz {refused}",
+            "jz 7f",
             "sub {n}, 1",
             "mov {item}, qword ptr [{slots} + 8 * {n}]",
-            "mov qword ptr [{out}], {item}",
             inject!(2),
             "mov qword ptr [{head} + {count_at}], {n}",
             "4:",
-            rseq_abort!("5", "jmp {abort}");
+            rseq_abort!("5", "mov {code:e}, {aborted}", "jmp 4b"),
+            ".pushsection __rseq_failure, \"ax\"",
+            "6:",
+            "mov {code:e}, {stopped}",
+            "jmp 4b",
+            "7:",
+            "mov {code:e}, {refused}",
+            "jmp 4b",
+            ".popsection";
             off = in(reg) offset.0,
             index = in(reg) index,
             head = in(reg) head,
             slots = in(reg) slots,
-            out = in(reg) out,
             n = out(reg) _,
-            item = out(reg) _,
+            item = out(reg) item,
+            code = out(reg) code,
             cs = out(reg) _,
             rseq_cs = const offset::RSEQ_CS,
             field = const FIELD,
             stopped_at = const StackHead::STOPPED,
             count_at = const StackHead::COUNT,
-            stopped = label { return StackOutcome::Stopped; },
-            refused = label { return StackOutcome::Refused; },
-            abort = label { return StackOutcome::Aborted; },
+            stopped = const StackOutcome::Stopped as u32,
+            refused = const StackOutcome::Refused as u32,
+            aborted = const StackOutcome::Aborted as u32,
             options(nostack),
         );
     }
-    StackOutcome::Committed
+    (StackOutcome::from_code(code), item)
 }
 
 #[cfg(test)]

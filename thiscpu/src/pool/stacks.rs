@@ -106,19 +106,17 @@ impl<T> Pool<T> {
         let cpu = at.index();
         let head: &StackHead = &stacks.heads[cpu as usize];
         let slots = stacks.slots_ptr(cpu as usize);
-        let mut out = 0usize;
         // SAFETY: `at` was just read from this thread's area (by CPU); `head`
         // and `slots` are CPU `cpu`'s stack (`cpu` is below the number of heads, as indexing
         // `heads` checked, so `slots` starts `chunks_per_cpu * CHUNK >= capacity` words inside
         // `chunks`), whose count and slots only sections positioned on `cpu` write, or a
-        // drainer that set `stopped` and fenced `cpu` (which the section checks). `out` is a
-        // local.
-        let outcome = unsafe { ops::stack_pop(at, head, slots, &mut out) };
+        // drainer that set `stopped` and fenced `cpu` (which the section checks).
+        let (outcome, item) = unsafe { ops::stack_pop(at, head, slots) };
         match outcome {
             // SAFETY: a committed pop took the pointer below the count: it came from
             // `Box::into_raw` in a committed push, and the count's decrement made this call its
             // only owner.
-            StackOutcome::Committed => Ok(unsafe { Box::from_raw(out as *mut T) }),
+            StackOutcome::Committed => Ok(unsafe { Box::from_raw(item as *mut T) }),
             other => Err(other),
         }
     }

@@ -145,13 +145,9 @@ macro_rules! rseq_arm {
 /// index the caller read before the section, through the scratch register operand named
 /// `$scratch`, branching to the Rust `abort` label if they differ (the thread migrated since;
 /// list that label as an exit point). Also uses the operands `field` (the offset of `FIELD`
-/// from `cpu_id`), `index` and `abort`. A section that cannot jump to Rust labels names its own
-/// target for a mismatch as a second argument.
+/// from `cpu_id`), `index` and `abort`.
 macro_rules! rseq_arm_and_check {
     ($scratch:literal) => {
-        rseq_arm_and_check!($scratch, "{abort}")
-    };
-    ($scratch:literal, $mismatch:literal) => {
         concat!(
             rseq_arm!(),
             "ldur {",
@@ -160,9 +156,7 @@ macro_rules! rseq_arm_and_check {
             "cmp {",
             $scratch,
             ":w}, {index:w}\n",
-            "b.ne ",
-            $mismatch,
-            "\n",
+            "b.ne {abort}\n",
         )
     };
 }
@@ -644,10 +638,11 @@ pub(crate) unsafe fn stack_push<const FIELD: usize>(
 /// leave(Refused); item = slots[n - 1]; commit head.count = n - 1`. Returns the outcome and
 /// `item`, which is meaningful only when committed.
 ///
-/// The item comes back in a register, so the outcome does too, as a number that the exits set
-/// (`StackOutcome::from_code`): an `asm!` that jumps to Rust labels cannot have outputs (the
-/// `asm_goto_with_outputs` feature is unstable), and returning through memory would put a
-/// store and a reload between the pop and the caller's use of the object.
+/// Unlike x86_64, the item goes through a local in memory and the exits are Rust labels: an
+/// `asm!` that jumps to Rust labels cannot have outputs (`asm_goto_with_outputs` is unstable),
+/// and exits that set a code instead would need stubs outside the section within reach of its
+/// conditional branches (±1 MiB, so not in `__rseq_failure`, which the linker may place
+/// further away in a large binary), hence a branch over them on the path that commits.
 ///
 /// # Safety
 /// As for `stack_push`.
@@ -659,58 +654,49 @@ pub(crate) unsafe fn stack_pop<const FIELD: usize>(
     slots: *const usize,
 ) -> (StackOutcome, usize) {
     let (count, stopped) = stack_words(head);
-    let code: u32;
-    let item: usize;
-    // SAFETY: the caller's contract; the section follows the frame described above, and
-    // writes nothing but the count (its commit) and the area's `rseq_cs`; its three early
-    // exits (the abort handler, labels 6 and 7, all outside the section) are listed as exit
-    // points, and they only set the code and go back to label 4.
+    let mut item = 0usize;
+    let out: *mut usize = &mut item;
+    // SAFETY: the caller's contract; the section follows the frame described above; its three
+    // early exits are listed as exit points; the store to `out` (a local) before the commit is
+    // harmless if the section aborts.
     unsafe {
         rseq_asm!(
             rseq_descriptor!("2", "4", "5"),
-            rseq_exit_point!("2", "5f"),
-            rseq_exit_point!("2", "6f"),
-            rseq_exit_point!("2", "7f"),
-            "mov {code:w}, #0",
-            rseq_arm_and_check!("n", "5f"),
+            rseq_exit_point!("2", "{abort}"),
+            rseq_exit_point!("2", "{stopped}"),
+            rseq_exit_point!("2", "{refused}"),
+            rseq_arm_and_check!("n"),
             "ldar {n}, [{stopped_at}]",
-            "cbnz {n}, 6f",
+            "cbnz {n}, {stopped}",
             inject!(3),
             "ldr {n}, [{count_at}]",
-            "cbz {n}, 7f",
+            "cbz {n}, {refused}",
             "sub {n}, {n}, #1",
             "ldr {item}, [{slots}, {n}, lsl #3]",
+            "str {item}, [{out}]",
             inject!(2),
             "str {n}, [{count_at}]",
             "4:",
-            rseq_abort!("5", "mov {code:w}, #{aborted}", "b 4b"),
-            ".pushsection __rseq_failure, \"ax\"",
-            "6:",
-            "mov {code:w}, #{stopped}",
-            "b 4b",
-            "7:",
-            "mov {code:w}, #{refused}",
-            "b 4b",
-            ".popsection";
+            rseq_abort!("5", "b {abort}");
             off = in(reg) offset.0,
             index = in(reg) index,
             count_at = in(reg) count,
             stopped_at = in(reg) stopped,
             slots = in(reg) slots,
+            out = in(reg) out,
             base = out(reg) _,
             n = out(reg) _,
-            item = out(reg) item,
-            code = out(reg) code,
+            item = out(reg) _,
             cs = out(reg) _,
             rseq_cs = const offset::RSEQ_CS - offset::CPU_ID,
             field = const FIELD as isize - offset::CPU_ID as isize,
-            stopped = const StackOutcome::Stopped as u32,
-            refused = const StackOutcome::Refused as u32,
-            aborted = const StackOutcome::Aborted as u32,
+            stopped = label { return (StackOutcome::Stopped, 0); },
+            refused = label { return (StackOutcome::Refused, 0); },
+            abort = label { return (StackOutcome::Aborted, 0); },
             options(nostack),
         );
     }
-    (StackOutcome::from_code(code), item)
+    (StackOutcome::Committed, item)
 }
 
 #[cfg(test)]

@@ -174,7 +174,8 @@ const _: () = {
     assert!(size_of::<AtomicU64>() == 8 && size_of::<usize>() == 8);
 };
 
-/// How a guarded stack section ended.
+/// How a guarded stack section ended. The discriminants are the codes a section may report
+/// in a register (x86_64's `stack_pop`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
 pub(crate) enum StackOutcome {
@@ -186,20 +187,6 @@ pub(crate) enum StackOutcome {
     Stopped = 2,
     /// The kernel aborted the section, or the thread was not on the CPU any more.
     Aborted = 3,
-}
-
-impl StackOutcome {
-    /// The outcome of a section that reports it as a number in a register (its discriminant),
-    /// the way `stack_pop` does: `asm!` cannot both jump to Rust labels and return a value.
-    #[inline(always)]
-    pub(crate) fn from_code(code: u32) -> StackOutcome {
-        match code {
-            0 => StackOutcome::Committed,
-            1 => StackOutcome::Refused,
-            2 => StackOutcome::Stopped,
-            _ => StackOutcome::Aborted,
-        }
-    }
 }
 
 /// An instruction that tells user space which CPU it runs on without entering the kernel.

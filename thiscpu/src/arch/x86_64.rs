@@ -609,7 +609,7 @@ pub(crate) unsafe fn stack_push<const FIELD: usize>(
 /// `item`, which is meaningful only when committed.
 ///
 /// The item comes back in a register, so the outcome does too, as a number that the exits set
-/// (`StackOutcome::from_code`): an `asm!` that jumps to Rust labels cannot have outputs (the
+/// (`outcome_from_code`): an `asm!` that jumps to Rust labels cannot have outputs (the
 /// `asm_goto_with_outputs` feature is unstable), and returning through memory would put a
 /// store and a reload between the pop and the caller's use of the object.
 ///
@@ -673,7 +673,18 @@ pub(crate) unsafe fn stack_pop<const FIELD: usize>(
             options(nostack),
         );
     }
-    (StackOutcome::from_code(code), item)
+    (outcome_from_code(code), item)
+}
+
+/// The outcome whose discriminant a section left in its code register.
+#[inline(always)]
+fn outcome_from_code(code: u32) -> StackOutcome {
+    match code {
+        0 => StackOutcome::Committed,
+        1 => StackOutcome::Refused,
+        2 => StackOutcome::Stopped,
+        _ => StackOutcome::Aborted,
+    }
 }
 
 #[cfg(test)]

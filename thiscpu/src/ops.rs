@@ -388,7 +388,8 @@ pub(crate) unsafe fn stack_push<S: Spread>(
 }
 
 /// Guarded pop from the position's stack: `if head.stopped != 0 leave(Stopped); n =
-/// head.count; if n == 0 leave(Refused); *out = slots[n - 1]; commit head.count = n - 1`.
+/// head.count; if n == 0 leave(Refused); item = slots[n - 1]; commit head.count = n - 1`.
+/// Returns the outcome and `item`, which is meaningful only when committed.
 ///
 /// # Safety
 /// As for [`stack_push`].

@@ -611,7 +611,8 @@ pub(crate) unsafe fn stack_push<const FIELD: usize>(
 /// The item comes back in a register, so the outcome does too, as a number that the exits set
 /// (`outcome_from_code`): an `asm!` that jumps to Rust labels cannot have outputs (the
 /// `asm_goto_with_outputs` feature is unstable), and returning through memory would put a
-/// store and a reload between the pop and the caller's use of the object.
+/// store and a reload between the pop and the caller's use of the object. The exits can sit in
+/// `__rseq_failure` because `jne`/`jz` reach ±2 GiB (aarch64's conditional branches do not).
 ///
 /// # Safety
 /// As for `stack_push`.

@@ -228,6 +228,53 @@ impl<T> Pool<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pool::Caches;
+
+    /// Each way a pop can end, through the section itself (on x86_64 the pop reports them as
+    /// codes in a register, which the pool's public behaviour would hide if two were swapped):
+    /// an empty stack refuses, a stopped one stops and keeps its objects, a pushed object comes
+    /// back out.
+    #[test]
+    fn a_pop_refuses_an_empty_stack_stops_a_stopped_one_and_returns_what_was_pushed() {
+        let pool = Pool::with_capacity(4, || 0u64);
+        let Caches::Rseq(stacks) = &pool.caches else {
+            eprintln!("no rseq in this process: the pool caches under locks, no section to test");
+            return;
+        };
+        let cpu = crate::topology::allowed_cpus().unwrap()[0];
+        let _pinned = crate::topology::pin_to(cpu).unwrap();
+        // Pinned, a section aborts only when preempted or signalled: retry those.
+        let pop = || loop {
+            let at = ops::position().expect("a process with rseq registers its threads");
+            assert_eq!(at.index(), cpu);
+            match pool.pop_at(stacks, at) {
+                Err(StackOutcome::Aborted) => continue,
+                other => return other.map(|object| *object),
+            }
+        };
+        let push = |value: u64| {
+            let mut object = Box::new(value);
+            loop {
+                let at = ops::position().unwrap();
+                match pool.push_at(stacks, at, object) {
+                    Ok(()) => return,
+                    Err((back, StackOutcome::Aborted)) => object = back,
+                    Err((_, other)) => panic!("push of {value}: {other:?}"),
+                }
+            }
+        };
+
+        assert_eq!(pop(), Err(StackOutcome::Refused));
+        push(7);
+        push(8);
+        assert_eq!(pop(), Ok(8));
+        let head = &stacks.heads[cpu as usize];
+        head.stopped.store(1, Ordering::SeqCst);
+        assert_eq!(pop(), Err(StackOutcome::Stopped));
+        head.stopped.store(0, Ordering::SeqCst);
+        assert_eq!(pop(), Ok(7), "a stopped pop left the object in place");
+        assert_eq!(pop(), Err(StackOutcome::Refused));
+    }
 
     #[test]
     #[should_panic(expected = "do not fit in the address space")]

@@ -50,7 +50,7 @@ use core::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 const BITS: usize = 64;
 
 /// Read-modify-write mode, fresh: the number of wasted calls it takes to go back to reading
-/// first. 0 is read-first mode.
+/// first.
 const RMW_FRESH: u8 = 2;
 
 /// Changes made through read-first calls, per thread and mask, before a mask switches to
@@ -97,8 +97,9 @@ pub struct CpuMask {
     /// read-modify-write mode, never anything else. One comparison of a word's index with it
     /// checks the bounds and the mode at once.
     read_first_words: AtomicUsize,
-    /// 0: read first; 1..=`RMW_FRESH`: read-modify-write, counting down wasted calls.
-    mode: AtomicU8,
+    /// In read-modify-write mode, the wasted calls left before reading first again
+    /// (1..=`RMW_FRESH`). Neither read nor written in read-first mode, where it is stale.
+    wasted_left: AtomicU8,
     /// This mask's change counter in every thread, below `COUNTERS`.
     counter: u8,
 }
@@ -130,7 +131,7 @@ impl CpuMask {
         CpuMask {
             read_first_words: AtomicUsize::new(words.len()),
             words,
-            mode: AtomicU8::new(0),
+            wasted_left: AtomicU8::new(RMW_FRESH),
             counter: (NEXT_ID.fetch_add(1, Ordering::Relaxed) % COUNTERS) as u8,
         }
     }
@@ -325,32 +326,25 @@ impl CpuMask {
         // from the old value. In the steady "every call changes it" state nothing else is
         // written; a wasted call counts towards reading first.
         let word = &self.words[index];
-        let mode = self.mode.load(Ordering::Relaxed);
+        let left = self.wasted_left.load(Ordering::Relaxed);
         let changed = read_modify_write(word, bit, set);
         if !changed {
-            if mode <= 1 {
-                self.switch_to_read_first();
+            if left <= 1 {
+                self.read_first_words
+                    .store(self.words.len(), Ordering::Relaxed);
             } else {
-                self.mode.store(mode - 1, Ordering::Relaxed);
+                self.wasted_left.store(left - 1, Ordering::Relaxed);
             }
-        } else if mode != RMW_FRESH {
-            self.mode.store(RMW_FRESH, Ordering::Relaxed);
+        } else if left != RMW_FRESH {
+            self.wasted_left.store(RMW_FRESH, Ordering::Relaxed);
         }
         changed
     }
 
-    /// The two fields of a mode are written one after the other, so racing switches can leave
-    /// them apart for a while: a read-first mask counting down, or a read-modify-write mask at
-    /// 0. Either is only a mode, never a wrong bit, and the next switch sets both again.
-    #[inline(always)]
-    fn switch_to_read_first(&self) {
-        self.mode.store(0, Ordering::Relaxed);
-        self.read_first_words
-            .store(self.words.len(), Ordering::Relaxed);
-    }
-
+    /// Two stores, so a racing call can see the new mode with the old count; then the count is
+    /// only an early or a late switch back, never a wrong bit.
     fn switch_to_read_modify_write(&self) {
-        self.mode.store(RMW_FRESH, Ordering::Relaxed);
+        self.wasted_left.store(RMW_FRESH, Ordering::Relaxed);
         self.read_first_words.store(0, Ordering::Relaxed);
     }
 
@@ -491,8 +485,11 @@ mod tests {
     fn the_mode_switches_to_rmw_and_back() {
         let mask = CpuMask::with_capacity(2);
         for change in 0..STREAK {
-            assert_eq!(mask.mode.load(Ordering::Relaxed), 0, "reads first");
-            assert_eq!(mask.read_first_words.load(Ordering::Relaxed), 1);
+            assert_eq!(
+                mask.read_first_words.load(Ordering::Relaxed),
+                1,
+                "reads first"
+            );
             if change % 2 == 0 {
                 assert!(mask.set(1));
             } else {
@@ -500,21 +497,29 @@ mod tests {
             }
         }
         assert_eq!(
-            mask.mode.load(Ordering::Relaxed),
-            RMW_FRESH,
+            mask.read_first_words.load(Ordering::Relaxed),
+            0,
             "alternating calls"
         );
+        assert_eq!(mask.wasted_left.load(Ordering::Relaxed), RMW_FRESH);
         for _ in 0..10 {
             assert!(mask.set(1));
             assert!(mask.clear(1));
         }
-        assert_eq!(mask.mode.load(Ordering::Relaxed), RMW_FRESH);
         assert_eq!(mask.read_first_words.load(Ordering::Relaxed), 0);
-        for _ in 0..RMW_FRESH + 1 {
-            mask.set(0);
+        assert_eq!(mask.wasted_left.load(Ordering::Relaxed), RMW_FRESH);
+        // Idle calls on bit 0: the first sets it (a change, so the count stays fresh), and the
+        // `RMW_FRESH`-th wasted one after it switches back to reading first.
+        assert!(mask.set(0));
+        for wasted in 1..=RMW_FRESH {
+            assert!(!mask.set(0));
+            let expected = if wasted < RMW_FRESH { 0 } else { 1 };
+            assert_eq!(
+                mask.read_first_words.load(Ordering::Relaxed),
+                expected,
+                "after {wasted} wasted calls"
+            );
         }
-        assert_eq!(mask.mode.load(Ordering::Relaxed), 0, "idle calls");
-        assert_eq!(mask.read_first_words.load(Ordering::Relaxed), 1);
         assert!(mask.contains(0) && !mask.contains(1));
     }
 }

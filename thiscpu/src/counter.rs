@@ -172,10 +172,11 @@ impl<S: Spread> Counter<S> {
         self.add_slow::<By>(n);
     }
 
-    /// The slow path. The fast path chose its spread `By` from `registration::mm_cid_usable` as it read it; if this
-    /// thread was not registered then, the process may not have decided yet, and the decision
-    /// (which registering waits for) can make `mm_cid` usable. Every section on a word must
-    /// compare the same field, so a by-`mm_cid` counter chooses again once registered.
+    /// The slow path. The fast path chose its spread `By` from `registration::mm_cid_usable` as
+    /// it read it; if this thread was not registered then, the process may not have decided
+    /// yet, and the decision (which registering waits for) can make `mm_cid` usable. Every
+    /// section on a word must compare the same field, so a by-`mm_cid` counter chooses again
+    /// once registered.
     #[cold]
     #[inline(never)]
     fn add_slow<By: Spread>(&self, n: u64) {

@@ -146,14 +146,28 @@ impl<S: Spread> Counter<S> {
     #[inline(always)]
     fn add_by<By: Spread>(&self, n: u64) {
         let at = ops::position_as_is::<By>();
+        // SAFETY: `at` was just read by this thread, and `dense::cpu_rows()` never exceeds the
+        // rows of the counter's range.
+        unsafe { self.add_at(at, dense::cpu_rows(), n) }
+    }
+
+    /// The fast path at `at`, or the slow path when `at` is unregistered or its index is not
+    /// below `rows`.
+    ///
+    /// # Safety
+    /// `at` was read by the calling thread, by a spread `By` that is the one `add` chooses, and
+    /// `rows` is at most `dense::cpu_rows()`.
+    #[inline(always)]
+    unsafe fn add_at<By: Spread>(&self, at: ops::Position<By>, rows: u32, n: u64) {
         let index = at.index();
         // One unsigned comparison rejects both an unregistered area and an index beyond the
         // rows.
-        if index < dense::cpu_rows() {
-            // SAFETY: `at` was just read from this thread's area, by `By`; the word is row
-            // `index`'s, written only by sections positioned on that index with the same spread
-            // (process-wide: `mm_cid` usable never changes once true) or, when the process has
-            // no rseq, by atomic adds (never both, see `add_slow`).
+        if index < rows {
+            // SAFETY: `at` was read from this thread's area, by `By`; the word is row `index`'s
+            // (below the rows, the caller's contract), written only by sections positioned on
+            // that index with the same spread (process-wide: `mm_cid` usable never changes once
+            // true) or, when the process has no rseq, by atomic adds (never both, see
+            // `add_slow`).
             let outcome = unsafe { ops::load_add_store(at, self.word(index).as_ptr(), n) };
             if outcome == Outcome::Committed(()) {
                 return;
@@ -161,6 +175,35 @@ impl<S: Spread> Counter<S> {
             return self.add_after_abort::<By>(n);
         }
         self.add_slow::<By>(n);
+    }
+
+    /// An [`Adder`] for this counter, for loops that add many times: it holds what each
+    /// [`add`](Counter::add) would otherwise load from memory (where the rseq area is, where the
+    /// counter's words are, how many rows there are, the spread), so that in a loop the
+    /// compiler keeps them in registers. Its adds are exact, like the counter's own.
+    ///
+    /// Made on a thread without rseq, or before the process has decided how it uses rseq, an
+    /// adder passes every add to [`Counter::add`].
+    ///
+    /// ```
+    /// let requests = thiscpu::Counter::new();
+    /// let adder = requests.adder();
+    /// for _ in 0..1000 {
+    ///     adder.inc();
+    /// }
+    /// assert_eq!(requests.sum(), 1000);
+    /// ```
+    #[must_use]
+    pub fn adder(&self) -> Adder<'_, S> {
+        // Once this thread has a position, the process has decided: the area offset and the
+        // spread `add` chooses no longer change.
+        let decided = ops::position().is_some();
+        Adder {
+            counter: self,
+            area: ops::area_offset(),
+            rows: if decided { dense::cpu_rows() } else { 0 },
+            by_mm_cid: S::FIELD != ByCpu::FIELD && registration::mm_cid_usable(),
+        }
     }
 
     /// The fast path's abort: counted, then retried on the slow path. One call that the fast
@@ -372,5 +415,72 @@ impl Default for Counter<ByCpu> {
 impl<S: Spread> core::fmt::Debug for Counter<S> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("Counter").field("sum", &self.sum()).finish()
+    }
+}
+/// A [`Counter`]'s adds with the counter's address, its rows, the rseq area's offset and the
+/// spread read once, by [`Counter::adder`]: a loop of `adder.inc()` keeps them in registers,
+/// where a loop of `counter.inc()` loads them again on every call (each add is a restartable
+/// sequence, an `asm!` block the compiler must assume writes memory).
+///
+/// It may be sent to and used by any thread: what it holds is the same in every thread. A
+/// thread that is not registered yet takes the counter's slow path, which registers it.
+///
+/// ```
+/// let hits = thiscpu::Counter::by_mm_cid();
+/// std::thread::scope(|s| {
+///     for _ in 0..4 {
+///         let adder = hits.adder();
+///         s.spawn(move || (0..1000).for_each(|_| adder.add(2)));
+///     }
+/// });
+/// assert_eq!(hits.sum(), 8000);
+/// ```
+pub struct Adder<'a, S: Spread = ByCpu> {
+    counter: &'a Counter<S>,
+    area: ops::AreaOffset,
+    /// `dense::cpu_rows()` once the process had decided, 0 (every add takes the slow path)
+    /// before.
+    rows: u32,
+    /// Whether `Counter::add` spreads by `mm_cid`; read after the decision, so final.
+    by_mm_cid: bool,
+}
+
+impl<S: Spread> Clone for Adder<'_, S> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<S: Spread> Copy for Adder<'_, S> {}
+
+impl<S: Spread> core::fmt::Debug for Adder<'_, S> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("Adder")
+            .field("rows", &self.rows)
+            .field("by_mm_cid", &self.by_mm_cid)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S: Spread> Adder<'_, S> {
+    /// Adds 1 to the counter.
+    #[inline]
+    pub fn inc(&self) {
+        self.add(1);
+    }
+
+    /// Adds `n` to the counter (wrapping at 2^64), as [`Counter::add`] does.
+    #[inline]
+    pub fn add(&self, n: u64) {
+        if self.by_mm_cid {
+            let at = ops::position_in::<ByMmCid>(self.area);
+            // SAFETY: `at` was just read by this thread; `by_mm_cid` is the spread `add`
+            // chooses (read after the process decided, and final since); `rows` is 0 or
+            // `dense::cpu_rows()`.
+            unsafe { self.counter.add_at(at, self.rows, n) }
+        } else {
+            let at = ops::position_in::<ByCpu>(self.area);
+            // SAFETY: as above, by CPU.
+            unsafe { self.counter.add_at(at, self.rows, n) }
+        }
     }
 }

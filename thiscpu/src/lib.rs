@@ -139,7 +139,7 @@ pub mod stress;
 #[allow(unsafe_code)]
 pub mod topology;
 
-pub use counter::Counter;
+pub use counter::{Adder, Counter};
 pub use cpu::{CpuNode, CpuSource, Source, current_cpu, current_node, getcpu, mm_cid, source, via};
 pub use histogram::Histogram;
 pub use mask::CpuMask;

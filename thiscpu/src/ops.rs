@@ -26,6 +26,8 @@ use crate::registration;
 use core::marker::PhantomData;
 use core::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 
+/// Where the active rseq area is, for callers that keep it across operations (`position_in`).
+pub(crate) use crate::arch::AreaOffset;
 pub use crate::arch::Outcome;
 /// The guarded stack's head and the outcome of its sections, for the pool's caches.
 pub(crate) use crate::arch::{StackHead, StackOutcome};
@@ -211,7 +213,23 @@ fn position_slow() -> Option<Position<ByCpu>> {
 /// Run an operation at it only after such a comparison.
 #[inline(always)]
 pub(crate) fn position_as_is<S: Spread>() -> Position<S> {
-    let area = arch::area_offset();
+    position_in::<S>(arch::area_offset())
+}
+
+/// The active area's offset from the thread pointer, the same in every thread. It changes at
+/// most once, when the process decides to use glibc's area (`registration`); an offset read
+/// before that names thiscpu's own area, which then stays unregistered, so positions read in
+/// it only ever show an unregistered area.
+#[inline(always)]
+pub(crate) fn area_offset() -> AreaOffset {
+    arch::area_offset()
+}
+
+/// [`position_as_is`] read in the area at `area`, an [`area_offset`] read earlier (possibly by
+/// another thread: the offset is the same in all of them). Callers that keep the offset in a
+/// register across many operations save a load and an add on each.
+#[inline(always)]
+pub(crate) fn position_in<S: Spread>(area: AreaOffset) -> Position<S> {
     let cpu = arch::field_at::<{ offset::CPU_ID }>(area);
     let index = if S::FIELD == offset::CPU_ID || cpu < 0 {
         cpu

@@ -1,4 +1,5 @@
-//! A self-test of exactness: many threads increment one [`Counter`] while another thread
+//! A self-test of exactness: many threads increment one [`Counter`] (half of them through an
+//! [`Adder`](crate::Adder)) while another thread
 //! migrates them between CPUs at random, a signal storm runs handlers that increment the same
 //! counter, and short-lived threads come and go. Every increment is also counted privately, so
 //! the counter's total can be checked to the unit.
@@ -538,9 +539,13 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
                 return 0;
             };
             let mut made = 0u64;
+            // Half the workers add through one `Adder` for the whole run: what it read once
+            // must stay right across every migration and signal.
+            let adder = (index % 2 == 1).then(|| counter.adder());
             while !stop.load(Ordering::Relaxed) {
-                for _ in 0..64 {
-                    counter.inc();
+                match adder {
+                    Some(adder) => (0..64).for_each(|_| adder.inc()),
+                    None => (0..64).for_each(|_| counter.inc()),
                 }
                 made += 64;
                 if made.is_multiple_of(4096) && Instant::now() >= deadline {
@@ -564,9 +569,16 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
         disturber.round(&tids, &cpus);
         if config.churn {
             let counter = counter.clone();
+            let by_adder = churn.created % 2 == 1;
             let spawned = churn.spawn(move || {
                 let n = 2_000;
-                (0..n).for_each(|_| counter.inc());
+                if by_adder {
+                    // Made before this new thread registered: its first add registers it.
+                    let adder = counter.adder();
+                    (0..n).for_each(|_| adder.inc());
+                } else {
+                    (0..n).for_each(|_| counter.inc());
+                }
                 n
             });
             if let Err(error) = spawned {

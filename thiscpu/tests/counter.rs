@@ -271,3 +271,33 @@ fn a_first_increment_by_mm_cid_lands_on_the_concurrency_id() {
         "pinned to CPU {last}, concurrency id {mm_cid}: the increment must be in the id's row"
     );
 }
+
+/// An adder made on one thread and sent to fresh ones (whose first add registers them), by CPU
+/// and by concurrency id, while the threads are moved between CPUs: every add is counted, and
+/// the adder and the counter's own adds share the words.
+#[test]
+fn an_adder_sent_to_fresh_threads_counts_exactly_while_they_migrate() {
+    fn run<S: thiscpu::Spread>(counter: &Counter<S>) {
+        let cpus = thiscpu::topology::allowed_cpus().expect("the allowed CPUs");
+        let adder = counter.adder();
+        std::thread::scope(|s| {
+            for t in 0..4u64 {
+                let cpus = &cpus;
+                s.spawn(move || {
+                    for round in 0..200usize {
+                        let cpu = cpus[(round + t as usize) % cpus.len()];
+                        // A CPU taken away meanwhile is no reason to stop counting.
+                        let _pinned = thiscpu::topology::pin_to(cpu).ok();
+                        for _ in 0..100 {
+                            adder.add(t + 1);
+                        }
+                        counter.inc();
+                    }
+                });
+            }
+        });
+        assert_eq!(counter.sum(), 200 * 100 * (1 + 2 + 3 + 4) + 4 * 200);
+    }
+    run(&Counter::new());
+    run(&Counter::by_mm_cid());
+}

@@ -26,6 +26,7 @@ const CASES: &[&str] = &[
     "thread_local",
     "tls-plain",
     "thiscpu-counter",
+    "thiscpu-adder",
     "thiscpu-counter-mm_cid",
 ];
 
@@ -209,6 +210,23 @@ impl Shape for ThiscpuCounter {
     }
 }
 
+/// `thiscpu::Counter::adder()` once per round, then `adder.inc()`: the counter's address, rows
+/// and area offset stay in registers across the loop.
+struct ThiscpuAdder(Counter);
+
+impl Shape for ThiscpuAdder {
+    fn increments(&self, ops: u64) {
+        let adder = black_box(&self.0).adder();
+        for _ in 0..ops {
+            adder.inc();
+        }
+    }
+
+    fn total(&self) -> u64 {
+        self.0.sum()
+    }
+}
+
 /// `thiscpu::Counter::by_mm_cid().inc()`: the same, on the word of the thread's concurrency id.
 struct ThiscpuMmCid(Counter<ByMmCid>);
 
@@ -273,6 +291,12 @@ fn cases() -> Vec<Case> {
             "thiscpu Counter::inc(), by CPU",
             ns,
             Exact::new(ThiscpuCounter(Counter::new())),
+        ),
+        Case::new(
+            "thiscpu-adder",
+            "thiscpu Counter::adder() per round, then adder.inc()",
+            ns,
+            Exact::new(ThiscpuAdder(Counter::new())),
         ),
         Case::new(
             "thiscpu-counter-mm_cid",
@@ -342,6 +366,17 @@ fn report(results: &[Measured]) -> String {
                 if one == 1 { "" } else { "s" },
                 fmt_num(ns),
                 verdict(ns <= 1.0)
+            ));
+        }
+        if let (Some(adder), Some(inc)) = (
+            ns_per_op(results, "thiscpu-adder", one),
+            ns_per_op(results, "thiscpu-counter", one),
+        ) {
+            lines.push(format!(
+                "  Counter::adder() then inc, {one} thread{}: {} ns/op, {} Counter::inc's",
+                if one == 1 { "" } else { "s" },
+                fmt_num(adder),
+                fmt_ratio(adder / inc)
             ));
         }
         if let (Some(ours), Some(theirs)) = (

@@ -23,8 +23,16 @@ holds an atomic read-modify-write (an x86 `lock` prefix or `xchg` with memory; a
 load/store-exclusive, LSE atomic or compare-and-swap): the point of the restartable sequence
 is to need none.
 
+Last it disassembles `thiscpu_probe_adder_loop` (increments through one `Counter::adder()`)
+and finds its innermost loop that calls nothing (the smallest span from a backward branch's
+target to the branch). It fails when there is none, when the loop holds an atomic
+read-modify-write, or when more than --max-loop-reads instructions in it read memory: the
+section reads `cpu_id` twice and the counter's word once, and everything the adder read when it
+was made (where the rseq area is, the counter's address, the rows) must stay in registers.
+
 Usage: check_fast_path.py [--binary PATH] [--symbol NAME] [--max-insns N]
-                          [--lock-free-symbol NAME]
+                          [--lock-free-symbol NAME] [--adder-loop-symbol NAME]
+                          [--max-loop-reads N]
 """
 
 import argparse
@@ -36,6 +44,9 @@ import sys
 
 SYMBOL = "thiscpu_probe_current_cpu"
 LOCK_FREE_SYMBOL = "thiscpu_probe_counter_inc"
+ADDER_LOOP_SYMBOL = "thiscpu_probe_adder_loop"
+# The CPU read before the section, the comparison inside it, and the load of the word.
+MAX_LOOP_READS = 3
 # x86_64: the own area's offset (a constant the linker substitutes), the delta word, the load of
 # cpu_id and its sign test. aarch64 passes its own limit.
 MAX_INSNS = 4
@@ -85,6 +96,18 @@ class Arch:
         return re.match(r"^(ld[a]?xr|ld[a]?xp|st[l]?xr|st[l]?xp|cas|swp|ld(add|clr|eor|set|smax"
                         r"|smin|umax|umin)|st(add|clr|eor|set|smax|smin|umax|umin))", m) is not None
 
+    def reads_memory(self, insn):
+        """Whether the instruction loads from memory (a store alone does not count)."""
+        m = insn.mnemonic
+        if self.name == "x86_64":
+            if m.startswith("lea") or m.startswith("nop") or "(" not in insn.operands:
+                return False
+            operands = split_operands(insn.operands)
+            memory = [n for n, operand in enumerate(operands) if "(" in operand]
+            # AT&T order: a `mov` whose only memory operand is the last one is a store.
+            return not (m.startswith("mov") and memory == [len(operands) - 1])
+        return m.startswith("ld")
+
     def is_cond_branch(self, insn):
         m = insn.mnemonic
         if self.name == "x86_64":
@@ -118,6 +141,24 @@ class Arch:
         else:
             match = re.search(r"(?:^|,\s*)([0-9a-f]+)\s*(<|$)", insn.operands)
         return int(match.group(1), 16) if match else None
+
+
+def split_operands(operands):
+    """Operands split at the commas outside parentheses and brackets."""
+    parts, depth, current = [], 0, ""
+    for char in operands:
+        if char in "([":
+            depth += 1
+        elif char in ")]":
+            depth -= 1
+        if char == "," and depth == 0:
+            parts.append(current.strip())
+            current = ""
+        else:
+            current += char
+    if current.strip():
+        parts.append(current.strip())
+    return parts
 
 
 def disassemble(binary, symbol):
@@ -295,6 +336,45 @@ def check_lock_free(arch, insns):
     return True, report + ["OK: no lock prefix, atomic or call on the fast path"]
 
 
+def innermost_call_free_loop(arch, insns):
+    """The instructions from a backward branch's target to the branch, for the smallest such
+    span that holds no call and no jump out of the function; None when there is none."""
+    index_of = {insn.address: i for i, insn in enumerate(insns)}
+    best = None
+    for end, insn in enumerate(insns):
+        if not (arch.is_cond_branch(insn) or arch.is_jump(insn)):
+            continue
+        target = arch.direct_target(insn)
+        if target is None or target not in index_of or index_of[target] > end:
+            continue
+        body = insns[index_of[target]:end + 1]
+        leaves = any(arch.is_call(x) or (arch.is_jump(x) and arch.direct_target(x) not in
+                                          index_of) for x in body)
+        if not leaves and (best is None or len(body) < len(best)):
+            best = body
+    return best
+
+
+def check_adder_loop(arch, insns, max_reads):
+    """Returns (ok, report lines) for the loop of adds through one adder."""
+    if not insns:
+        return False, ["no instructions found"]
+    body = innermost_call_free_loop(arch, insns)
+    if body is None:
+        return False, ["FAIL: no loop without a call found"]
+    report = [f"innermost call-free loop: {len(body)} instructions"]
+    report += [f"    {insn}" for insn in body]
+    atomics = [insn for insn in body if arch.is_atomic_rmw(insn)]
+    if atomics:
+        return False, report + [f"FAIL: atomic read-modify-write in the loop: {atomics}"]
+    reads = [insn for insn in body if arch.reads_memory(insn)]
+    report.append(f"instructions that read memory: {len(reads)} {reads}")
+    if len(reads) > max_reads:
+        return False, report + [f"FAIL: {len(reads)} reads > {max_reads}: something the adder "
+                                "holds is loaded again on every add"]
+    return True, report + [f"OK: {len(reads)} reads (limit {max_reads}), no atomic, no call"]
+
+
 def build_probe():
     """Builds the release example and returns its path (honours CARGO_TARGET_DIR)."""
     cmd = ["cargo", "build", "--release", "-p", "thiscpu", "--example", "fast_path_probe",
@@ -323,6 +403,10 @@ def main():
     parser.add_argument("--max-insns", type=int, default=MAX_INSNS)
     parser.add_argument("--lock-free-symbol", default=LOCK_FREE_SYMBOL,
                         help="function whose fast path must hold no atomic (empty: skip)")
+    parser.add_argument("--adder-loop-symbol", default=ADDER_LOOP_SYMBOL,
+                        help="function whose loop must keep the adder in registers "
+                             "(empty: skip)")
+    parser.add_argument("--max-loop-reads", type=int, default=MAX_LOOP_READS)
     args = parser.parse_args()
 
     binary = args.binary or build_probe()
@@ -346,7 +430,17 @@ def main():
     lock_free, report = check_lock_free(arch, insns)
     for line in report:
         print(line)
-    return 0 if ok and lock_free else 1
+    if not args.adder_loop_symbol:
+        return 0 if ok and lock_free else 1
+    arch, lines, insns = disassemble(binary, args.adder_loop_symbol)
+    print()
+    print(f"objdump -d --no-show-raw-insn --disassemble={args.adder_loop_symbol} {binary}")
+    for line in lines:
+        print("    " + line)
+    adder_loop, report = check_adder_loop(arch, insns, args.max_loop_reads)
+    for line in report:
+        print(line)
+    return 0 if ok and lock_free and adder_loop else 1
 
 
 if __name__ == "__main__":

@@ -20,6 +20,17 @@ pub fn thiscpu_probe_counter_inc(counter: &thiscpu::Counter) {
     counter.inc();
 }
 
+/// `n` increments through one `Counter::adder()`, for the check that the loop keeps what the
+/// adder read in registers (no load besides the section's own).
+#[inline(never)]
+#[unsafe(no_mangle)]
+pub fn thiscpu_probe_adder_loop(counter: &thiscpu::Counter, n: u64) {
+    let adder = counter.adder();
+    for _ in 0..n {
+        adder.inc();
+    }
+}
+
 fn main() {
     let probe: fn() -> u32 = std::hint::black_box(thiscpu_probe_current_cpu);
     let cpu = probe();
@@ -34,4 +45,8 @@ fn main() {
     }
     assert_eq!(counter.sum(), 1000);
     println!("thiscpu_probe_counter_inc() x 1000: the counter sums to 1000");
+    let adder_loop: fn(&thiscpu::Counter, u64) = std::hint::black_box(thiscpu_probe_adder_loop);
+    adder_loop(&counter, 1000);
+    assert_eq!(counter.sum(), 2000);
+    println!("thiscpu_probe_adder_loop(1000): the counter sums to 2000");
 }

@@ -28,6 +28,7 @@ const CASES: &[&str] = &[
     "thiscpu-counter",
     "thiscpu-adder",
     "thiscpu-counter-mm_cid",
+    "thiscpu-adder-mm_cid",
 ];
 
 /// The family.
@@ -227,6 +228,22 @@ impl Shape for ThiscpuAdder {
     }
 }
 
+/// `Counter::by_mm_cid().adder()` once per round, then `adder.inc()`.
+struct ThiscpuMmCidAdder(Counter<ByMmCid>);
+
+impl Shape for ThiscpuMmCidAdder {
+    fn increments(&self, ops: u64) {
+        let adder = black_box(&self.0).adder();
+        for _ in 0..ops {
+            adder.inc();
+        }
+    }
+
+    fn total(&self) -> u64 {
+        self.0.sum()
+    }
+}
+
 /// `thiscpu::Counter::by_mm_cid().inc()`: the same, on the word of the thread's concurrency id.
 struct ThiscpuMmCid(Counter<ByMmCid>);
 
@@ -303,6 +320,12 @@ fn cases() -> Vec<Case> {
             mm_cid_how,
             ns,
             Exact::new(ThiscpuMmCid(Counter::by_mm_cid())),
+        ),
+        Case::new(
+            "thiscpu-adder-mm_cid",
+            "Counter::by_mm_cid().adder() per round, then adder.inc()",
+            ns,
+            Exact::new(ThiscpuMmCidAdder(Counter::by_mm_cid())),
         ),
     ]
 }

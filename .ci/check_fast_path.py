@@ -321,6 +321,15 @@ def shortest_call_free_return(arch, insns):
     return best
 
 
+def listing(arch, title, path, where):
+    """The report's lines for `path`, and whether it is free of atomics."""
+    report = [f"{title}: {len(path)} instructions"] + [f"    {insn}" for insn in path]
+    atomics = [insn for insn in path if arch.is_atomic_rmw(insn)]
+    if atomics:
+        report.append(f"FAIL: atomic read-modify-write {where}: {atomics}")
+    return not atomics, report
+
+
 def check_lock_free(arch, insns):
     """Returns (ok, report lines) for the fast path of a per-CPU update."""
     if not insns:
@@ -328,11 +337,9 @@ def check_lock_free(arch, insns):
     path = shortest_call_free_return(arch, insns)
     if path is None:
         return False, ["FAIL: no path from the entry reaches ret without a call"]
-    report = [f"shortest call-free path to ret: {len(path)} instructions"]
-    report += [f"    {insn}" for insn in path]
-    atomics = [insn for insn in path if arch.is_atomic_rmw(insn)]
-    if atomics:
-        return False, report + [f"FAIL: atomic read-modify-write on the fast path: {atomics}"]
+    ok, report = listing(arch, "shortest call-free path to ret", path, "on the fast path")
+    if not ok:
+        return False, report
     return True, report + ["OK: no lock prefix, atomic or call on the fast path"]
 
 
@@ -362,11 +369,9 @@ def check_adder_loop(arch, insns, max_reads):
     body = innermost_call_free_loop(arch, insns)
     if body is None:
         return False, ["FAIL: no loop without a call found"]
-    report = [f"innermost call-free loop: {len(body)} instructions"]
-    report += [f"    {insn}" for insn in body]
-    atomics = [insn for insn in body if arch.is_atomic_rmw(insn)]
-    if atomics:
-        return False, report + [f"FAIL: atomic read-modify-write in the loop: {atomics}"]
+    ok, report = listing(arch, "innermost call-free loop", body, "in the loop")
+    if not ok:
+        return False, report
     reads = [insn for insn in body if arch.reads_memory(insn)]
     report.append(f"instructions that read memory: {len(reads)} {reads}")
     if len(reads) > max_reads:

@@ -16,7 +16,7 @@ use contatori::counters::Observable;
 use std::cell::Cell;
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use thiscpu::{ByMmCid, CachePadded, Counter, PerCpu};
+use thiscpu::{CachePadded, Counter, PerCpu, Spread};
 
 /// Every case, in the order they run.
 const CASES: &[&str] = &[
@@ -195,10 +195,11 @@ impl Shape for TlsPlain {
     }
 }
 
-/// `thiscpu::Counter::inc`: one restartable sequence, a plain `add` to this CPU's word.
-struct ThiscpuCounter(Counter);
+/// `thiscpu::Counter::inc`: one restartable sequence, a plain `add` to the word of this CPU
+/// (or, by `mm_cid`, of the thread's concurrency id).
+struct ThiscpuCounter<S: Spread>(Counter<S>);
 
-impl Shape for ThiscpuCounter {
+impl<S: Spread> Shape for ThiscpuCounter<S> {
     fn increments(&self, ops: u64) {
         let counter = black_box(&self.0);
         for _ in 0..ops {
@@ -211,47 +212,15 @@ impl Shape for ThiscpuCounter {
     }
 }
 
-/// `thiscpu::Counter::adder()` once per round, then `adder.inc()`: the counter's address, rows
-/// and area offset stay in registers across the loop.
-struct ThiscpuAdder(Counter);
+/// `Counter::adder()` once per round, then `adder.inc()`: the counter's address, rows and area
+/// offset stay in registers across the loop.
+struct ThiscpuAdder<S: Spread>(Counter<S>);
 
-impl Shape for ThiscpuAdder {
+impl<S: Spread> Shape for ThiscpuAdder<S> {
     fn increments(&self, ops: u64) {
         let adder = black_box(&self.0).adder();
         for _ in 0..ops {
             adder.inc();
-        }
-    }
-
-    fn total(&self) -> u64 {
-        self.0.sum()
-    }
-}
-
-/// `Counter::by_mm_cid().adder()` once per round, then `adder.inc()`.
-struct ThiscpuMmCidAdder(Counter<ByMmCid>);
-
-impl Shape for ThiscpuMmCidAdder {
-    fn increments(&self, ops: u64) {
-        let adder = black_box(&self.0).adder();
-        for _ in 0..ops {
-            adder.inc();
-        }
-    }
-
-    fn total(&self) -> u64 {
-        self.0.sum()
-    }
-}
-
-/// `thiscpu::Counter::by_mm_cid().inc()`: the same, on the word of the thread's concurrency id.
-struct ThiscpuMmCid(Counter<ByMmCid>);
-
-impl Shape for ThiscpuMmCid {
-    fn increments(&self, ops: u64) {
-        let counter = black_box(&self.0);
-        for _ in 0..ops {
-            counter.inc();
         }
     }
 
@@ -319,13 +288,13 @@ fn cases() -> Vec<Case> {
             "thiscpu-counter-mm_cid",
             mm_cid_how,
             ns,
-            Exact::new(ThiscpuMmCid(Counter::by_mm_cid())),
+            Exact::new(ThiscpuCounter(Counter::by_mm_cid())),
         ),
         Case::new(
             "thiscpu-adder-mm_cid",
             "Counter::by_mm_cid().adder() per round, then adder.inc()",
             ns,
-            Exact::new(ThiscpuMmCidAdder(Counter::by_mm_cid())),
+            Exact::new(ThiscpuAdder(Counter::by_mm_cid())),
         ),
     ]
 }

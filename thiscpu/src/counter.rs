@@ -155,8 +155,9 @@ impl<S: Spread> Counter<S> {
     /// below `rows`.
     ///
     /// # Safety
-    /// `at` was read by the calling thread, by a spread `By` that is the one `add` chooses, and
-    /// `rows` is at most `dense::cpu_rows()`.
+    /// `at` was read by the calling thread, `rows` is at most `dense::cpu_rows()`, and either
+    /// `By` is the spread `add` chooses (final once the process has decided) or `rows` is 0, so
+    /// that only the slow path runs, which chooses again.
     #[inline(always)]
     unsafe fn add_at<By: Spread>(&self, at: ops::Position<By>, rows: u32, n: u64) {
         let index = at.index();
@@ -476,9 +477,9 @@ impl<S: Spread> Adder<'_, S> {
     pub fn add(&self, n: u64) {
         if self.by_mm_cid {
             let at = ops::position_in::<ByMmCid>(self.area);
-            // SAFETY: `at` was just read by this thread; `by_mm_cid` is the spread `add`
-            // chooses (read after the process decided, and final since); `rows` is 0 or
-            // `dense::cpu_rows()`.
+            // SAFETY: `at` was just read by this thread; `rows` is `dense::cpu_rows()` read
+            // after the process decided, when `by_mm_cid` is the spread `add` chooses and stays
+            // so, or 0 when the adder was made before that.
             unsafe { self.counter.add_at(at, self.rows, n) }
         } else {
             let at = ops::position_in::<ByCpu>(self.area);

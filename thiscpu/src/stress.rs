@@ -573,7 +573,7 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
             let spawned = churn.spawn(move || {
                 let n = 2_000;
                 if by_adder {
-                    // Made before this new thread registered: its first add registers it.
+                    // Made on this new thread, whose registration `adder()` itself makes.
                     let adder = counter.adder();
                     (0..n).for_each(|_| adder.inc());
                 } else {

@@ -405,7 +405,7 @@ pub(crate) fn field_at<const FIELD: usize>(offset: AreaOffset) -> i32 {
 /// the order decides whether a loop of increments runs at store-forwarding speed: in a C loop
 /// of this section with the check first (the C reference's order), one `nop` anywhere before
 /// the load took it from 0.7 to 1.9 ns per increment, while with the load first a `nop`
-/// anywhere cost 0.06 ns. In the CLI's bench, `Counter::inc` went from 1.63 to 1.28 ns and
+/// anywhere cost 0.06-0.12 ns. In the CLI's bench, `Counter::inc` went from 1.63 to 1.28 ns and
 /// `Counter::adder().inc()` from 1.47 to 0.69 ns (medians of 4 alternating runs).
 ///
 /// # Safety

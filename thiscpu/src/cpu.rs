@@ -285,9 +285,11 @@ fn getcpu_slow() -> CpuNode {
     fallback_cpu_node()
 }
 
-/// The NUMA node the calling thread runs on now.
+/// The NUMA node the calling thread runs on now. Two reads agree only while the thread stays
+/// on one node; [`getcpu`] gives a CPU and its node from one moment.
 ///
 /// ```
+/// let _pinned = thiscpu::topology::pin_to(thiscpu::current_cpu()).unwrap();
 /// assert_eq!(thiscpu::current_node(), thiscpu::getcpu().node);
 /// ```
 #[inline]

@@ -7,7 +7,7 @@
 //! symbol; each block states why it holds.
 
 use crate::abi::offset;
-use crate::arch;
+use crate::arch::{self, areas};
 use crate::ops;
 use crate::registration::{self, Registrar, RseqMode, Unavailable};
 use crate::topology;
@@ -238,8 +238,9 @@ fn current_cpu_slow() -> u32 {
 #[inline]
 #[must_use]
 pub fn getcpu() -> CpuNode {
-    if registration::node_id_usable()
-        && let Some((cpu, node)) = arch::load_cpu_node()
+    // The node area is the blank one, whose `cpu_id` is negative, until the process decided
+    // that `node_id` is kept current: one sign test covers both checks.
+    if let Some((cpu, node)) = arch::load_cpu_node(arch::area_offset_of::<{ areas::NODE }>())
         && cpu >= 0
     {
         return CpuNode {
@@ -254,13 +255,13 @@ pub fn getcpu() -> CpuNode {
 #[inline(never)]
 fn getcpu_slow() -> CpuNode {
     if !registration::NO_RSEQ.load(Ordering::Relaxed) && registration::ensure_registered() {
-        if registration::node_id_usable() {
+        if registration::process().node_id_usable() {
             // Aborts are rare: a section two loads long is only interrupted by events that
             // happen between them, unless the thread is interrupted at every instruction
             // (single-stepped), which the bound on consecutive aborts is for.
             let mut aborts = ops::AbortRun::new();
             loop {
-                match arch::load_cpu_node() {
+                match arch::load_cpu_node(arch::area_offset()) {
                     Some((cpu, node)) if cpu >= 0 => {
                         return CpuNode {
                             cpu: cpu as u32,
@@ -295,11 +296,10 @@ fn getcpu_slow() -> CpuNode {
 #[inline]
 #[must_use]
 pub fn current_node() -> u32 {
-    if registration::node_id_usable() {
-        let area = arch::area_offset();
-        if arch::field_at::<{ offset::CPU_ID }>(area) >= 0 {
-            return arch::field_at::<{ offset::NODE_ID }>(area) as u32;
-        }
+    // As in `getcpu`: the node area's `cpu_id` is negative until `node_id` is known usable.
+    let area = arch::area_offset_of::<{ areas::NODE }>();
+    if arch::field_at::<{ offset::CPU_ID }>(area) >= 0 {
+        return arch::field_at::<{ offset::NODE_ID }>(area) as u32;
     }
     getcpu_slow().node
 }

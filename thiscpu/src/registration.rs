@@ -8,7 +8,7 @@
 //! calling thread's own area before registering it; each block states why it holds.
 
 use crate::abi::{self, Rseq};
-use crate::arch::{self, hot};
+use crate::arch::{self, areas, hot};
 use core::sync::atomic::{AtomicBool, AtomicI32, Ordering};
 use std::cell::Cell;
 use std::ffi::CStr;
@@ -191,16 +191,10 @@ impl Process {
 
 static PROCESS: OnceLock<Process> = OnceLock::new();
 
-/// Whether the process decided that the areas' `node_id` is kept current: a process-wide fact
+/// Whether the process decided that the areas' `mm_cid` is kept current: a process-wide fact
 /// that inline fast paths test with one load (a hot word). False until the decision, which
-/// sends the first calls to the slow path, where the decision is made.
-#[inline(always)]
-pub(crate) fn node_id_usable() -> bool {
-    arch::hot_word::<{ hot::NODE_ID_USABLE }>() != 0
-}
-
-/// Whether the process decided that the areas' `mm_cid` is kept current; as `node_id_usable`.
-/// Never changes once true.
+/// sends the first calls to the slow path, where the decision is made; never changes once
+/// true.
 #[inline(always)]
 pub(crate) fn mm_cid_usable() -> bool {
     arch::hot_word::<{ hot::MM_CID_USABLE }>() != 0
@@ -418,7 +412,10 @@ fn decide() -> Process {
     let process = decide_registrar();
     inject::signal_in_decision();
     crate::cpu::choose_fallback();
-    arch::set_hot_word::<{ hot::NODE_ID_USABLE }>(process.node_id_usable().into());
+    // Until now `getcpu`'s fast path read the blank area, which sent it here.
+    if process.node_id_usable() {
+        arch::set_area_offset::<{ areas::NODE }>(arch::area_offset().area_start());
+    }
     arch::set_hot_word::<{ hot::MM_CID_USABLE }>(process.mm_cid_usable().into());
     NO_RSEQ.store(process.registrar == Registrar::None, Ordering::Relaxed);
     process
@@ -502,7 +499,7 @@ fn decide_registrar() -> Process {
         // kernel's feature size) when that is larger (2.41+).
         process.registered_size = size.max(abi::ORIGINAL_AREA_SIZE);
         process.usable_size = abi::usable_size(size, kernel_feature_size);
-        arch::set_active_offset(offset);
+        arch::set_area_offset::<{ areas::ACTIVE }>(offset);
         return process;
     }
     let own_size =

@@ -48,7 +48,7 @@
 //! glibc's thread descriptor), memory the caller vouches for, and its own registers, as each
 //! block's comment details.
 
-use super::{AreaOffset, NativeCpuRead, Outcome, StackHead, StackOutcome, hot};
+use super::{AreaOffset, NativeCpuRead, Outcome, StackHead, StackOutcome, areas, hot};
 use crate::abi::offset;
 use core::arch::{asm, global_asm};
 use core::sync::atomic::{AtomicIsize, Ordering};
@@ -180,11 +180,16 @@ pub(crate) const RSEQ_SIG: u32 = u32::from_le(0xd428_bc00);
 // (hidden, so never exported from a shared object) because the `asm!` blocks that compute its
 // offset may be placed in any codegen unit.
 //
-// `__thiscpu_0_1_cpu_id_delta` is the distance from the own area to the `cpu_id` field of the
-// area in use, the same for every thread (areas sit at one offset from every thread pointer).
-// It starts at 4, the own area's `cpu_id`, and is switched once to glibc's area when glibc
-// registered. `__thiscpu_0_1_hot_words` follows it, in the same line (see `arch::hot`). The
-// names carry the crate version so that two versions in one binary never share them.
+// The blank area follows it: 32 bytes with `cpu_id = -1` that no thread ever registers, so a
+// fast path pointed at it always takes its slow path (see `arch::areas`).
+//
+// `__thiscpu_0_1_cpu_id_delta` is a table of `areas::COUNT` distances from the own area to the
+// `cpu_id` field of the area each kind of read uses, the same for every thread (areas sit at
+// one offset from every thread pointer). The active area's starts at 4, the own area's
+// `cpu_id`, and is switched once to glibc's area when glibc registered; the node area's starts
+// at the blank area's `cpu_id`. `__thiscpu_0_1_hot_words` follows the table, in the same line
+// (see `arch::hot`). The names carry the crate version so that two versions in one binary
+// never share them.
 global_asm!(
     ".pushsection .tdata,\"awT\",%progbits",
     ".balign {capacity}",
@@ -197,13 +202,23 @@ global_asm!(
     ".quad 0",
     ".long 0, 0, 0, 0",
     ".zero {capacity} - 32",
+    ".balign 32",
+    ".globl __thiscpu_0_1_blank_area",
+    ".hidden __thiscpu_0_1_blank_area",
+    ".type __thiscpu_0_1_blank_area, %tls_object",
+    ".size __thiscpu_0_1_blank_area, 32",
+    "__thiscpu_0_1_blank_area:",
+    ".long 0, -1",
+    ".quad 0",
+    ".long 0, 0, 0, 0",
     ".popsection",
     ".pushsection .data.__thiscpu_0_1_offsets,\"aw\",%progbits",
-    ".balign 8",
+    ".balign 32",
     ".globl __thiscpu_0_1_cpu_id_delta",
     ".hidden __thiscpu_0_1_cpu_id_delta",
     "__thiscpu_0_1_cpu_id_delta:",
     ".quad {cpu_id}",
+    ".quad __thiscpu_0_1_blank_area - __thiscpu_0_1_own_area + {cpu_id}",
     ".globl __thiscpu_0_1_hot_words",
     ".hidden __thiscpu_0_1_hot_words",
     "__thiscpu_0_1_hot_words:",
@@ -215,8 +230,13 @@ global_asm!(
 );
 
 unsafe extern "C" {
-    static __thiscpu_0_1_cpu_id_delta: AtomicIsize;
+    static __thiscpu_0_1_cpu_id_delta: [AtomicIsize; areas::COUNT];
 }
+
+const _: () = assert!(
+    areas::ACTIVE == 0 && areas::NODE == 1 && areas::COUNT == 2,
+    "the `global_asm!` above lays the delta table out in this order"
+);
 
 /// The thread pointer, `TPIDR_EL0`.
 #[inline]
@@ -249,12 +269,30 @@ pub(crate) fn own_area_offset() -> isize {
     offset
 }
 
-/// Points the fast path at another area, e.g. glibc's. Every thread must have a live,
-/// 32-byte area at that offset from its thread pointer.
-pub(crate) fn set_active_offset(offset: isize) {
+/// Offset from the thread pointer to the blank area (see the module's `global_asm!`), as
+/// `own_area_offset` finds the own area.
+#[inline]
+pub(crate) fn blank_area_offset() -> isize {
+    let offset: isize;
+    // SAFETY: as in `own_area_offset`, for the other TLS symbol of this module.
+    unsafe {
+        asm!(
+            "adrp {o}, :gottprel:__thiscpu_0_1_blank_area",
+            "ldr {o}, [{o}, :gottprel_lo12:__thiscpu_0_1_blank_area]",
+            o = out(reg) offset,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    offset
+}
+
+/// Points the reads of kind `AREA` (one of the `arch::areas` indexes) at another area, e.g.
+/// glibc's. Every thread must have a live, 32-byte area at that offset from its thread pointer.
+pub(crate) fn set_area_offset<const AREA: usize>(offset: isize) {
     let delta = offset - own_area_offset() + AREA_OFFSET_FIELD as isize;
-    // SAFETY: the symbol is an 8-byte aligned word in `.data`, only accessed atomically.
-    unsafe { __thiscpu_0_1_cpu_id_delta.store(delta, Ordering::Relaxed) }
+    // SAFETY: the table is `areas::COUNT` 8-byte aligned words in `.data`, only accessed
+    // atomically; AREA indexes it (checked).
+    unsafe { __thiscpu_0_1_cpu_id_delta[AREA].store(delta, Ordering::Relaxed) }
 }
 
 /// The active area's position, loaded once before a section so that the CPU read and the
@@ -262,19 +300,29 @@ pub(crate) fn set_active_offset(offset: isize) {
 /// to its start, so that reading `cpu_id` takes one register-offset load).
 #[inline(always)]
 pub(crate) fn area_offset() -> AreaOffset {
+    area_offset_of::<{ areas::ACTIVE }>()
+}
+
+/// The offset from the thread pointer to the `cpu_id` field of the area that reads of kind
+/// `AREA` (one of the `arch::areas` indexes) use.
+#[inline(always)]
+pub(crate) fn area_offset_of<const AREA: usize>() -> AreaOffset {
+    const { assert!(AREA < areas::COUNT) };
     let offset: isize;
     // SAFETY: the own area's offset (see `own_area_offset`) plus a relaxed load of an aligned
-    // word in `.data` that only this module writes, atomically. In one `asm!` because a Rust
-    // load of the extern static goes through the GOT (one more instruction on the fast path).
+    // word of the delta table in `.data`, which only `set_area_offset` writes, atomically, and
+    // AREA indexes (checked at compile time). In one `asm!` because a Rust load of the extern
+    // static goes through the GOT (one more instruction on the fast path).
     unsafe {
         asm!(
             "adrp {o}, :gottprel:__thiscpu_0_1_own_area",
             "ldr {o}, [{o}, :gottprel_lo12:__thiscpu_0_1_own_area]",
-            "adrp {d}, __thiscpu_0_1_cpu_id_delta",
-            "ldr {d}, [{d}, :lo12:__thiscpu_0_1_cpu_id_delta]",
+            "adrp {d}, __thiscpu_0_1_cpu_id_delta + {at}",
+            "ldr {d}, [{d}, :lo12:__thiscpu_0_1_cpu_id_delta + {at}]",
             "add {o}, {o}, {d}",
             o = out(reg) offset,
             d = out(reg) _,
+            at = const 8 * AREA,
             options(readonly, nostack, preserves_flags),
         );
     }
@@ -353,8 +401,7 @@ pub(crate) fn active_field<const FIELD: usize>() -> i32 {
 /// `i32::MIN`, which no area holds, rather than setting a flag of its own: then one sign test
 /// of the cpu rejects both an abort and an unregistered area.
 #[inline]
-pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
-    let offset = area_offset();
+pub(crate) fn load_cpu_node(offset: AreaOffset) -> Option<(i32, u32)> {
     let cpu: i32;
     let node: u32;
     // SAFETY: the section only loads from this thread's area and stores the descriptor address
@@ -814,7 +861,7 @@ mod tests {
             return;
         }
         for _ in 0..10_000 {
-            if let Some((cpu, _node)) = load_cpu_node() {
+            if let Some((cpu, _node)) = load_cpu_node(area_offset()) {
                 assert!(cpu >= 0);
                 if let Some(cs) = last_descriptor() {
                     check_descriptor(cs);

@@ -11,11 +11,12 @@
 //!
 //! The active area is read in two ways: `area_offset` loads where it is, for a section and the
 //! reads that position it (`field_at`), and `active_field` reads one field alone, in the
-//! fewest steps (the fast path of `current_cpu`); `own_area_offset` and `set_active_offset`
-//! are for the registration, which chooses the area. What is the same on both architectures (the area's address from an
-//! offset, an `AreaOffset`'s area start) is written here, from `thread_pointer` and
-//! `AREA_OFFSET_FIELD`. The fast paths' process-wide flags and bounds (`hot`) are read by
-//! `hot_word`, next to the area delta.
+//! fewest steps (the fast path of `current_cpu`). `getcpu` reads through an area of its own
+//! (`area_offset_of`, see `areas`). `own_area_offset`, `blank_area_offset` and
+//! `set_area_offset` are for the registration, which chooses the areas. What is the same on
+//! both architectures (the area's address from an offset, an `AreaOffset`'s area start) is
+//! written here, from `thread_pointer` and `AREA_OFFSET_FIELD`. The fast paths' process-wide
+//! flags and bounds (`hot`) are read by `hot_word`, next to the area deltas.
 //!
 //! # Safety
 //! The submodules are built from `asm!`; each block states why it holds.
@@ -91,12 +92,25 @@ use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 pub(crate) mod hot {
     /// `dense`'s number of per-CPU rows (0 until its first slot).
     pub(crate) const ROWS: usize = 0;
-    /// Non-zero once the process decided that the areas' `node_id` is kept current.
-    pub(crate) const NODE_ID_USABLE: usize = 1;
     /// Non-zero once the process decided that the areas' `mm_cid` is kept current.
-    pub(crate) const MM_CID_USABLE: usize = 2;
+    pub(crate) const MM_CID_USABLE: usize = 1;
     /// The table's length.
-    pub(crate) const WORDS: usize = 3;
+    pub(crate) const WORDS: usize = 2;
+}
+
+/// The kinds of reads that each find their area through a delta of their own, as indexes into
+/// the architecture file's table of deltas. A fast path whose answer is only right once the
+/// process decided something reads through an area that is the blank one (never registered,
+/// `cpu_id` always -1) until then, or for good: its check of `cpu_id`, which it makes anyway,
+/// then sends it to the slow path, and it needs no flag of its own.
+pub(crate) mod areas {
+    /// The active area: thiscpu's own until the process decided, then the registered one.
+    pub(crate) const ACTIVE: usize = 0;
+    /// The area that `getcpu` reads `cpu_id` and `node_id` from: the active area once the
+    /// process decided that its `node_id` is kept current, else the blank area.
+    pub(crate) const NODE: usize = 1;
+    /// The table's length.
+    pub(crate) const COUNT: usize = 2;
 }
 
 unsafe extern "C" {
@@ -223,13 +237,15 @@ const _: () = {
     let _: u32 = RSEQ_SIG;
     let _: fn() -> usize = thread_pointer;
     let _: fn() -> isize = own_area_offset;
-    let _: fn(isize) = set_active_offset;
+    let _: fn() -> isize = blank_area_offset;
+    let _: fn(isize) = set_area_offset::<{ areas::NODE }>;
     let _: usize = AREA_OFFSET_FIELD;
     let _: fn() -> AreaOffset = area_offset;
+    let _: fn() -> AreaOffset = area_offset_of::<{ areas::NODE }>;
     let _: fn(AreaOffset) -> i32 = field_at::<CPU_ID>;
     let _: fn() -> i32 = active_field::<MM_CID>;
     let _: fn() -> u32 = hot_word::<{ hot::ROWS }>;
-    let _: fn() -> Option<(i32, u32)> = load_cpu_node;
+    let _: fn(AreaOffset) -> Option<(i32, u32)> = load_cpu_node;
     let _: Option<NativeCpuRead> = NATIVE_CPU_READ;
     let _: Option<NativeCpuRead> = NATIVE_CPU_READ_WITH_CLOCK;
     let _: unsafe fn(AreaOffset, u32, *mut u64, u64) -> Outcome = load_add_store::<CPU_ID>;
@@ -241,3 +257,29 @@ const _: () = {
     let _: unsafe fn(AreaOffset, u32, *const StackHead, *const usize) -> (StackOutcome, usize) =
         stack_pop::<CPU_ID>;
 };
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::abi::offset::CPU_ID;
+
+    #[test]
+    fn the_node_area_is_the_active_one_once_node_id_is_usable_else_the_blank_one() {
+        let process = crate::registration::process();
+        let node_area = area_offset_of::<{ areas::NODE }>().area_start();
+        if process.node_id_usable() {
+            assert_eq!(node_area, area_offset().area_start());
+        } else {
+            // Never written: this checks the table's initial value too.
+            assert_eq!(node_area, blank_area_offset());
+        }
+        assert_ne!(blank_area_offset(), own_area_offset());
+        fn blank_after_getcpu() {
+            let _ = crate::getcpu();
+            let blank = AreaOffset(blank_area_offset() + AREA_OFFSET_FIELD as isize);
+            assert_eq!(field_at::<CPU_ID>(blank), -1);
+        }
+        blank_after_getcpu();
+        std::thread::spawn(blank_after_getcpu).join().unwrap();
+    }
+}

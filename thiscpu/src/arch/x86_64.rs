@@ -19,7 +19,7 @@
 //! that always names a live, 32-byte area in this thread's static TLS or glibc's thread
 //! descriptor) and its own registers, as each block's comment details.
 
-use super::{AreaOffset, NativeCpuRead, Outcome, StackHead, StackOutcome, hot};
+use super::{AreaOffset, NativeCpuRead, Outcome, StackHead, StackOutcome, areas, hot};
 use crate::abi::offset;
 use core::arch::{asm, global_asm};
 use core::sync::atomic::{AtomicIsize, Ordering};
@@ -125,12 +125,16 @@ pub(crate) const RSEQ_SIG: u32 = 0x5305_3053;
 // The symbol is global (hidden, so never exported from a shared object) because the `asm!`
 // blocks that address it may be placed in any codegen unit.
 //
-// `__thiscpu_0_1_area_delta` is the distance from the own area to the area in use, the same for
-// every thread (areas sit at one offset from every thread pointer). It starts at 0, so the fast
-// path is sound before the process-wide decision is made; it is switched to glibc's area once,
-// when glibc registered. `__thiscpu_0_1_hot_words` follows it, in the same line (see
-// `arch::hot`). The names carry the crate version so that two versions in one binary never
-// share them.
+// The blank area follows it: 32 bytes with `cpu_id = -1` that no thread ever registers, so a
+// fast path pointed at it always takes its slow path (see `arch::areas`).
+//
+// `__thiscpu_0_1_area_delta` is a table of `areas::COUNT` distances from the own area to the
+// area each kind of read uses, the same for every thread (areas sit at one offset from every
+// thread pointer). The active area's starts at 0, so the fast paths are sound before the
+// process-wide decision is made; it is switched to glibc's area once, when glibc registered.
+// The node area's starts at the blank area. `__thiscpu_0_1_hot_words` follows the table, in the
+// same line (see `arch::hot`). The names carry the crate version so that two versions in one
+// binary never share them.
 global_asm!(
     ".pushsection .tdata,\"awT\",@progbits",
     ".balign {capacity}",
@@ -143,13 +147,23 @@ global_asm!(
     ".quad 0",
     ".long 0, 0, 0, 0",
     ".zero {capacity} - 32",
+    ".balign 32",
+    ".globl __thiscpu_0_1_blank_area",
+    ".hidden __thiscpu_0_1_blank_area",
+    ".type __thiscpu_0_1_blank_area, @tls_object",
+    ".size __thiscpu_0_1_blank_area, 32",
+    "__thiscpu_0_1_blank_area:",
+    ".long 0, -1",
+    ".quad 0",
+    ".long 0, 0, 0, 0",
     ".popsection",
     ".pushsection .data.__thiscpu_0_1_offsets,\"aw\",@progbits",
-    ".balign 8",
+    ".balign 32",
     ".globl __thiscpu_0_1_area_delta",
     ".hidden __thiscpu_0_1_area_delta",
     "__thiscpu_0_1_area_delta:",
     ".quad 0",
+    ".quad __thiscpu_0_1_blank_area - __thiscpu_0_1_own_area",
     ".globl __thiscpu_0_1_hot_words",
     ".hidden __thiscpu_0_1_hot_words",
     "__thiscpu_0_1_hot_words:",
@@ -160,8 +174,13 @@ global_asm!(
 );
 
 unsafe extern "C" {
-    static __thiscpu_0_1_area_delta: AtomicIsize;
+    static __thiscpu_0_1_area_delta: [AtomicIsize; areas::COUNT];
 }
+
+const _: () = assert!(
+    areas::ACTIVE == 0 && areas::NODE == 1 && areas::COUNT == 2,
+    "the `global_asm!` above lays the delta table out in this order"
+);
 
 /// The thread pointer (FS base). The word at `%fs:0` holds the thread pointer itself.
 #[inline]
@@ -193,12 +212,29 @@ pub(crate) fn own_area_offset() -> isize {
     offset
 }
 
-/// Points the fast path at another area, e.g. glibc's. Every thread must have a live,
-/// 32-byte area at that offset from its thread pointer.
-pub(crate) fn set_active_offset(offset: isize) {
+/// Offset from the thread pointer to the blank area (see the module's `global_asm!`), as
+/// `own_area_offset` finds the own area.
+#[inline]
+pub(crate) fn blank_area_offset() -> isize {
+    let offset: isize;
+    // SAFETY: as in `own_area_offset`, for the other TLS symbol of this module.
+    unsafe {
+        asm!(
+            "mov {o}, qword ptr [rip + __thiscpu_0_1_blank_area@GOTTPOFF]",
+            o = out(reg) offset,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    offset
+}
+
+/// Points the reads of kind `AREA` (one of the `arch::areas` indexes) at another area, e.g.
+/// glibc's. Every thread must have a live, 32-byte area at that offset from its thread pointer.
+pub(crate) fn set_area_offset<const AREA: usize>(offset: isize) {
     let delta = offset - own_area_offset();
-    // SAFETY: the symbol is an 8-byte aligned word in `.data`, only accessed atomically.
-    unsafe { __thiscpu_0_1_area_delta.store(delta, Ordering::Relaxed) }
+    // SAFETY: the table is `areas::COUNT` 8-byte aligned words in `.data`, only accessed
+    // atomically; AREA indexes it (checked).
+    unsafe { __thiscpu_0_1_area_delta[AREA].store(delta, Ordering::Relaxed) }
 }
 
 /// The hot word `WORD` (one of the `arch::hot` indexes): one RIP-relative load.
@@ -227,8 +263,8 @@ pub(crate) fn hot_word<const WORD: usize>() -> u32 {
 #[inline(always)]
 pub(crate) fn active_field<const FIELD: usize>() -> i32 {
     let value: i32;
-    // SAFETY: the own area's offset (see `own_area_offset`) plus the delta, a relaxed load of an
-    // aligned word in `.data` that only `set_active_offset` writes, always name a live area in
+    // SAFETY: the own area's offset (see `own_area_offset`) plus the active delta, a relaxed load
+    // of an aligned word in `.data` that only `set_area_offset` writes, always name a live area in
     // this thread (see the module's `global_asm!`); FIELD is one of the `abi::offset` constants,
     // a naturally aligned 32-bit field inside the 32-byte area, read with a single load.
     unsafe {
@@ -253,7 +289,7 @@ pub(crate) fn active_field<const FIELD: usize>() -> i32 {
 /// `i32::MIN`, which no area holds, rather than setting a flag of its own: then one sign test
 /// of the cpu rejects both an abort and an unregistered area.
 #[inline]
-pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
+pub(crate) fn load_cpu_node(area: AreaOffset) -> Option<(i32, u32)> {
     let cpu: i32;
     let node: u32;
     // SAFETY: the section only loads from this thread's area and stores the descriptor address
@@ -268,7 +304,7 @@ pub(crate) fn load_cpu_node() -> Option<(i32, u32)> {
             "mov {node:e}, dword ptr fs:[{off} + {node_id}]",
             "4:",
             rseq_abort!("5", "mov {cpu:e}, {aborted}", "jmp 4b"),
-            off = in(reg) area_offset().0,
+            off = in(reg) area.0,
             cs = out(reg) _,
             cpu = out(reg) cpu,
             node = out(reg) node,
@@ -350,15 +386,25 @@ pub(crate) const NATIVE_CPU_READ_WITH_CLOCK: Option<NativeCpuRead> = Some(Native
 /// loaded once before a section so that the CPU read and the section use the same area.
 #[inline(always)]
 pub(crate) fn area_offset() -> AreaOffset {
+    area_offset_of::<{ areas::ACTIVE }>()
+}
+
+/// The offset from the thread pointer to the area that reads of kind `AREA` (one of the
+/// `arch::areas` indexes) use.
+#[inline(always)]
+pub(crate) fn area_offset_of<const AREA: usize>() -> AreaOffset {
+    const { assert!(AREA < areas::COUNT) };
     let offset: isize;
     // SAFETY: the own area's offset (see `own_area_offset`) plus a relaxed load of an aligned
-    // word in `.data` that only `set_active_offset` writes, atomically. In one `asm!` because a
-    // Rust load of the extern static goes through the GOT (one more instruction per section).
+    // word of the delta table in `.data`, which only `set_area_offset` writes, atomically, and
+    // AREA indexes (checked at compile time). In one `asm!` because a Rust load of the extern
+    // static goes through the GOT (one more instruction per section).
     unsafe {
         asm!(
             "mov {}, qword ptr [rip + __thiscpu_0_1_own_area@GOTTPOFF]",
-            "add {0}, qword ptr [rip + __thiscpu_0_1_area_delta]",
+            "add {0}, qword ptr [rip + __thiscpu_0_1_area_delta + {at}]",
             out(reg) offset,
+            at = const 8 * AREA,
             options(nostack, readonly),
         );
     }

@@ -194,38 +194,35 @@ pub(crate) fn thread_pointer() -> usize {
     tp
 }
 
-/// Offset from the thread pointer to thiscpu's own static-TLS area: the initial-exec TLS
-/// access (a link-time constant in executables, one GOT load in shared objects).
-#[inline]
-pub(crate) fn own_area_offset() -> isize {
-    let offset: isize;
-    // SAFETY: the initial-exec access to a TLS symbol of this module: it reads the symbol's
-    // thread-pointer offset from the GOT (or, once the linker relaxed it, moves the constant);
-    // no other memory is touched.
-    unsafe {
-        asm!(
-            "mov {o}, qword ptr [rip + __thiscpu_0_1_own_area@GOTTPOFF]",
-            o = out(reg) offset,
-            options(pure, readonly, nostack, preserves_flags),
-        );
-    }
-    offset
+/// The offset from the thread pointer to `$symbol`, a TLS symbol of this module: the
+/// initial-exec access (a link-time constant in executables, one GOT load in shared objects).
+macro_rules! tls_offset {
+    ($symbol:literal) => {{
+        let offset: isize;
+        // SAFETY: the initial-exec access to a TLS symbol of this module: it reads the
+        // symbol's thread-pointer offset from the GOT (or, once the linker relaxed it, moves the
+        // constant); no other memory is touched.
+        unsafe {
+            asm!(
+                concat!("mov {o}, qword ptr [rip + ", $symbol, "@GOTTPOFF]"),
+                o = out(reg) offset,
+                options(pure, readonly, nostack, preserves_flags),
+            );
+        }
+        offset
+    }};
 }
 
-/// Offset from the thread pointer to the blank area (see the module's `global_asm!`), as
-/// `own_area_offset` finds the own area.
+/// Offset from the thread pointer to thiscpu's own static-TLS area.
+#[inline]
+pub(crate) fn own_area_offset() -> isize {
+    tls_offset!("__thiscpu_0_1_own_area")
+}
+
+/// Offset from the thread pointer to the blank area (see the module's `global_asm!`).
 #[inline]
 pub(crate) fn blank_area_offset() -> isize {
-    let offset: isize;
-    // SAFETY: as in `own_area_offset`, for the other TLS symbol of this module.
-    unsafe {
-        asm!(
-            "mov {o}, qword ptr [rip + __thiscpu_0_1_blank_area@GOTTPOFF]",
-            o = out(reg) offset,
-            options(pure, readonly, nostack, preserves_flags),
-        );
-    }
-    offset
+    tls_offset!("__thiscpu_0_1_blank_area")
 }
 
 /// Points the reads of kind `AREA` (one of the `arch::areas` indexes) at another area, e.g.

@@ -99,10 +99,13 @@ pub(crate) mod hot {
 }
 
 /// The kinds of reads that each find their area through a delta of their own, as indexes into
-/// the architecture file's table of deltas. A fast path whose answer is only right once the
-/// process decided something reads through an area that is the blank one (never registered,
-/// `cpu_id` always -1) until then, or for good: its check of `cpu_id`, which it makes anyway,
-/// then sends it to the slow path, and it needs no flag of its own.
+/// the architecture file's table of deltas. `getcpu`'s answer is only right once the process
+/// knows that `node_id` is kept current, so it reads through an area that is the blank one
+/// (never registered, `cpu_id` always -1) until then, or for good: its check of `cpu_id`,
+/// which it makes anyway, then sends it to the slow path, and it needs no flag of its own.
+/// `mm_cid` keeps its flag (`hot::MM_CID_USABLE`): besides gating `mm_cid()`, it chooses a
+/// by-`mm_cid` counter's spread, and a blank area could only say "slow path", not "count by
+/// CPU instead".
 pub(crate) mod areas {
     /// The active area: thiscpu's own until the process decided, then the registered one.
     pub(crate) const ACTIVE: usize = 0;
@@ -125,13 +128,14 @@ pub(crate) fn set_hot_word<const WORD: usize>(value: u32) {
     unsafe { __thiscpu_0_1_hot_words[WORD].store(value, Ordering::Relaxed) }
 }
 
-/// Where the active rseq area is, as `area_offset` loaded it: the offset from the thread
-/// pointer to the area's field at `AREA_OFFSET_FIELD` (its start on x86_64, its `cpu_id` on
-/// aarch64). Only the architecture files can make one,
-/// so every value names a live area in whichever thread holds it: the process-wide offset is
-/// the same for every thread, and an offset that was active once (thiscpu's own area, before
-/// the switch to glibc's) stays valid, since every thread keeps its own area. That is what lets
-/// `field_at` be a safe function.
+/// Where an rseq area is, as `area_offset` or `area_offset_of` loaded it: the offset from the
+/// thread pointer to the area's field at `AREA_OFFSET_FIELD` (its start on x86_64, its
+/// `cpu_id` on aarch64). Only the architecture files can make one, and only from the delta
+/// table, whose entries name thiscpu's own area, glibc's, or the blank one: every value names a
+/// live area in whichever thread holds it. The offsets are the same for every thread, and an
+/// offset that was in the table once (thiscpu's own area before the switch to glibc's, the
+/// blank area before `node_id` was known current) stays valid, since every thread keeps its
+/// static TLS until it is gone. That is what lets `field_at` be a safe function.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct AreaOffset(isize);
 
@@ -273,7 +277,6 @@ mod tests {
             // Never written: this checks the table's initial value too.
             assert_eq!(node_area, blank_area_offset());
         }
-        assert_ne!(blank_area_offset(), own_area_offset());
         fn blank_after_getcpu() {
             let _ = crate::getcpu();
             let blank = AreaOffset(blank_area_offset() + AREA_OFFSET_FIELD as isize);

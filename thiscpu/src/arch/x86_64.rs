@@ -282,9 +282,9 @@ pub(crate) fn active_field<const FIELD: usize>() -> i32 {
 /// Reads `cpu_id` and `node_id` inside one restartable sequence, so both come from the same
 /// scheduling interval: any preemption, migration or signal between the two loads sends the
 /// thread to the abort label, and the pair is discarded. Returns `None` when aborted, and a
-/// negative cpu when the area is not registered. The abort handler marks the cpu with
-/// `i32::MIN`, which no area holds, rather than setting a flag of its own: then one sign test
-/// of the cpu rejects both an abort and an unregistered area.
+/// negative cpu when the area is not registered (the blank area never is). The abort handler
+/// marks the cpu with `i32::MIN`, which no area holds, rather than setting a flag of its own:
+/// then one sign test of the cpu rejects both an abort and an unregistered area.
 #[inline]
 pub(crate) fn load_cpu_node(area: AreaOffset) -> Option<(i32, u32)> {
     let cpu: i32;

@@ -5,6 +5,14 @@
 //!   probe wait CPU        the same once a line arrives on stdin, and then `getcpu()`,
 //!                         `current_node()` and `node_of_cpu()` on CPU, where the caller has
 //!                         moved this process (`taskset -p`) after bringing CPU online
+//!   probe write-cpu-id MODE
+//!                         checks that this thread's area is registered in MODE (`optimized`
+//!                         or `legacy`), then writes a CPU number that no CPU has into the
+//!                         area's `cpu_id` and migrates between the online CPUs: a kernel that
+//!                         enforces the read-only ID fields (Linux 7.x optimized mode, or any
+//!                         mode with `rseq_debug=1`) kills the process with SIGSEGV; elsewhere
+//!                         it prints `survived` and exits 0 if the kernel has rewritten the
+//!                         field by then (1 if not). Exit status 3 when the mode differs.
 //!
 //! `wait` is how a process that started while a CPU was offline is checked after that CPU
 //! comes back: the library reads its tables once per process, so a check that starts after
@@ -24,12 +32,16 @@ fn main() -> ExitCode {
             Ok(cpu) => wait_then_check(cpu),
             Err(_) => Err(format!("not a CPU number: {cpu}")),
         },
-        _ => Err("usage: probe topology | probe wait CPU".to_owned()),
+        ["write-cpu-id", mode] => write_cpu_id(mode),
+        _ => Err(
+            "usage: probe topology | probe wait CPU | probe write-cpu-id optimized|legacy"
+                .to_owned(),
+        ),
     };
     match result {
         Ok(0) => ExitCode::SUCCESS,
         Ok(disagreements) => {
-            println!("probe: {disagreements} disagreement(s) with /sys");
+            println!("probe: {disagreements} check(s) failed");
             ExitCode::FAILURE
         }
         Err(why) => {
@@ -114,4 +126,108 @@ fn wait_then_check(cpu: u32) -> Result<usize, String> {
         Some(node),
     );
     Ok(disagreements + topology()?)
+}
+
+/// Offset of `cpu_id` in `struct rseq` (after `cpu_id_start`).
+const CPU_ID_OFFSET: isize = 4;
+/// What the write puts into `cpu_id`: no CPU has this number, so the kernel's own copy never
+/// matches it.
+const BOGUS_CPU_ID: u32 = 0x7ead_beef;
+
+fn write_cpu_id(mode: &str) -> Result<usize, String> {
+    let wanted = match mode {
+        "optimized" => thiscpu::RseqMode::Optimized,
+        "legacy" => thiscpu::RseqMode::Legacy,
+        _ => return Err(format!("not a mode: {mode}")),
+    };
+    let source = thiscpu::source();
+    println!(
+        "registered by {} · {} bytes · mode {:?} · area at thread pointer {:+?}",
+        source.registrar.name(),
+        source.registered_size,
+        source.mode,
+        source.area_offset
+    );
+    if source.mode != Some(wanted) {
+        println!("FAIL: the area is not registered in {mode} mode, nothing written");
+        std::process::exit(3);
+    }
+    let Some(offset) = source.area_offset else {
+        return Err("no area offset although a mode is reported".to_owned());
+    };
+    let cpus = thiscpu::topology::online_cpus();
+    if cpus.len() < 2 {
+        return Err(format!("needs two online CPUs to migrate, has {cpus:?}"));
+    }
+    let cpu_id = (thread_pointer() as isize + offset + CPU_ID_OFFSET) as *mut u32;
+    // SAFETY: `source()` registered this thread's area, which lies `offset` bytes from the
+    // thread pointer for as long as the thread lives, so `cpu_id` is a valid, aligned u32 of
+    // it. The write breaks the rseq contract (the field belongs to the kernel) on purpose: this
+    // throwaway process exists to see whether the kernel enforces that, and nothing reads the
+    // area's answers after it (the CPU numbers below come from `sched_getcpu`).
+    unsafe { cpu_id.write_volatile(BOGUS_CPU_ID) };
+    println!("wrote {BOGUS_CPU_ID:#x} to cpu_id; migrating across CPUs {cpus:?}");
+    let mut migrations = 0;
+    for round in 0..4 {
+        for &cpu in &cpus {
+            pin_to(cpu)?;
+            std::thread::sleep(std::time::Duration::from_millis(10));
+            migrations += 1;
+            // SAFETY: sched_getcpu has no preconditions.
+            let now = unsafe { libc::sched_getcpu() };
+            if round == 0 && now != cpu as i32 {
+                return Err(format!("pinned to CPU {cpu} but running on {now}"));
+            }
+        }
+    }
+    // SAFETY: as for the write; the read is of the same field of the live area.
+    let last = unsafe { cpu_id.read_volatile() };
+    println!("survived {migrations} migrations; cpu_id now reads {last:#x}");
+    if last == BOGUS_CPU_ID {
+        println!("FAIL: the kernel never rewrote cpu_id: the write missed its area");
+    }
+    // A kernel that lets the write stand has not rewritten the field: then the write did not
+    // land in the area it keeps current, and surviving it proves nothing.
+    Ok(usize::from(last == BOGUS_CPU_ID))
+}
+
+fn pin_to(cpu: u32) -> Result<(), String> {
+    // SAFETY: cpu_set_t is plain data for which all zeroes is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    if cpu as usize >= libc::CPU_SETSIZE as usize {
+        return Err(format!("CPU {cpu} does not fit a cpu_set_t"));
+    }
+    // SAFETY: `set` is a valid cpu_set_t and `cpu` fits it (checked above).
+    unsafe { libc::CPU_SET(cpu as usize, &mut set) };
+    // SAFETY: `set` is a valid cpu_set_t of the size passed; 0 names the calling thread.
+    let rc = unsafe { libc::sched_setaffinity(0, std::mem::size_of_val(&set), &set) };
+    if rc == 0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "sched_setaffinity({cpu}): {}",
+            std::io::Error::last_os_error()
+        ))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+fn thread_pointer() -> usize {
+    let tp: usize;
+    // SAFETY: on x86_64 Linux, %fs:0 holds the thread control block's pointer to itself (the
+    // TLS ABI), which is the thread pointer; the load touches nothing else.
+    unsafe {
+        std::arch::asm!("mov {}, fs:0", out(reg) tp, options(nostack, readonly, preserves_flags))
+    };
+    tp
+}
+
+#[cfg(target_arch = "aarch64")]
+fn thread_pointer() -> usize {
+    let tp: usize;
+    // SAFETY: reading TPIDR_EL0, the thread pointer register, has no side effects.
+    unsafe {
+        std::arch::asm!("mrs {}, tpidr_el0", out(reg) tp, options(nostack, nomem, preserves_flags))
+    };
+    tp
 }

@@ -5,9 +5,20 @@
 #   KM_STRESS     seconds of each part of `thiscpu stress` (counter, then pool)
 #   KM_BENCH      bench families for `thiscpu bench --quick`, comma-separated
 #   KM_TIMEOUT    seconds one check may take before it counts as hung
+#   KM_TESTS      the test executables to run, space-separated (default: all)
+#   KM_ENFORCE    1 on kernels that enforce the read-only ID fields of an optimized-mode area
+#                 (Linux 7.x): a deliberate write to `cpu_id` must kill the process
+#   KM_RSEQ_DEBUG 1 when the kernel was booted with rseq_debug=1, which enforces them in the
+#                 legacy mode too
+#   KM_OFFLINE, KM_ONLINE  (topology many) CPUs taken offline and brought online before the
+#                 checks, so that the online CPUs are numbered with gaps
+#   KM_HOTPLUG    (topologies up2of4 and many) the CPUs toggled during `stress` (default: every
+#                 hot-pluggable present CPU)
 # Every check prints `=== NAME` and ends with `@@CHECK NAME ok SECONDS` or
 # `@@CHECK NAME FAIL rc=N SECONDS`; the last line is `@@END checks=N failed=M`. The host fails
-# the guest on any FAIL, on a missing @@END and on a count that does not add up.
+# the guest on any FAIL, on a missing @@END and on a count that does not add up. A test
+# executable's check also prints `@@TESTS NAME passed=N`, and fails when N is 0: a program
+# whose tests are all compiled out or ignored proves nothing.
 #
 # Layout of the initramfs: /opt/t/thiscpu (the command), /opt/t/probe (.ci/kernels/probe),
 # /opt/t/deps/NAME (the library's test executables), /opt/t/examples/ (what they load).
@@ -109,7 +120,7 @@ set_online() {
 # but CPU 0, which x86 cannot take offline) is taken offline and brought back in turn.
 stress_while_hotplug() {
     toggled=""
-    for cpu in $(cpus_in present); do
+    for cpu in ${KM_HOTPLUG:-$(cpus_in present)}; do
         [ -e "$CPU_SYS/cpu$cpu/online" ] && toggled="$toggled $cpu"
     done
     [ -n "$toggled" ] || { echo "no hot-pluggable CPU"; return 1; }
@@ -160,6 +171,59 @@ node_after_online() {
     return $rc
 }
 
+# test_program EXE ENV...: one test executable, which must pass and run at least one test.
+test_program() {
+    exe=$1
+    shift
+    env "$@" "$exe" --test-threads=2 -q >/tmp/test.out 2>&1
+    rc=$?
+    cat /tmp/test.out
+    # The last result line is the executable's own; tests that run a copy of the executable
+    # in a child print the child's before it.
+    passed=$(sed -n 's/^test result: [A-Za-z]*\. \([0-9]*\) passed.*/\1/p' /tmp/test.out |
+        tail -n 1)
+    passed=${passed:-0}
+    echo "@@TESTS ${exe##*/} passed=$passed"
+    [ "$rc" = 0 ] || return "$rc"
+    [ "$passed" -gt 0 ] || { echo "FAIL: ${exe##*/} ran no tests"; return 1; }
+}
+
+# write_cpu_id MODE EXPECT ENV...: `probe write-cpu-id MODE` writes into the kernel's `cpu_id`
+# of its own area registered in MODE and migrates; EXPECT is `SEGV` (the kernel must kill it
+# with that signal) or `survives` (exit status 0).
+write_cpu_id() {
+    mode=$1
+    expect=$2
+    shift 2
+    env "$@" probe write-cpu-id "$mode"
+    rc=$?
+    if [ "$rc" -gt 128 ]; then
+        got=$(kill -l $((rc - 128)))
+        echo "the probe died by signal $((rc - 128)) (SIG$got); expected: $expect"
+    else
+        got=exit$rc
+        [ "$rc" = 0 ] && got=survives
+        echo "the probe exited with status $rc; expected: $expect"
+    fi
+    [ "$got" = "$expect" ]
+}
+
+# make_sparse: takes $KM_OFFLINE offline and brings $KM_ONLINE online, and checks that the
+# online CPUs are then exactly what was asked.
+make_sparse() {
+    for cpu in $KM_OFFLINE; do set_online "$cpu" 0 || return 1; done
+    for cpu in $KM_ONLINE; do set_online "$cpu" 1 || return 1; done
+    bad=0
+    for cpu in $KM_OFFLINE; do
+        [ "$(cat "$CPU_SYS/cpu$cpu/online")" = 0 ] || { echo "cpu$cpu still online"; bad=1; }
+    done
+    for cpu in $KM_ONLINE; do
+        [ "$(cat "$CPU_SYS/cpu$cpu/online")" = 1 ] || { echo "cpu$cpu still offline"; bad=1; }
+    done
+    echo "online: $(cat "$CPU_SYS/online") ($(cpus_in online | wc -l) CPUs)"
+    return $bad
+}
+
 if [ "$1" = run ]; then
     shift
     "$@"
@@ -192,12 +256,25 @@ check() {
 # Runs a shell function of this file as its own process (which `timeout` can stop).
 FN="sh /guest.sh run"
 
+# The tests of the optional features (metrics backends, serde): they exercise the same
+# per-CPU operations as the others, more slowly, so only smp2 runs them under both
+# registrations; the other guests run them with thiscpu's own.
+FEATURE_TESTS="metrics metrics_layer prometheus_client serde"
+
 # Every test executable but the debugger's: single-stepping through sections under TCG takes
 # tens of seconds, so it runs once per kernel (smp2, below) rather than in every guest twice.
 library_tests() {
     for exe in /opt/t/deps/*; do
-        [ "${exe##*/}" = debugger ] && continue
-        check "test-${exe##*/}-$1" env $2 "$exe" --test-threads=2 -q
+        name=${exe##*/}
+        if [ -n "$KM_TESTS" ]; then
+            case " $KM_TESTS " in *" $name "*) ;; *) continue ;; esac
+        else
+            [ "$name" = debugger ] && continue
+            if [ "$1" = glibc ] && [ "$KM_TOPOLOGY" != smp2 ]; then
+                case " $FEATURE_TESTS " in *" $name "*) continue ;; esac
+            fi
+        fi
+        check "test-$name-$1" $FN test_program "$exe" $2
     done
 }
 
@@ -206,6 +283,10 @@ echo
 echo "@@KERNEL $(uname -r)"
 echo "topology $KM_TOPOLOGY · stress ${KM_STRESS}s per part · bench $KM_BENCH"
 sys_state
+if [ "$KM_TOPOLOGY" = many ]; then
+    check sparse-online $FN make_sparse
+    sys_state
+fi
 
 check info-glibc env $GLIBC thiscpu info
 check info-own env $OWN thiscpu info
@@ -217,7 +298,30 @@ check pinned-own $FN pinned thiscpu $OWN
 library_tests glibc "$GLIBC"
 library_tests own "$OWN"
 
+# The kernel's enforcement of the read-only ID fields, shown on a throwaway process: without it
+# a passing run on 7.x would not tell whether thiscpu's optimized-mode area is really what the
+# kernel treats as one.
+if [ "$KM_ENFORCE" = 1 ]; then
+    check write-cpu-id-optimized $FN write_cpu_id optimized SEGV $OWN
+    if [ "$KM_RSEQ_DEBUG" = 1 ]; then
+        check write-cpu-id-legacy-rseq-debug \
+            $FN write_cpu_id legacy SEGV $OWN THISCPU_RSEQ_AREA=legacy
+    else
+        check write-cpu-id-legacy $FN write_cpu_id legacy survives $OWN THISCPU_RSEQ_AREA=legacy
+    fi
+fi
+
 case $KM_TOPOLOGY in
+many)
+    before=""
+    for cpu in $KM_HOTPLUG; do before="$before $cpu:$(cat "$CPU_SYS/cpu$cpu/online")"; done
+    check stress-own-hotplug $FN stress_while_hotplug $OWN
+    # Back to the gaps of make_sparse, whatever state the hot-plug loop left.
+    for state in $before; do echo "${state#*:}" >"$CPU_SYS/cpu${state%:*}/online"; done
+    sys_state
+    check topology-after-hotplug probe topology
+    check pinned-after-hotplug-glibc $FN pinned glibc $GLIBC
+    ;;
 up2of4)
     check stress-glibc-hotplug $FN stress_while_hotplug $GLIBC
     check stress-own-hotplug $FN stress_while_hotplug $OWN
@@ -230,18 +334,18 @@ up2of4)
     check topology-all-online probe topology
     check pinned-all-online-glibc $FN pinned glibc $GLIBC
     check pinned-all-online-own $FN pinned thiscpu $OWN
-    check test-identity-all-online-own env $OWN /opt/t/deps/identity --test-threads=2 -q
+    check test-identity-all-online-own $FN test_program /opt/t/deps/identity $OWN
     ;;
 *)
     check stress-glibc env $GLIBC thiscpu stress --seconds "$KM_STRESS"
     check stress-own env $OWN thiscpu stress --seconds "$KM_STRESS"
     if [ "$KM_TOPOLOGY" = smp2 ]; then
-        check test-debugger-own env $OWN /opt/t/deps/debugger --test-threads=2 -q
+        check test-debugger-own $FN test_program /opt/t/deps/debugger $OWN
     fi
     ;;
 esac
 
-check bench-quick thiscpu bench --quick $(echo "$KM_BENCH" | tr ',' ' ')
+[ "$KM_TOPOLOGY" = many ] || check bench-quick thiscpu bench --quick $(echo "$KM_BENCH" | tr ',' ' ')
 # The cost of the kernel's legacy rseq mode against the optimized one (7.x), each case in a
 # child process; elsewhere it says why it cannot compare. On smp2 only: the ratio is what
 # counts, and the guest with one vCPU per host core disturbs it least.

@@ -8,21 +8,36 @@
 #            offline while a process starts and brought back
 #   up2of4   4 possible CPUs, 2 online at boot (-smp 4 and the kernel's maxcpus=2); CPUs
 #            1-3 go offline and online while `thiscpu stress` runs
+#   many     64 possible CPUs in 4 NUMA nodes (node = CPU / 4 mod 4), 16 online at boot
+#            (maxcpus=16); before the checks some go offline in the middle of the range and
+#            some beyond 15 come online, so the online CPUs are numbered with gaps; three go
+#            offline and online during `stress`. Only on the last kernel of the list (the
+#            newest), with a selection of the tests ($THISCPU_KERNELS_MANY_TESTS), because 17
+#            vCPUs on one host thread are slow.
 #
-#   matrix.sh [--kernels "bookworm trixie sid"] [--topologies "smp2 numa up2of4"]
+#   matrix.sh [--kernels "bookworm trixie sid"] [--topologies "smp2 numa up2of4 many"]
+#
+# On Linux 7.x every guest also writes to `cpu_id` of an optimized-mode area on purpose and
+# requires the kernel to kill that process with SIGSEGV (and, as the control, a legacy-mode
+# area to survive the same write), and the numa guest boots with rseq_debug=1 (the kernel's
+# checks of the area on every return to user space), where the legacy-mode write must be
+# fatal too.
 #
 # Under TCG (qemu's software CPU, `-cpu max`; one host thread per vCPU for smp2, one thread for
 # all vCPUs where CPUs are hot-plugged, see accel() below) unless THISCPU_KERNELS_KVM=1 asks for
 # KVM (`-enable-kvm -cpu host`), which only helps where the host has real hardware
 # virtualization. Builds the `thiscpu` command (release), the library's test executables
-# (`cargo test -p thiscpu --no-run`) and the probe (.ci/kernels/probe) with the repository's
-# target directory, and one initramfs for every guest. A guest fails on any failed check, a
-# kernel crash, a hang (more than $THISCPU_KERNELS_TIMEOUT seconds, default 600) and on output
-# that ends before its end marker. Full logs go to target/kernels/logs/; the console gets each
-# check's result, the output of failed checks and a summary with each guest's time.
+# (`cargo test -p thiscpu --all-features --no-run`: the optional features' tests too, the same
+# build as the `features` step of .ci/run) and the probe (.ci/kernels/probe) with the
+# repository's target directory, and one initramfs for every guest. A guest fails on any failed
+# check, a kernel crash, a hang (more than $THISCPU_KERNELS_TIMEOUT seconds, default 600), on
+# output that ends before its end marker, when a test executable runs no test, and on 7.x when
+# the enforcement checks did not run. Full logs go to target/kernels/logs/; the console gets
+# each check's result, the output of failed checks and a summary with each guest's time.
 #
 # Other knobs: THISCPU_KERNELS_STRESS (seconds per part of `stress`, default 3; 5 on up2of4),
-# THISCPU_KERNELS_BENCH (families for `bench --quick`, comma-separated, default getcpu,counter).
+# THISCPU_KERNELS_BENCH (families for `bench --quick`, comma-separated, default getcpu,counter),
+# THISCPU_KERNELS_MANY_TESTS (the many guest's test executables, space-separated).
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -30,16 +45,18 @@ cd "$repo"
 here=.ci/kernels
 store=$repo/target/kernels
 kernels="bookworm trixie sid"
-topologies="smp2 numa up2of4"
+topologies="smp2 numa up2of4 many"
 timeout_s=${THISCPU_KERNELS_TIMEOUT:-600}
 stress_s=${THISCPU_KERNELS_STRESS:-3}
 bench=${THISCPU_KERNELS_BENCH:-getcpu,counter}
+many_tests="identity topology registration counter pool sharded fence mm_cid"
+many_tests=${THISCPU_KERNELS_MANY_TESTS:-$many_tests}
 
 while [ $# -gt 0 ]; do
     case $1 in
     --kernels) kernels=$2; shift 2 ;;
     --topologies) topologies=$2; shift 2 ;;
-    *) echo "usage: $0 [--kernels \"SUITE...\"] [--topologies \"smp2 numa up2of4\"]" >&2; exit 2 ;;
+    *) echo "usage: $0 [--kernels \"SUITE...\"] [--topologies \"smp2 numa up2of4 many\"]" >&2; exit 2 ;;
     esac
 done
 
@@ -62,7 +79,7 @@ mapfile -t kernel_dirs < <(bash "$here/setup.sh" "${wanted[@]}")
 run cargo build --locked --release -p thiscpu-cli
 tests_json=$(mktemp)
 trap 'rm -f "$tests_json"' EXIT
-run cargo test --locked -p thiscpu --no-run --message-format=json >"$tests_json"
+run cargo test --locked -p thiscpu --all-features --no-run --message-format=json >"$tests_json"
 run env CARGO_TARGET_DIR="$store/probe" cargo build --locked --release \
     --manifest-path "$here/probe/Cargo.toml"
 
@@ -167,6 +184,24 @@ topology() {
             kernel_topology="maxcpus=2"
         fi
         ;;
+    many)
+        # All 64 present (qemu 7.2's ACPI tables give 6.12+ no hot-pluggable CPUs beyond the
+        # present ones, see kernels.md), 16 online at boot. Node N holds CPUs 4N-4N+3 of each
+        # block of 16, so the CPUs online at boot already span the four nodes.
+        qemu_topology=(-smp 64 -m 2G)
+        for node in 0 1 2 3; do
+            cpus=""
+            for block in 0 16 32 48; do
+                cpus+=",cpus=$((block + 4 * node))-$((block + 4 * node + 3))"
+            done
+            qemu_topology+=(
+                -object "memory-backend-ram,id=m$node,size=512M"
+                -numa "node,nodeid=$node$cpus,memdev=m$node"
+            )
+        done
+        kernel_topology="maxcpus=16 KM_OFFLINE=\"5 9 10\" KM_ONLINE=\"21 38 48 63\""
+        kernel_topology+=" KM_HOTPLUG=\"7 10 38\" KM_TESTS=\"$many_tests\""
+        ;;
     *) echo "unknown topology $1"; return 1 ;;
     esac
 }
@@ -193,16 +228,27 @@ failures=0
 for dir in "${kernel_dirs[@]}"; do
     suite=${dir##*/}
     release=$(cat "$dir/release")
+    # Linux 7.x enforces the read-only ID fields of an optimized-mode area.
+    enforce=0
+    [ "${release%%.*}" -ge 7 ] && enforce=1
     for topo in $topologies; do
+        if [ "$topo" = many ] && [ "$dir" != "${kernel_dirs[-1]}" ]; then continue; fi
         topology "$topo"
         accel "$topo"
         stress=$stress_s
         [ "$topo" = up2of4 ] && stress=$((stress_s > 5 ? stress_s : 5))
-        log=$store/logs/$suite-$topo.log
-        append="console=ttyS0 panic=-1 quiet loglevel=3 rdinit=/init $kernel_topology"
+        guest=$topo
+        extra=""
+        if [ "$enforce" = 1 ] && [ "$topo" = numa ]; then
+            guest=numa+rseq_debug
+            extra="rseq_debug=1 KM_RSEQ_DEBUG=1"
+        fi
+        log=$store/logs/$suite-$guest.log
+        append="console=ttyS0 panic=-1 quiet loglevel=3 rdinit=/init $kernel_topology $extra"
         append+=" KM_TOPOLOGY=$topo KM_STRESS=$stress KM_BENCH=$bench KM_TIMEOUT=$((timeout_s / 2))"
+        append+=" KM_ENFORCE=$enforce"
         echo
-        echo "=== kernels: $release ($suite), $topo"
+        echo "=== kernels: $release ($suite), $guest"
         t0=$SECONDS
         set +e
         timeout --foreground -k 10 "$timeout_s" qemu-system-x86_64 "${accel[@]}" \
@@ -215,9 +261,12 @@ for dir in "${kernel_dirs[@]}"; do
         took=$((SECONDS - t0))
 
         # The verdict, from the log alone.
-        verdict=$(tr -d '\r' <"$log" | awk -v release="$release" -v status="$status" '
+        verdict=$(tr -d '\r' <"$log" | awk -v release="$release" -v status="$status" \
+            -v enforce="$enforce" '
             /@@KERNEL / { sub(/.*@@KERNEL /, ""); kernel = $1 }
             /^@@CHECK / { checks++; if ($3 != "ok") failed++ }
+            /^@@CHECK write-cpu-id-optimized ok / { enforced = 1 }
+            /^@@TESTS / { programs++; split($3, p, "="); tests += p[2]; if (p[2] + 0 == 0) { empty++; names = names " " $2 } }
             /^@@END / { split($2, c, "="); split($3, f, "="); end_checks = c[2]; end_failed = f[2]; ended = 1 }
             /^@@GUEST_EXIT=/ { exit_code = substr($0, 14) }
             END {
@@ -226,10 +275,12 @@ for dir in "${kernel_dirs[@]}"; do
                 if (!ended) { print "FAIL: no end marker after " checks + 0 " checks (crash or panic)"; exit }
                 if (end_checks != checks + 0) { print "FAIL: " checks + 0 " check results for " end_checks " checks"; exit }
                 if (failed + 0 > 0 || end_failed != 0 || exit_code != "0") { print "FAIL: " failed + 0 " of " checks " checks failed"; exit }
-                print "ok: " checks " checks passed"
+                if (enforce == 1 && !enforced) { print "FAIL: no proof that the kernel enforces the optimized mode"; exit }
+                if (empty + 0 > 0) { print "FAIL: " empty " test executables ran no tests:" names; exit }
+                print "ok: " checks " checks passed, " programs + 0 " test executables ran " tests + 0 " tests, 0 with no tests"
             }')
-        echo "--- kernels: $release ($suite), $topo: $verdict in $took s (log: ${log#"$repo/"})"
-        summary+=("$(printf '%-28s %-8s %4d s  %-14s %s' "$release" "$topo" "$took" \
+        echo "--- kernels: $release ($suite), $guest: $verdict in $took s (log: ${log#"$repo/"})"
+        summary+=("$(printf '%-28s %-16s %4d s  %-14s %s' "$release" "$guest" "$took" \
             "$accel_label" "$verdict")")
         case $verdict in ok*) ;; *) failures=$((failures + 1)) ;; esac
     done

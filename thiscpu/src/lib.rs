@@ -56,9 +56,8 @@
 //! - [`topology`]: possible and online CPUs, and their NUMA nodes, from `/sys`.
 //!
 //!
-//! Two public modules are hidden from the documentation and outside the stable surface (they
-//! may change in any release): `abi`, the kernel's rseq structures as thiscpu uses them, and
-//! `stress`, the self-test behind `thiscpu stress`.
+//! One public module is hidden from the documentation and outside the stable surface (it may
+//! change in any release): `abi`, the kernel's rseq structures as thiscpu uses them.
 //! - `metrics` (feature `metrics`): a backend for the `metrics` facade whose counters are
 //!   per-CPU, so that `metrics::counter!(..).increment(1)` makes no atomic read-modify-write;
 //!   with feature `metrics-layer`, `metrics::PerCpuLayer` puts per-CPU counters in front of any
@@ -133,9 +132,6 @@ pub mod prometheus;
 mod registration;
 #[allow(unsafe_code)]
 mod sharded;
-#[doc(hidden)]
-#[allow(unsafe_code)]
-pub mod stress;
 #[allow(unsafe_code)]
 pub mod topology;
 

@@ -285,4 +285,3 @@ fn source_while_undecided() -> Source {
         mm_cid: false,
     }
 }
-

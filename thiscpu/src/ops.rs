@@ -197,8 +197,7 @@ pub fn position() -> Option<Position<ByCpu>> {
 #[cold]
 #[inline(never)]
 fn position_slow() -> Option<Position<ByCpu>> {
-    if registration::decided_without_rseq() || !registration::ensure_registered()
-    {
+    if registration::decided_without_rseq() || !registration::ensure_registered() {
         return None;
     }
     let at = position_as_is::<ByCpu>();

@@ -362,6 +362,7 @@ fn decide() -> Process {
     pin_own_module();
     let process = decide_registrar();
     inject::signal_in_decision();
+    inject::panic_in_decision();
     // Read now, so that nothing asks `/sys` or allocates for them later.
     topology::prepare();
     let process = Process {
@@ -429,10 +430,19 @@ fn pin_own_module() {
 /// failing in every thread later. Returns the length the area is registered with.
 fn register_deciding_thread(size: u32) -> Result<u32, Unavailable> {
     let _ = REGISTRATION_TRIED.try_with(|tried| tried.set(true));
-    let registered = match register_own_area(size) {
+    registration_outcome(size, register_own_area)
+}
+
+/// What the deciding thread's registration with `size` bytes (by `register`) means for the
+/// process.
+fn registration_outcome(
+    size: u32,
+    register: impl Fn(u32) -> Result<u32, NotRegistered>,
+) -> Result<u32, Unavailable> {
+    let registered = match register(size) {
         // Kernels that know only the original area refuse a longer one with EINVAL.
         Err(NotRegistered::Refused(libc::EINVAL)) if size > abi::ORIGINAL_AREA_SIZE => {
-            register_own_area(abi::ORIGINAL_AREA_SIZE)
+            register(abi::ORIGINAL_AREA_SIZE)
         }
         other => other,
     };
@@ -647,7 +657,10 @@ mod inject {
         // SAFETY: `getenv` with a NUL-terminated name; only the result's nullness is used.
         let deferred =
             !unsafe { libc::getenv(c"THISCPU_INJECT_DEFER_DECISION".as_ptr()) }.is_null();
-        deferred || signal().is_some()
+        // SAFETY: as above.
+        let panics =
+            !unsafe { libc::getenv(c"THISCPU_INJECT_PANIC_IN_DECISION".as_ptr()) }.is_null();
+        deferred || panics || signal().is_some()
     }
 
     #[cfg(not(thiscpu_inject))]
@@ -669,4 +682,87 @@ mod inject {
     #[cfg(not(thiscpu_inject))]
     #[inline(always)]
     pub(super) fn signal_in_decision() {}
+
+    /// With `THISCPU_INJECT_PANIC_IN_DECISION` set, the decision waits for its first use, and
+    /// the first decision panics halfway (after registering its thread), once.
+    #[cfg(thiscpu_inject)]
+    pub(super) fn panic_in_decision() {
+        use core::sync::atomic::{AtomicBool, Ordering};
+        static PANICKED: AtomicBool = AtomicBool::new(false);
+        // SAFETY: `getenv` with a NUL-terminated name; only the result's nullness is used.
+        let asked =
+            !unsafe { libc::getenv(c"THISCPU_INJECT_PANIC_IN_DECISION".as_ptr()) }.is_null();
+        if asked && !PANICKED.swap(true, Ordering::Relaxed) {
+            panic!("a decision that fails halfway (THISCPU_INJECT_PANIC_IN_DECISION)");
+        }
+    }
+
+    #[cfg(not(thiscpu_inject))]
+    #[inline(always)]
+    pub(super) fn panic_in_decision() {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_registration_refused_with_einval_is_retried_with_the_original_length() {
+        let tried = std::cell::RefCell::new(Vec::new());
+        let kernel_without_long_areas = |size| {
+            tried.borrow_mut().push(size);
+            if size > abi::ORIGINAL_AREA_SIZE {
+                Err(NotRegistered::Refused(libc::EINVAL))
+            } else {
+                Ok(size)
+            }
+        };
+        assert_eq!(registration_outcome(64, kernel_without_long_areas), Ok(32));
+        assert_eq!(*tried.borrow(), [64, 32]);
+        let elsewhere = |_| Err(NotRegistered::Refused(libc::EINVAL));
+        assert_eq!(
+            registration_outcome(64, elsewhere),
+            Err(Unavailable::RegisteredElsewhere)
+        );
+        assert_eq!(
+            registration_outcome(32, elsewhere),
+            Err(Unavailable::RegisteredElsewhere)
+        );
+        let refused = |_| Err(NotRegistered::Refused(libc::EPERM));
+        assert_eq!(
+            registration_outcome(64, refused),
+            Err(Unavailable::Refused(libc::EPERM))
+        );
+    }
+
+    /// Registering thiscpu's own area again on a thread where it is registered (the thread of a
+    /// decision that unwound, or a child forked during the decision) keeps the registration and
+    /// writes nothing into the area. Only where thiscpu registers its own areas.
+    #[test]
+    fn registering_a_registered_own_area_again_keeps_it() {
+        let Some(process) = decided().filter(|p| p.registrar == Registrar::Thiscpu) else {
+            eprintln!("skipped: thiscpu does not register its own areas in this process");
+            return;
+        };
+        let size = process.registered_size;
+        std::thread::spawn(move || {
+            assert!(ensure_registered());
+            let own = arch::area_at(arch::own_area_offset());
+            // SAFETY: this thread's own area; `cpu_id` is read as the kernel writes it.
+            let cpu_id = || unsafe { core::ptr::addr_of!((*own).cpu_id).read_volatile() };
+            assert!(cpu_id() >= 0);
+            assert_eq!(register_own_area(size), Ok(size));
+            assert!(cpu_id() >= 0, "the registered area was rewritten");
+            // The kernel still has this very area: the same registration is "busy".
+            // SAFETY: the area is registered with `size` bytes; asking again changes nothing.
+            let again = unsafe { own_area_syscall(own, size, 0) };
+            assert_eq!(again, -1);
+            assert_eq!(
+                std::io::Error::last_os_error().raw_os_error(),
+                Some(libc::EBUSY)
+            );
+        })
+        .join()
+        .unwrap();
+    }
 }

@@ -227,7 +227,8 @@ impl<T, S: Spread> Sharded<T, S> {
             .collect();
         // Readers need fences to take a shard from sections; registering for them once here
         // keeps that system call (which may wait for an RCU grace period) off the first read.
-        let rseq = registration::decided().is_some_and(|process| process.registrar != Registrar::None)
+        let rseq = registration::decided()
+            .is_some_and(|process| process.registrar != Registrar::None)
             && fence::available();
         Sharded {
             shards,

@@ -80,9 +80,17 @@ fn concurrent_first_calls_see_one_decision_made_once() {
         let ids = Ids { me: 2, gone: &[] };
         let mine = *once.get_or_decide(&ids, || decide_as(2, &runs)).unwrap();
         for thread in threads {
-            assert_eq!(thread.join().unwrap(), mine, "two callers saw different decisions");
+            assert_eq!(
+                thread.join().unwrap(),
+                mine,
+                "two callers saw different decisions"
+            );
         }
-        assert_eq!(runs.load(Ordering::Relaxed), 1, "the decision ran more than once");
+        assert_eq!(
+            runs.load(Ordering::Relaxed),
+            1,
+            "the decision ran more than once"
+        );
         assert_eq!(once.get().copied(), Some(mine));
     });
 }
@@ -124,7 +132,8 @@ fn a_decision_that_unwinds_is_made_again_by_the_next_caller() {
         };
         let ids = Ids { me: 1, gone: &[] };
         let unwound = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            once.get_or_decide(&ids, || panic!("the decision failed")).copied()
+            once.get_or_decide(&ids, || panic!("the decision failed"))
+                .copied()
         }));
         // Either the other thread decided first, or this one unwound and handed the claim back.
         let seen = match unwound {

@@ -6,6 +6,7 @@
 //! restartable sequences positioned on the row's CPU (or concurrency id), by atomic adds when
 //! the process has no rseq at all, or, for the spare row, by atomic adds; each block says how.
 
+use crate::cpu;
 use crate::dense;
 use crate::ops::{self, ByCpu, ByMmCid, Outcome, Spread};
 use crate::registration::{self, Registrar};
@@ -283,7 +284,7 @@ impl<S: Spread> Counter<S> {
         // while the decision is not known, in a signal handler that interrupted it) sections
         // may write the words with plain adds, and this thread must stay off them.
         if registration::decided().is_some_and(|process| process.registrar == Registrar::None) {
-            let cpu = crate::current_cpu() % dense::cpu_rows();
+            let cpu = cpu::current_cpu() % dense::cpu_rows();
             self.word(cpu).fetch_add(n, Ordering::Relaxed);
         } else {
             self.word(dense::cpu_rows()).fetch_add(n, Ordering::Relaxed);

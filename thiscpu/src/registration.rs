@@ -363,6 +363,7 @@ fn decide() -> Process {
     let process = decide_registrar();
     inject::signal_in_decision();
     inject::panic_in_decision();
+    inject::delay_in_decision();
     // Read now, so that nothing asks `/sys` or allocates for them later.
     topology::prepare();
     let process = Process {
@@ -569,6 +570,14 @@ fn register_own_area(size: u32) -> Result<u32, NotRegistered> {
         let registered = OWN_REGISTERED_LENGTH.try_with(Cell::get).unwrap_or(0);
         return Ok(if registered == 0 { size } else { registered });
     }
+    // SAFETY: `own` is this thread's static-TLS area of `OWN_AREA_CAPACITY` bytes, aligned to
+    // as much (see `arch`), which no other thread writes; `size` is clamped to it. It is not
+    // registered (a registered area has a non-negative `cpu_id`, checked above, and nothing
+    // else unregisters it), so none of its fields belongs to the kernel yet. The kernel
+    // requires `cpu_id = -1`, `rseq_cs = 0` and the rest 0 (the bytes past the original 32
+    // included: time-slice requests live there) before registration. The area lives in static
+    // TLS, freed only after the kernel has seen the thread exit, so it may stay registered
+    // until then.
     let ret = unsafe {
         own.write_volatile(Rseq {
             cpu_id_start: 0,
@@ -700,6 +709,27 @@ mod inject {
     #[cfg(not(thiscpu_inject))]
     #[inline(always)]
     pub(super) fn panic_in_decision() {}
+
+    /// With `THISCPU_INJECT_DELAY_IN_DECISION` set to a number of milliseconds, the decision
+    /// sleeps that long halfway, so that other threads race it for that long.
+    #[cfg(thiscpu_inject)]
+    pub(super) fn delay_in_decision() {
+        // SAFETY: `getenv` with a NUL-terminated name; a non-null result is a NUL-terminated
+        // string, read at once.
+        let value = unsafe { libc::getenv(c"THISCPU_INJECT_DELAY_IN_DECISION".as_ptr()) };
+        if value.is_null() {
+            return;
+        }
+        // SAFETY: as above.
+        let value = unsafe { std::ffi::CStr::from_ptr(value) };
+        if let Some(ms) = value.to_str().ok().and_then(|text| text.parse().ok()) {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
+    }
+
+    #[cfg(not(thiscpu_inject))]
+    #[inline(always)]
+    pub(super) fn delay_in_decision() {}
 }
 
 #[cfg(test)]

@@ -278,7 +278,7 @@ mod tests {
             assert_eq!(node_area, blank_area_offset());
         }
         fn blank_after_getcpu() {
-            let _ = crate::getcpu();
+            let _ = crate::cpu::getcpu();
             let blank = AreaOffset(blank_area_offset() + AREA_OFFSET_FIELD as isize);
             assert_eq!(field_at::<CPU_ID>(blank), -1);
         }

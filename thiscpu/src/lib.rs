@@ -112,6 +112,8 @@ mod counter;
 #[allow(unsafe_code)]
 mod cpu;
 #[allow(unsafe_code)]
+mod decided_once;
+#[allow(unsafe_code)]
 pub mod dense;
 #[allow(unsafe_code)]
 pub mod fence;
@@ -132,11 +134,14 @@ pub mod prometheus;
 mod registration;
 #[allow(unsafe_code)]
 mod sharded;
+mod sync;
 #[allow(unsafe_code)]
 pub mod topology;
+#[allow(unsafe_code)]
+pub mod via;
 
 pub use counter::{Adder, Counter};
-pub use cpu::{CpuNode, CpuSource, Source, current_cpu, current_node, getcpu, mm_cid, source, via};
+pub use cpu::{Source, current_cpu, current_node, getcpu, mm_cid, source};
 pub use histogram::Histogram;
 pub use mask::CpuMask;
 pub use ops::{ByCpu, ByMmCid, Spread};
@@ -144,3 +149,4 @@ pub use percpu::{CachePadded, PerCpu};
 pub use pool::{Pool, Pooled};
 pub use registration::{Registrar, RseqMode, Unavailable};
 pub use sharded::{ShardGuard, Sharded};
+pub use via::{CpuNode, CpuSource};

@@ -227,11 +227,15 @@ impl<T, S: Spread> Sharded<T, S> {
             .collect();
         // Readers need fences to take a shard from sections; registering for them once here
         // keeps that system call (which may wait for an RCU grace period) off the first read.
-        let rseq = registration::process().registrar != Registrar::None && fence::available();
+        let rseq = registration::decided()
+            .is_some_and(|process| process.registrar != Registrar::None)
+            && fence::available();
         Sharded {
             shards,
             rseq,
-            by_mm_cid: rseq && S::FIELD == ByMmCid::FIELD && crate::cpu::mm_cid_usable(),
+            by_mm_cid: rseq
+                && S::FIELD == ByMmCid::FIELD
+                && registration::decided().is_some_and(|process| process.mm_cid_usable()),
             spread: PhantomData,
         }
     }

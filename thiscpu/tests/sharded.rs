@@ -707,6 +707,12 @@ fn refused_after_construction<S: Spread>(sharded: Sharded<Tally, S>) {
             made
         })
     };
+    // Built with `--cfg thiscpu_inject`, sections linger between their comparison and their
+    // commit, so that a take without a working fence would meet them there.
+    #[cfg(thiscpu_inject)]
+    for point in 0..thiscpu::ops::inject::POINTS {
+        thiscpu::ops::inject::set_delay(point, 20_000);
+    }
     let mut writers: Vec<_> = (0..2).map(|_| writer(true)).collect();
     // glibc ends a process whose new thread it cannot register; where thiscpu registers, the
     // filter refuses rseq too, so that later threads have none.

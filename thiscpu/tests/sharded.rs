@@ -687,12 +687,21 @@ fn refused_after_construction<S: Spread>(sharded: Sharded<Tally, S>) {
     sharded.with_current(|tally| update(tally, false));
     let stop = Arc::new(AtomicBool::new(false));
     let registrar = thiscpu::source().registrar;
+    // The writers with rseq register (thiscpu registers a thread on its first use) before the
+    // filter comes.
+    let registered = Arc::new(Barrier::new(3));
     let writer = |with_rseq: bool| {
-        let (sharded, stop) = (Arc::clone(&sharded), Arc::clone(&stop));
+        let (sharded, stop, ready) = (
+            Arc::clone(&sharded),
+            Arc::clone(&stop),
+            Arc::clone(&registered),
+        );
         std::thread::spawn(move || {
             if with_rseq {
-                let registered = registrar != thiscpu::Registrar::None;
-                assert_eq!(thiscpu::ops::position().is_some(), registered);
+                let with_registrar = registrar != thiscpu::Registrar::None;
+                let position = thiscpu::ops::position();
+                ready.wait();
+                assert_eq!(position.is_some(), with_registrar, "{position:?}");
             } else {
                 if registrar == thiscpu::Registrar::Glibc {
                     unregister_glibcs_area();
@@ -714,6 +723,7 @@ fn refused_after_construction<S: Spread>(sharded: Sharded<Tally, S>) {
         thiscpu::ops::inject::set_delay(point, 20_000);
     }
     let mut writers: Vec<_> = (0..2).map(|_| writer(true)).collect();
+    registered.wait();
     // glibc ends a process whose new thread it cannot register; where thiscpu registers, the
     // filter refuses rseq too, so that later threads have none.
     if registrar == thiscpu::Registrar::Thiscpu {

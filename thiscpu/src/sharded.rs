@@ -61,9 +61,9 @@
 //! Where the process has no rseq (old kernel, valgrind, `THISCPU_RSEQ=off`), or `membarrier`
 //! is refused when the `Sharded` is made (kernels before 5.10, seccomp,
 //! `THISCPU_MEMBARRIER=off`, without which readers could not take a shard cheaply), it decides
-//! at construction to take shards with a
-//! compare-and-swap of the same word, `FREE` to the token, on the shard of the CPU the fallback
-//! reports: the same API and guarantees, at the cost of an atomic read-modify-write per take.
+//! at construction to take shards with a compare-and-swap of the same word, `FREE` to the
+//! token, on the shard of the CPU the fallback reports: the same API and guarantees, at the
+//! cost of an atomic read-modify-write per take.
 //! [`Sharded::uses_rseq`] says which.
 //!
 //! # A panic inside the closure
@@ -81,6 +81,8 @@
 //!   last shard later.
 //! - A closure that blocks (I/O, a lock, a long computation) keeps its CPU's shard held: the
 //!   next thread on that CPU waits, sleeping, until it ends. Keep closures short.
+//! - Waiting is not fair: a waiter (a reader above all, whose take costs a fence) can be
+//!   overtaken again and again by threads that take the shard without pause.
 //! - Not async-signal-safe: a signal handler taking the shard its thread holds panics.
 //! - A thread taking a shard it already holds (a nested `with_current`, `lock_current` or
 //!   `lock`) panics rather than wait for itself.

@@ -528,3 +528,45 @@ mod inject {
     #[inline(always)]
     pub(super) fn signal_in_registration() {}
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::topology;
+
+    #[test]
+    fn a_visit_leaves_the_thread_where_it_was_allowed_to_run() {
+        let allowed = topology::allowed_cpus().unwrap();
+        let (first, last) = (allowed[0], *allowed.last().unwrap());
+        std::thread::spawn(move || {
+            let _pinned = topology::pin_to(first).unwrap();
+            // Beyond the thread's own mask, as a shard's CPU may be.
+            visit_cpu(last).unwrap();
+            assert_eq!(topology::allowed_cpus().unwrap(), [first]);
+            visit_all().unwrap();
+            assert_eq!(topology::allowed_cpus().unwrap(), [first]);
+            // No such CPU: nothing runs there, nothing to fence.
+            visit_cpu(100_000).unwrap();
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_take_over_by_visiting_yields_to_a_holder_and_gives_back_on_drop() {
+        let flag = AtomicU64::new(7);
+        assert!(
+            take_over_by_visiting(Some(0), &flag, 0, 1)
+                .unwrap()
+                .is_none()
+        );
+        assert_eq!(flag.load(Ordering::Relaxed), 7, "a held flag was changed");
+        flag.store(0, Ordering::Relaxed);
+        let taken = take_over_by_visiting(None, &flag, 0, 1)
+            .unwrap()
+            .expect("free");
+        assert_eq!(flag.load(Ordering::Relaxed), 1);
+        drop(taken);
+        assert_eq!(flag.load(Ordering::Relaxed), 0);
+    }
+}

@@ -2,7 +2,7 @@
 //! rseq: the system call, the vDSO, glibc's `sched_getcpu`, and the CPU's own instructions.
 //! Each function answers independently of which one the process chose as its fallback
 //! (`Process::fallback`, chosen once by the registration, which is the only caller of
-//! [`choose_fallback`]).
+//! `choose_fallback`).
 //!
 //! # Safety
 //! This module calls the vDSO's `getcpu` through a pointer that `dlsym` returned for that

@@ -9,7 +9,7 @@
 //! Built only with the model's configuration:
 //! `RUSTFLAGS="--cfg thiscpu_model" CARGO_TARGET_DIR=target/model cargo test -p thiscpu
 //! --release --test model -- --nocapture`. `LOOM_MAX_PREEMPTIONS` bounds the search
-//! (default here: 2); each test prints how many interleavings loom explored.
+//! (default here: 3); each test prints how many interleavings loom explored.
 
 #![cfg(thiscpu_model)]
 
@@ -27,7 +27,7 @@ fn explore(name: &str, body: impl Fn() + Send + Sync + 'static) {
     let counted = runs.clone();
     let mut builder = loom::model::Builder::new();
     if builder.preemption_bound.is_none() {
-        builder.preemption_bound = Some(2);
+        builder.preemption_bound = Some(3);
     }
     let started = std::time::Instant::now();
     builder.check(move || {

@@ -15,7 +15,7 @@
 //! - a thread arriving on a CPU ([`run_on`]) bumps the generation of the CPU it leaves and of
 //!   the one it reaches;
 //! - a fence of CPU `c` bumps `c`'s generation, a fence of every CPU bumps them all
-//!   ([`membarrier`]);
+//!   (`membarrier`);
 //! - each store of a section (a slot, and the commit) is made under the CPU's mutex, and only
 //!   if the generation is still the one the section started with; otherwise the section
 //!   reports that it was aborted. Its loads are plain loom loads, each a step of its own.
@@ -32,10 +32,10 @@
 //!
 //! # The process
 //! The rseq decision is not modelled: `process` (which `registration::decided` returns
-//! under the model) says that thiscpu registers every thread, and [`field_at`] answers the
+//! under the model) says that thiscpu registers every thread, and `field_at` answers the
 //! model CPU for `cpu_id` and `mm_cid`, so every model thread has a registered area and
 //! `registration` never runs. `mm_cid` is never reported usable, so by-`mm_cid` types spread
-//! by CPU. [`membarrier`] stands in for the system call of `fence` and always succeeds.
+//! by CPU. `membarrier` stands in for the system call of `fence` and always succeeds.
 
 use super::{AreaOffset, Outcome, StackHead, StackOutcome};
 use crate::abi::offset;

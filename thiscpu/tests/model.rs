@@ -209,3 +209,34 @@ fn a_drain_and_a_section_never_lose_or_duplicate_an_object() {
         census(&pool);
     });
 }
+
+/// A thread on CPU 0 empties its cache, makes an object, and fills the cache until it spills
+/// to the shared list, while a thread on CPU 1 drains that cache: no object lost or
+/// duplicated.
+#[test]
+fn a_drain_while_a_cache_refills_and_spills_never_loses_or_duplicates_an_object() {
+    explore("a drain while CPU 0 refills and spills", || {
+        let pool = numbered_pool();
+        model::run_on(0);
+        let (a, b) = (pool.get(), pool.get());
+        drop((a, b));
+        let user = {
+            let pool = pool.clone();
+            thread::spawn(move || {
+                model::run_on(0);
+                let objects = [pool.get(), pool.get(), pool.get()];
+                drop(objects);
+            })
+        };
+        let drainer = {
+            let pool = pool.clone();
+            thread::spawn(move || {
+                model::run_on(1);
+                pool.drain_cpu(0).expect("the model fences");
+            })
+        };
+        user.join().unwrap();
+        drainer.join().unwrap();
+        census(&pool);
+    });
+}

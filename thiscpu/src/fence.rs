@@ -125,6 +125,7 @@ const REGISTERING: u64 = 3;
 
 /// The process's registration: one word, so that a signal handler can read it and tell a
 /// registration of its own thread (which it interrupted) from another thread's.
+// `core`'s even under the model checker, whose atomics have no `const fn new`.
 static STATE: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(UNKNOWN);
 
 fn tagged(tag: u64, value: u32) -> u64 {

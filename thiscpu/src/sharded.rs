@@ -496,7 +496,7 @@ impl<T, S: Spread> Sharded<T, S> {
 
     /// The shard for the CPU the fallback reports (without rseq).
     fn fallback_index(&self) -> u32 {
-        crate::current_cpu() % self.shards.len() as u32
+        crate::cpu::current_cpu() % self.shards.len() as u32
     }
 
     fn check_not_held_by(&self, index: u32, token: u64) {

@@ -340,7 +340,7 @@ impl<T> Pool<T> {
     }
 
     fn locked_index(&self, len: usize) -> usize {
-        crate::current_cpu() as usize % len
+        crate::cpu::current_cpu() as usize % len
     }
 
     #[cold]

@@ -35,7 +35,7 @@
 //! take no pointer, and `getcpu`, which writes one integer; it reads environment variables with
 //! `getenv`; each block states why it holds.
 
-use core::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::atomic::{AtomicU64, Ordering};
 use std::ffi::CStr;
 
 /// `MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ` (Linux 5.10).
@@ -82,6 +82,7 @@ impl core::fmt::Display for FenceUnavailable {
 
 impl std::error::Error for FenceUnavailable {}
 
+#[cfg(not(thiscpu_model))]
 fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), FenceUnavailable> {
     // SAFETY: membarrier takes three integers and touches no user memory.
     let ret = unsafe { libc::syscall(libc::SYS_membarrier, cmd, flags, cpu) };
@@ -94,6 +95,12 @@ fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), FenceUnavailable> {
                 .unwrap_or(libc::ENOSYS),
         })
     }
+}
+
+/// The model machine's fences, under the model checker.
+#[cfg(thiscpu_model)]
+fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), FenceUnavailable> {
+    crate::arch::model::membarrier(cmd, flags, cpu).map_err(FenceUnavailable::refused)
 }
 
 fn turned_off() -> bool {
@@ -118,7 +125,8 @@ const REGISTERING: u64 = 3;
 
 /// The process's registration: one word, so that a signal handler can read it and tell a
 /// registration of its own thread (which it interrupted) from another thread's.
-static STATE: AtomicU64 = AtomicU64::new(UNKNOWN);
+// `core`'s even under the model checker, whose atomics have no `const fn new`.
+static STATE: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(UNKNOWN);
 
 fn tagged(tag: u64, value: u32) -> u64 {
     tag | u64::from(value) << 32

@@ -112,6 +112,8 @@ mod counter;
 #[allow(unsafe_code)]
 mod cpu;
 #[allow(unsafe_code)]
+// The model checker stands in for the decision (`arch::model`).
+#[cfg_attr(thiscpu_model, allow(dead_code))]
 mod decided_once;
 #[allow(unsafe_code)]
 pub mod dense;
@@ -131,14 +133,21 @@ pub mod pool;
 #[cfg(feature = "prometheus-client")]
 pub mod prometheus;
 #[allow(unsafe_code)]
+// The model checker stands in for the decision (`arch::model`).
+#[cfg_attr(thiscpu_model, allow(dead_code))]
 mod registration;
 #[allow(unsafe_code)]
 mod sharded;
+#[allow(unsafe_code)]
 mod sync;
 #[allow(unsafe_code)]
 pub mod topology;
 #[allow(unsafe_code)]
 pub mod via;
+// The model machine of `--cfg thiscpu_model` builds (tests/model.rs).
+#[cfg(thiscpu_model)]
+#[doc(hidden)]
+pub use arch::model;
 
 pub use counter::{Adder, Counter};
 pub use cpu::{Source, current_cpu, current_node, getcpu, mm_cid, source};

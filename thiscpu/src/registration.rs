@@ -222,6 +222,9 @@ pub(crate) fn mm_cid_usable() -> bool {
 /// `fork` in the middle of it (see `DecidedOnce`).
 #[inline]
 pub(crate) fn decided() -> Option<&'static Process> {
+    #[cfg(thiscpu_model)]
+    return Some(crate::arch::model::process());
+    #[cfg(not(thiscpu_model))]
     PROCESS.get_or_decide(&decided_once::Threads, decide)
 }
 

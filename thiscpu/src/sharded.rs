@@ -97,10 +97,10 @@ use crate::fence;
 use crate::ops::{self, ByCpu, ByMmCid, Outcome, Position, Spread};
 use crate::percpu::CachePadded;
 use crate::registration::{self, Registrar};
+use crate::sync::atomic::{self, AtomicU64, Ordering};
 use crate::topology;
 use core::cell::UnsafeCell;
 use core::marker::PhantomData;
-use core::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// The lock word of a shard nobody holds.
@@ -112,15 +112,17 @@ struct Shard<T> {
     value: UnsafeCell<T>,
 }
 
-thread_local! {
+// The token words are `core`'s even under the model checker: each is one thread's, and
+// their `new` must be `const`.
+crate::sync::thread_local! {
     /// This thread's token, drawn on its first take; `FREE` until then.
-    static TOKEN: AtomicU64 = const { AtomicU64::new(FREE) };
+    static TOKEN: core::sync::atomic::AtomicU64 = const { core::sync::atomic::AtomicU64::new(FREE) };
 }
 
 /// The next token to draw. A 64-bit count never wraps: tokens are unique for the life of the
 /// process, so a shard left held by a thread that exited (its guard leaked) never looks like a
 /// later thread's own shard.
-static NEXT_TOKEN: AtomicU64 = AtomicU64::new(FREE + 1);
+static NEXT_TOKEN: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(FREE + 1);
 
 /// The calling thread's token if it has drawn one, else `FREE`: one thread-local load, for the
 /// fast path, which leaves the first take of a thread to the slow path.
@@ -172,6 +174,10 @@ impl Backoff {
     }
 
     fn wait(&mut self) {
+        if cfg!(thiscpu_model) {
+            // The model runs one thread at a time and has no clock: let the holder go on.
+            return crate::sync::yield_now();
+        }
         self.step = self.step.saturating_add(1);
         if self.step <= Self::SPINS {
             for _ in 0..(4u32 << self.step) {
@@ -416,7 +422,7 @@ impl<T, S: Spread> Sharded<T, S> {
         let outcome = unsafe { ops::load_cbne_store(at, shard.lock.as_ptr(), FREE, token) };
         if outcome == Outcome::Committed(()) {
             // The section's load is the acquiring read of the last release.
-            core::sync::atomic::fence(Ordering::Acquire);
+            atomic::fence(Ordering::Acquire);
             return Ok(ShardGuard::new(shard, index));
         }
         if outcome == Outcome::Aborted {

@@ -66,10 +66,12 @@ macro_rules! rseq_exit_point {
 
 #[cfg(target_arch = "x86_64")]
 #[path = "x86_64.rs"]
+#[cfg_attr(thiscpu_model, allow(dead_code))]
 mod imp;
 
 #[cfg(target_arch = "aarch64")]
 #[path = "aarch64.rs"]
+#[cfg_attr(thiscpu_model, allow(dead_code))]
 mod imp;
 
 #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
@@ -77,9 +79,20 @@ compile_error!("thiscpu supports x86_64 and aarch64 Linux");
 
 pub(crate) use imp::*;
 
+// Under the model checker, the sections and the CPU a thread reads come from the model
+// machine; these names shadow the architecture file's.
+#[cfg(thiscpu_model)]
+pub mod model;
+#[cfg(thiscpu_model)]
+pub(crate) use model::{
+    field_at, load_add_store, load_cbeq_load_store, load_cbne_store, stack_pop, stack_push,
+};
+
 use crate::abi::Rseq;
+use crate::sync::atomic::AtomicU64;
+#[cfg_attr(thiscpu_model, allow(unused_imports))]
 use core::mem::{offset_of, size_of};
-use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicU32, Ordering};
 
 /// The process-wide words that inline fast paths test on every call, as indexes into one table
 /// of `u32`s. Each architecture file places the table right after its area delta, so the words
@@ -186,6 +199,8 @@ impl StackHead {
     pub(crate) const STOPPED: usize = 8;
 }
 
+// The model's atomics are larger, and its sections address the fields by name.
+#[cfg(not(thiscpu_model))]
 const _: () = {
     assert!(offset_of!(StackHead, count) == StackHead::COUNT);
     assert!(offset_of!(StackHead, stopped) == StackHead::STOPPED);

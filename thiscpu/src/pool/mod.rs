@@ -43,11 +43,11 @@ use crate::mask::CpuMask;
 use crate::ops::{self, ByCpu, StackOutcome};
 use crate::percpu::CachePadded;
 use crate::registration::{self, Registrar};
+use crate::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::{Mutex, MutexGuard};
 use crate::topology;
 use core::mem::ManuallyDrop;
-use core::sync::atomic::{AtomicU64, Ordering};
 use stacks::Stacks;
-use std::sync::{Mutex, MutexGuard};
 
 /// A list of objects behind a lock: the shared list, and each CPU's cache without rseq.
 type Locked<T> = CachePadded<Mutex<Vec<Box<T>>>>;

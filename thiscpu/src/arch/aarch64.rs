@@ -554,7 +554,7 @@ pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>
     // names neither NEXT nor this function.
     const {
         assert!(
-            NEXT < 256 || (NEXT % 8 == 0 && NEXT <= 32760),
+            NEXT < 256 || (NEXT.is_multiple_of(8) && NEXT <= 32760),
             "load_cbeq_load_store: on aarch64, NEXT (the byte offset of a node's `next` field) \
              must be below 256, or a multiple of 8 no greater than 32760"
         )

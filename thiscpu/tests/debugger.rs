@@ -18,8 +18,8 @@ const OPERATIONS: [&str; 5] = [
 const GETCPU: usize = 4;
 
 /// Steps one operation may take, stop to stop. The most any took with the bound on
-/// consecutive aborts was 25,959 (`Pool` get and put, two sections, aarch64 debug build; 20,830
-/// on x86_64). Fixed, not derived from `ops::ABORT_LIMIT`: an operation whose retries are not
+/// consecutive aborts was about 27,000 (`Pool` get and put, two sections, aarch64 debug
+/// build; 20,830 on x86_64). Fixed, not derived from `ops::ABORT_LIMIT`: an operation whose retries are not
 /// bounded must fail here rather than be stepped for ever.
 const MAX_STEPS: u64 = 100_000;
 
@@ -274,4 +274,104 @@ fn single_stepped_operations_finish_in_bounded_steps() {
             "{operation} took no fallback, yet every section it ran was aborted: {fallbacks:?}"
         );
     }
+}
+
+/// The abort signature, as the kernel reads it before an abort address: glibc's, librseq's and
+/// the kernel selftests' value for this architecture.
+#[cfg(target_arch = "x86_64")]
+const RSEQ_SIG: u32 = 0x5305_3053;
+#[cfg(target_arch = "aarch64")]
+const RSEQ_SIG: u32 = u32::from_le(0xd428_bc00);
+
+// Start and end of the sections, defined by the linker (the names are C identifiers).
+unsafe extern "C" {
+    static __start___rseq_cs: u8;
+    static __stop___rseq_cs: u8;
+    static __start___rseq_cs_ptr_array: u8;
+    static __stop___rseq_cs_ptr_array: u8;
+    static __start___rseq_exit_point_array: u8;
+    static __stop___rseq_exit_point_array: u8;
+}
+
+/// The words of a table, from the linker's start and stop symbols.
+fn table(start: *const u8, stop: *const u8) -> &'static [u64] {
+    assert_eq!(
+        start as usize % 8,
+        0,
+        "a table of 8-byte words at {start:?}"
+    );
+    let words = (stop as usize - start as usize) / 8;
+    // SAFETY: the linker's bounds of a section of the program, which is mapped for the
+    // process's lifetime and only read here; aligned (checked).
+    unsafe { core::slice::from_raw_parts(start.cast(), words) }
+}
+
+/// What a debugger reads to find the restartable sequences, as librseq lays it out: in
+/// `__rseq_cs_ptr_array`, the address of every section's descriptor; in
+/// `__rseq_exit_point_array`, every early exit as (section start, exit address). Both are in
+/// the program (no code refers to them, and the linker would drop them otherwise), aligned to
+/// 8, list every descriptor of `__rseq_cs`, and each entry is one the kernel would accept.
+#[test]
+fn the_debuggers_tables_list_every_section_well_formed() {
+    // Only the addresses of the linker's symbols are taken.
+    let (cs_start, cs_stop, pointers, exits) = {
+        (
+            &raw const __start___rseq_cs as usize,
+            &raw const __stop___rseq_cs as usize,
+            table(
+                &raw const __start___rseq_cs_ptr_array,
+                &raw const __stop___rseq_cs_ptr_array,
+            ),
+            table(
+                &raw const __start___rseq_exit_point_array,
+                &raw const __stop___rseq_exit_point_array,
+            ),
+        )
+    };
+    let descriptors = (cs_stop - cs_start) / size_of::<thiscpu::abi::RseqCs>();
+    assert!(descriptors > 0, "no descriptor in __rseq_cs");
+    assert_eq!(
+        pointers.len(),
+        descriptors,
+        "__rseq_cs_ptr_array lists each of the {descriptors} descriptors once"
+    );
+    let mut sections = Vec::new();
+    for &address in pointers {
+        let address = address as usize;
+        assert!(
+            (cs_start..cs_stop).contains(&address) && address.is_multiple_of(32),
+            "{address:#x} is not an aligned descriptor in __rseq_cs ({cs_start:#x}..{cs_stop:#x})"
+        );
+        // SAFETY: an aligned address inside `__rseq_cs`, which holds only descriptors.
+        let cs = unsafe { &*(address as *const thiscpu::abi::RseqCs) };
+        let section = cs.start_ip..cs.start_ip + cs.post_commit_offset;
+        assert_eq!((cs.version, cs.flags), (0, 0), "descriptor at {address:#x}");
+        assert!(
+            (1..256).contains(&cs.post_commit_offset) && !section.contains(&cs.abort_ip),
+            "descriptor at {address:#x}: section {section:#x?}, abort at {:#x}",
+            cs.abort_ip
+        );
+        // SAFETY: the four bytes before an abort address are the signature the section's
+        // assembly placed there, in an executable (readable) section.
+        let signature = unsafe { ((cs.abort_ip - 4) as *const u32).read_unaligned() };
+        assert_eq!(
+            signature, RSEQ_SIG,
+            "before the abort address {:#x}",
+            cs.abort_ip
+        );
+        sections.push(section);
+    }
+    assert_eq!(exits.len() % 2, 0, "exit points are pairs of words");
+    for pair in exits.chunks(2) {
+        let (start, exit) = (pair[0], pair[1]);
+        let section = sections
+            .iter()
+            .find(|section| section.start == start)
+            .unwrap_or_else(|| panic!("exit point from {start:#x}, where no section starts"));
+        assert!(
+            !section.contains(&exit),
+            "exit point {exit:#x} inside its section {section:#x?}"
+        );
+    }
+    eprintln!("{descriptors} sections, {} exit points", exits.len() / 2);
 }

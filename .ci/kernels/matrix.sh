@@ -14,8 +14,9 @@
 # Under TCG (qemu's software CPU, `-cpu max`; one host thread per vCPU for smp2, one thread for
 # all vCPUs where CPUs are hot-plugged, see accel() below) unless THISCPU_KERNELS_KVM=1 asks for
 # KVM (`-enable-kvm -cpu host`), which only helps where the host has real hardware
-# virtualization. Builds the `thiscpu` command (release), the library's test executables
-# (`cargo test -p thiscpu --no-run`) and the probe (.ci/kernels/probe) with the repository's
+# virtualization. Builds the `thiscpu` command (release), the library's and the stress driver's
+# test executables (`cargo test -p thiscpu -p thiscpu-stress --no-run`) and the probe
+# (.ci/kernels/probe) with the repository's
 # target directory, and one initramfs for every guest. A guest fails on any failed check, a
 # kernel crash, a hang (more than $THISCPU_KERNELS_TIMEOUT seconds, default 600) and on output
 # that ends before its end marker. Full logs go to target/kernels/logs/; the console gets each
@@ -62,7 +63,7 @@ mapfile -t kernel_dirs < <(bash "$here/setup.sh" "${wanted[@]}")
 run cargo build --locked --release -p thiscpu-cli
 tests_json=$(mktemp)
 trap 'rm -f "$tests_json"' EXIT
-run cargo test --locked -p thiscpu --no-run --message-format=json >"$tests_json"
+run cargo test --locked -p thiscpu -p thiscpu-stress --no-run --message-format=json >"$tests_json"
 run env CARGO_TARGET_DIR="$store/probe" cargo build --locked --release \
     --manifest-path "$here/probe/Cargo.toml"
 

@@ -1,9 +1,9 @@
 //! `thiscpu stress`: the library's exactness self-tests, run for as long as asked, with what
 //! they did and whether anything was lost.
 //!
-//! Runs `thiscpu::stress::run_counter` (a `Counter` incremented by workers that another thread
+//! Runs `thiscpu_stress::run_counter` (a `Counter` incremented by workers that another thread
 //! migrates between CPUs at random and storms with signals whose handlers increment the same
-//! counter, while short-lived threads come and go), then `thiscpu::stress::run_pool` (the same
+//! counter, while short-lived threads come and go), then `thiscpu_stress::run_pool` (the same
 //! storm around a `Pool`, with a thread draining CPU caches). Each run lasts `--seconds`.
 //! Exit status 0 when every increment and every object was accounted for, 1 otherwise.
 
@@ -13,7 +13,7 @@ use crate::report::output::{Output, SCHEMA_VERSION};
 use serde_json::{Value, json};
 use std::io::IsTerminal;
 use std::time::Duration;
-use thiscpu::stress::{
+use thiscpu_stress::{
     PoolStressConfig, PoolStressReport, StressConfig, StressReport, run_counter, run_pool,
 };
 

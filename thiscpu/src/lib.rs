@@ -56,9 +56,8 @@
 //! - [`topology`]: possible and online CPUs, and their NUMA nodes, from `/sys`.
 //!
 //!
-//! Two public modules are hidden from the documentation and outside the stable surface (they
-//! may change in any release): `abi`, the kernel's rseq structures as thiscpu uses them, and
-//! `stress`, the self-test behind `thiscpu stress`.
+//! One public module is hidden from the documentation and outside the stable surface (it may
+//! change in any release): `abi`, the kernel's rseq structures as thiscpu uses them.
 //! - `metrics` (feature `metrics`): a backend for the `metrics` facade whose counters are
 //!   per-CPU, so that `metrics::counter!(..).increment(1)` makes no atomic read-modify-write;
 //!   with feature `metrics-layer`, `metrics::PerCpuLayer` puts per-CPU counters in front of any
@@ -113,6 +112,8 @@ mod counter;
 #[allow(unsafe_code)]
 mod cpu;
 #[allow(unsafe_code)]
+mod decided_once;
+#[allow(unsafe_code)]
 pub mod dense;
 #[allow(unsafe_code)]
 pub mod fence;
@@ -133,14 +134,14 @@ pub mod prometheus;
 mod registration;
 #[allow(unsafe_code)]
 mod sharded;
-#[doc(hidden)]
-#[allow(unsafe_code)]
-pub mod stress;
+mod sync;
 #[allow(unsafe_code)]
 pub mod topology;
+#[allow(unsafe_code)]
+pub mod via;
 
 pub use counter::{Adder, Counter};
-pub use cpu::{CpuNode, CpuSource, Source, current_cpu, current_node, getcpu, mm_cid, source, via};
+pub use cpu::{Source, current_cpu, current_node, getcpu, mm_cid, source};
 pub use histogram::Histogram;
 pub use mask::CpuMask;
 pub use ops::{ByCpu, ByMmCid, Spread};
@@ -148,3 +149,4 @@ pub use percpu::{CachePadded, PerCpu};
 pub use pool::{Pool, Pooled};
 pub use registration::{Registrar, RseqMode, Unavailable};
 pub use sharded::{ShardGuard, Sharded};
+pub use via::{CpuNode, CpuSource};

@@ -206,7 +206,7 @@ impl CpuMask {
 
     #[inline]
     fn current(&self) -> u32 {
-        let cpu = crate::current_cpu();
+        let cpu = crate::cpu::current_cpu();
         // Below the possible CPUs by the kernel's guarantee; a mask made smaller by
         // `with_capacity` folds larger ids rather than panicking.
         let capacity = self.capacity();

@@ -61,8 +61,10 @@ mod layer;
 #[cfg(feature = "metrics-layer")]
 pub use layer::{PerCpuLayer, PerCpuLayered, Publisher};
 
+use crate::counter::Counter;
+use crate::histogram::Histogram;
 pub use crate::histogram::{Bucket, HistogramSnapshot, InvalidBuckets};
-use crate::{CachePadded, Counter, Histogram};
+use crate::percpu::CachePadded;
 use metrics::{
     CounterFn, Gauge, HistogramFn, Key, KeyName, Metadata, Recorder, SetRecorderError,
     SharedString, Unit,

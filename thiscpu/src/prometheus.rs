@@ -39,7 +39,7 @@ use crate::histogram::InvalidBuckets;
 /// ```
 #[derive(Clone, Default)]
 pub struct Counter {
-    inner: Arc<crate::Counter>,
+    inner: Arc<crate::counter::Counter>,
 }
 
 impl Counter {
@@ -101,7 +101,7 @@ impl EncodeMetric for Counter {
 /// ```
 #[derive(Clone)]
 pub struct Histogram {
-    inner: Arc<crate::Histogram>,
+    inner: Arc<crate::histogram::Histogram>,
 }
 
 impl Histogram {
@@ -111,7 +111,7 @@ impl Histogram {
     /// When a bound is NaN or the bounds do not increase.
     pub fn new(bounds: &[f64]) -> Result<Self, InvalidBuckets> {
         Ok(Histogram {
-            inner: Arc::new(crate::Histogram::new(bounds)?),
+            inner: Arc::new(crate::histogram::Histogram::new(bounds)?),
         })
     }
 

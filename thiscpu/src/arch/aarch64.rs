@@ -793,7 +793,6 @@ mod tests {
     }
 
     fn register() -> bool {
-        crate::cpu::decide_fallback();
         registration::ensure_registered()
     }
 
@@ -827,7 +826,7 @@ mod tests {
 
     #[test]
     fn area_offset_follows_the_registrar() {
-        let process = registration::process();
+        let process = registration::decided().expect("decided before the tests");
         let active = area_offset().area_start();
         match process.registrar {
             Registrar::Glibc => assert_eq!(Some(active), process.glibc_rseq_offset),

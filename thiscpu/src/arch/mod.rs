@@ -276,7 +276,7 @@ mod tests {
 
     #[test]
     fn the_node_area_is_the_active_one_once_node_id_is_usable_else_the_blank_one() {
-        let process = crate::registration::process();
+        let process = crate::registration::decided().expect("decided before the tests");
         let node_area = area_offset_of::<{ areas::NODE }>().area_start();
         if process.node_id_usable() {
             assert_eq!(node_area, area_offset().area_start());
@@ -285,7 +285,7 @@ mod tests {
             assert_eq!(node_area, blank_area_offset());
         }
         fn blank_after_getcpu() {
-            let _ = crate::getcpu();
+            let _ = crate::cpu::getcpu();
             let blank = AreaOffset(blank_area_offset() + AREA_OFFSET_FIELD as isize);
             assert_eq!(field_at::<CPU_ID>(blank), -1);
         }

@@ -790,7 +790,7 @@ mod tests {
 
     #[test]
     fn area_offset_follows_the_registrar() {
-        let process = registration::process();
+        let process = registration::decided().expect("decided before the tests");
         let active = area_offset().area_start();
         match process.registrar {
             Registrar::Glibc => assert_eq!(Some(active), process.glibc_rseq_offset),
@@ -800,7 +800,6 @@ mod tests {
 
     #[test]
     fn fast_path_reads_the_active_area() {
-        crate::cpu::decide_fallback();
         let registered = registration::ensure_registered();
         let area = area_at(area_offset().area_start());
         for _ in 0..1000 {

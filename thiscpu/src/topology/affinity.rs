@@ -184,12 +184,6 @@ fn pin_with_previous(cpu: u32, previous: CpuSet) -> io::Result<PinGuard> {
     })
 }
 
-/// Pins thread `tid` of this process to `cpu`, without a guard: the stress test moves its
-/// workers around with it.
-pub(crate) fn pin_thread(tid: libc::pid_t, cpu: u32) -> io::Result<()> {
-    CpuSet::only(cpu).apply_to(tid)
-}
-
 /// The calling thread pinned to one CPU by [`pin_to`]; dropping it restores the affinity the
 /// thread had before (if the kernel still accepts it: a mask whose every CPU went offline or
 /// left the thread's cpuset is refused, and the thread stays pinned).
@@ -247,19 +241,6 @@ mod tests {
         assert!(!set.contains(3999) && !set.contains(4001) && !set.contains(u32::MAX));
         assert_eq!(set.cpus(), [4000]);
         assert!(set.bytes() * 8 > 4000);
-    }
-
-    #[test]
-    fn pinning_by_thread_id_moves_that_thread() {
-        let cpu = *allowed_cpus().unwrap().last().unwrap();
-        std::thread::spawn(move || {
-            // SAFETY: no precondition.
-            let tid = unsafe { libc::gettid() };
-            pin_thread(tid, cpu).unwrap();
-            assert_eq!(allowed_cpus().unwrap(), [cpu]);
-        })
-        .join()
-        .unwrap();
     }
 
     #[test]

@@ -9,8 +9,8 @@
 
 mod affinity;
 
+pub(crate) use affinity::pin_to_beyond_mask;
 pub use affinity::{PinGuard, allowed_cpus, pin_to};
-pub(crate) use affinity::{pin_thread, pin_to_beyond_mask};
 
 use std::path::Path;
 use std::sync::OnceLock;

@@ -24,6 +24,11 @@
 /// Emits the `struct rseq_cs` for a section at label 3 (in `__rseq_cs`) and lists it in
 /// `__rseq_cs_ptr_array` for debuggers. Arguments: the start, post-commit and abort labels.
 /// The descriptor is made of `.long` and `.quad` data, the same on every 64-bit architecture.
+///
+/// The debuggers' tables are arrays of 8-byte words, so each entry is aligned to 8: the
+/// section takes the alignment of its first entry, and nothing else in it may shift one. No
+/// code refers to them, so they carry the retain flag (`R`, `SHF_GNU_RETAIN`), or the linker's
+/// `--gc-sections` (rustc passes it) would drop them from every program.
 macro_rules! rseq_descriptor {
     ($start:literal, $post_commit:literal, $abort:literal) => {
         concat!(
@@ -41,7 +46,8 @@ macro_rules! rseq_descriptor {
             $abort,
             "f\n",
             ".popsection\n",
-            ".pushsection __rseq_cs_ptr_array, \"aw\"\n",
+            ".pushsection __rseq_cs_ptr_array, \"awR\"\n",
+            ".balign 8\n",
             ".quad 3b\n",
             ".popsection\n",
         )
@@ -53,7 +59,8 @@ macro_rules! rseq_descriptor {
 macro_rules! rseq_exit_point {
     ($start:literal, $exit:literal) => {
         concat!(
-            ".pushsection __rseq_exit_point_array, \"aw\"\n",
+            ".pushsection __rseq_exit_point_array, \"awR\"\n",
+            ".balign 8\n",
             ".quad ",
             $start,
             "f, ",

@@ -394,7 +394,9 @@ impl<S: Spread> Counter<S> {
         let _ = self.take();
     }
 
-    fn taken_words(&self) -> Option<Box<[u64]>> {
+    /// `f` of what `take` returned so far per word, read under the table's lock; `None` when
+    /// nothing was ever taken from this counter.
+    fn with_taken<R>(&self, f: impl FnOnce(&[u64]) -> R) -> Option<R> {
         if !ANY_TAKEN.load(Ordering::Relaxed) {
             return None;
         }
@@ -405,25 +407,18 @@ impl<S: Spread> Counter<S> {
         taken
             .iter()
             .find(|(slot, _)| *slot == key)
-            .map(|(_, bases)| bases.clone())
+            .map(|(_, bases)| f(bases))
     }
 
-    /// The sum of what `take` returned so far, read under the table's lock without allocating
-    /// (so that `sum` allocates nothing, whatever a program's allocator counts with).
+    fn taken_words(&self) -> Option<Box<[u64]>> {
+        self.with_taken(|bases| Box::from(bases))
+    }
+
+    /// The sum of what `take` returned so far, without allocating (so that `sum` allocates
+    /// nothing, whatever a program's allocator counts with).
     fn taken_total(&self) -> u64 {
-        if !ANY_TAKEN.load(Ordering::Relaxed) {
-            return 0;
-        }
-        let taken = TAKEN
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let key = self.slot().as_ptr() as usize;
-        taken
-            .iter()
-            .find(|(slot, _)| *slot == key)
-            .map_or(0, |(_, bases)| {
-                bases.iter().fold(0, |sum, &base| sum.wrapping_add(base))
-            })
+        self.with_taken(|bases| bases.iter().fold(0u64, |sum, &base| sum.wrapping_add(base)))
+            .unwrap_or(0)
     }
 }
 

@@ -686,6 +686,46 @@ fn main_thread_rseq_state() -> KernelRseq {
     }
 }
 
+/// Runs the test `name` of this binary again in a child process with `env` set (and glibc's
+/// registration off when `tunables` says so), and fails unless the child passed it within a
+/// minute: the child side of a test checks a state that only a fresh process can be in.
+#[cfg(thiscpu_inject)]
+fn rerun_in_child(name: &str, env: &[(&str, &str)], tunables: Option<&str>) {
+    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+    command
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env_remove("THISCPU_RSEQ")
+        .env_remove("THISCPU_EXPECT_REGISTRAR")
+        .env_remove("GLIBC_TUNABLES")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    command.envs(env.iter().copied());
+    if let Some(tunables) = tunables {
+        command.env("GLIBC_TUNABLES", tunables);
+    }
+    let mut child = command.spawn().expect("re-run the test");
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for the child") {
+            break status;
+        }
+        if start.elapsed() > std::time::Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{name} {tunables:?}: the child hung");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let output = child.wait_with_output().expect("the child's output");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        status.success() && stdout.contains("1 passed"),
+        "{name} {tunables:?}: {status}\n{stdout}\n{stderr}"
+    );
+    eprint!("{stderr}");
+}
+
 /// Set in the environment of the re-executed test binary: the decision waits for first use and
 /// raises this signal on the deciding thread halfway through (fault injection).
 #[cfg(thiscpu_inject)]
@@ -742,41 +782,13 @@ fn a_signal_handler_during_the_decision_falls_back() {
         check_thread("the deciding thread, after the decision");
         return;
     }
-    let name = "a_signal_handler_during_the_decision_falls_back";
+    let signal = libc::SIGUSR1.to_string();
     for tunables in [None, Some("glibc.pthread.rseq=0")] {
-        let mut command = std::process::Command::new(std::env::current_exe().unwrap());
-        command
-            .args(["--exact", name, "--nocapture", "--test-threads=1"])
-            .env(SIGNAL_IN_DECISION, libc::SIGUSR1.to_string())
-            .env_remove("THISCPU_RSEQ")
-            .env_remove("THISCPU_EXPECT_REGISTRAR")
-            .env_remove("GLIBC_TUNABLES")
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
-        if let Some(tunables) = tunables {
-            command.env("GLIBC_TUNABLES", tunables);
-        }
-        let mut child = command.spawn().expect("re-run the test");
-        let start = std::time::Instant::now();
-        let status = loop {
-            if let Some(status) = child.try_wait().expect("wait for the child") {
-                break status;
-            }
-            if start.elapsed() > std::time::Duration::from_secs(30) {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("{tunables:?}: the child hung (a deadlock in the decision?)");
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        };
-        let output = child.wait_with_output().expect("the child's output");
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(
-            status.success() && stdout.contains("1 passed"),
-            "{tunables:?}: {status}\n{stdout}\n{stderr}"
+        rerun_in_child(
+            "a_signal_handler_during_the_decision_falls_back",
+            &[(SIGNAL_IN_DECISION, &signal)],
+            tunables,
         );
-        eprint!("{stderr}");
     }
 }
 
@@ -847,26 +859,12 @@ fn a_child_forked_during_the_decision_decides_on_its_own() {
         );
         return;
     }
-    let name = "a_child_forked_during_the_decision_decides_on_its_own";
+    let signal = libc::SIGUSR2.to_string();
     for tunables in [None, Some("glibc.pthread.rseq=0")] {
-        let mut command = std::process::Command::new(std::env::current_exe().unwrap());
-        command
-            .args(["--exact", name, "--nocapture", "--test-threads=1"])
-            .env(FORK_IN_DECISION, "1")
-            .env(SIGNAL_IN_DECISION, libc::SIGUSR2.to_string())
-            .env_remove("THISCPU_RSEQ")
-            .env_remove("THISCPU_EXPECT_REGISTRAR")
-            .env_remove("GLIBC_TUNABLES");
-        if let Some(tunables) = tunables {
-            command.env("GLIBC_TUNABLES", tunables);
-        }
-        let output = command.output().expect("re-run the test");
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        assert!(
-            output.status.success() && stdout.contains("1 passed"),
-            "{tunables:?}: {}\n{stdout}\n{}",
-            output.status,
-            String::from_utf8_lossy(&output.stderr)
+        rerun_in_child(
+            "a_child_forked_during_the_decision_decides_on_its_own",
+            &[(FORK_IN_DECISION, "1"), (SIGNAL_IN_DECISION, &signal)],
+            tunables,
         );
     }
 }
@@ -899,27 +897,12 @@ fn a_decision_that_panics_is_made_again_on_its_registered_thread() {
         assert_eq!(counter.sum(), 40_000);
         return;
     }
-    let name = "a_decision_that_panics_is_made_again_on_its_registered_thread";
     for tunables in [None, Some("glibc.pthread.rseq=0")] {
-        let mut command = std::process::Command::new(std::env::current_exe().unwrap());
-        command
-            .args(["--exact", name, "--nocapture", "--test-threads=1"])
-            .env(PANIC_IN_DECISION, "1")
-            .env_remove("THISCPU_RSEQ")
-            .env_remove("THISCPU_EXPECT_REGISTRAR")
-            .env_remove("GLIBC_TUNABLES");
-        if let Some(tunables) = tunables {
-            command.env("GLIBC_TUNABLES", tunables);
-        }
-        let output = command.output().expect("re-run the test");
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(
-            output.status.success() && stdout.contains("1 passed"),
-            "{tunables:?}: {}\n{stdout}\n{stderr}",
-            output.status,
+        rerun_in_child(
+            "a_decision_that_panics_is_made_again_on_its_registered_thread",
+            &[(PANIC_IN_DECISION, "1")],
+            tunables,
         );
-        eprint!("{stderr}");
     }
 }
 
@@ -983,27 +966,11 @@ fn threads_racing_the_decision_count_exactly_by_mm_cid() {
         );
         return;
     }
-    let name = "threads_racing_the_decision_count_exactly_by_mm_cid";
     for tunables in [None, Some("glibc.pthread.rseq=0")] {
-        let mut command = std::process::Command::new(std::env::current_exe().unwrap());
-        command
-            .args(["--exact", name, "--nocapture", "--test-threads=1"])
-            .env(DEFER_DECISION, "1")
-            .env(DELAY_IN_DECISION, "50")
-            .env_remove("THISCPU_RSEQ")
-            .env_remove("THISCPU_EXPECT_REGISTRAR")
-            .env_remove("GLIBC_TUNABLES");
-        if let Some(tunables) = tunables {
-            command.env("GLIBC_TUNABLES", tunables);
-        }
-        let output = command.output().expect("re-run the test");
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(
-            output.status.success() && stdout.contains("1 passed"),
-            "{tunables:?}: {}\n{stdout}\n{stderr}",
-            output.status,
+        rerun_in_child(
+            "threads_racing_the_decision_count_exactly_by_mm_cid",
+            &[(DEFER_DECISION, "1"), (DELAY_IN_DECISION, "50")],
+            tunables,
         );
-        eprint!("{stderr}");
     }
 }

@@ -63,7 +63,7 @@
 //! semver-incompatible release has a second, separate facade: its `counter!` never reaches a
 //! recorder installed through thiscpu's, and the traits do not match ("the trait `Recorder`
 //! is not implemented"). Either depend on the same releases, or use them as re-exported here,
-//! [`metrics`](self::metrics) and (feature `metrics-layer`) `metrics_util`, which cannot
+//! [`metrics`] and (feature `metrics-layer`) `metrics_util`, which cannot
 //! disagree:
 //!
 //! ```
@@ -79,11 +79,13 @@
 pub use ::metrics;
 /// The `metrics-util` release whose `Layer` [`PerCpuLayer`] implements (0.20).
 #[cfg(feature = "metrics-layer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics-layer")))]
 pub use ::metrics_util;
 
 #[cfg(feature = "metrics-layer")]
 mod layer;
 #[cfg(feature = "metrics-layer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics-layer")))]
 pub use layer::{PerCpuLayer, PerCpuLayered, Publisher};
 
 use crate::counter::Counter;

@@ -243,6 +243,9 @@ impl EncodeMetric for Counter {
 /// - No `Default`, as in `prometheus_client`: a [`Family`] of these histograms is made with
 ///   `new_with_constructor` (see the [module](self) docs).
 ///
+/// A [`crate::Histogram`] the program already observes into registers through
+/// `From<Arc<thiscpu::Histogram>>`.
+///
 /// [`Family`]: prometheus_client::metrics::family::Family
 #[derive(Clone)]
 pub struct Histogram {
@@ -298,6 +301,23 @@ impl Histogram {
     #[must_use]
     pub fn snapshot(&self) -> crate::histogram::HistogramSnapshot {
         self.inner.snapshot()
+    }
+}
+
+impl From<Arc<crate::histogram::Histogram>> for Histogram {
+    /// Shares the histogram: one that the program already observes into registers without
+    /// observing twice.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    ///
+    /// let sizes = Arc::new(thiscpu::Histogram::new(&[64.0, 1024.0]).unwrap());
+    /// let exported = thiscpu::prometheus::Histogram::from(Arc::clone(&sizes));
+    /// sizes.observe(100.0);
+    /// assert_eq!(exported.snapshot().count, 1);
+    /// ```
+    fn from(inner: Arc<crate::histogram::Histogram>) -> Self {
+        Histogram { inner }
     }
 }
 

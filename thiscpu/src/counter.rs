@@ -42,6 +42,26 @@ use std::sync::Mutex;
 /// });
 /// assert_eq!(requests.sum(), 4000);
 /// ```
+///
+/// # A global counter
+/// [`Counter::new`] is not a `const fn`, so `static REQUESTS: Counter = Counter::new();` does
+/// not compile: making a counter allocates its dense slot (a word in every CPU's row, memory
+/// that exists only at run time) and fixes, from the process's rseq decision, which spread its
+/// adds use for its whole life. A [`LazyLock`](std::sync::LazyLock) makes it on first use;
+/// after that each access is one load of the initialized state before the add.
+///
+/// ```
+/// use std::sync::LazyLock;
+///
+/// static REQUESTS: LazyLock<thiscpu::Counter> = LazyLock::new(thiscpu::Counter::new);
+///
+/// std::thread::scope(|s| {
+///     for _ in 0..4 {
+///         s.spawn(|| (0..1000).for_each(|_| REQUESTS.inc()));
+///     }
+/// });
+/// assert_eq!(REQUESTS.sum(), 4000);
+/// ```
 pub struct Counter<S: Spread = ByCpu> {
     /// The slot's address; for a counter spread by `mm_cid`, its lowest bit (free: slots are
     /// 8-byte aligned) says whether it adds by `mm_cid` or, where the process has none, by CPU.
@@ -68,7 +88,9 @@ static TAKEN: Mutex<Vec<(usize, Box<[u64]>)>> = Mutex::new(Vec::new());
 static ANY_TAKEN: AtomicBool = AtomicBool::new(false);
 
 impl Counter<ByCpu> {
-    /// A counter at zero, spread by CPU.
+    /// A counter at zero, spread by CPU. Not `const`: it allocates the counter's dense slot
+    /// and reads the process's rseq decision; a `static` counter goes in a `LazyLock` (see
+    /// [A global counter](Counter#a-global-counter)).
     ///
     /// ```
     /// assert_eq!(thiscpu::Counter::new().sum(), 0);

@@ -42,6 +42,18 @@ impl Registrar {
     }
 }
 
+/// Its [`name`](Registrar::name).
+///
+/// ```
+/// assert_eq!(thiscpu::Registrar::Glibc.to_string(), "glibc");
+/// println!("rseq registered by {}", thiscpu::source().registrar);
+/// ```
+impl core::fmt::Display for Registrar {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 /// How the kernel treats a registration, chosen by its length (Linux 7.1 and later, and the
 /// stable kernels that took the change).
 ///
@@ -90,6 +102,17 @@ impl RseqMode {
             RseqMode::Legacy => "legacy",
             RseqMode::Optimized => "optimized",
         }
+    }
+}
+
+/// Its [`name`](RseqMode::name).
+///
+/// ```
+/// assert_eq!(thiscpu::RseqMode::Optimized.to_string(), "optimized");
+/// ```
+impl core::fmt::Display for RseqMode {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.name())
     }
 }
 

@@ -652,6 +652,25 @@ impl<T, S: Spread> Sharded<T, S> {
     }
 }
 
+/// The shape of the shards, never their values, even for `T: Debug` (where [`PerCpu`]'s
+/// `Debug` lists its values): a value may be read only by the thread holding its shard, and
+/// taking every shard from inside `Debug` would wait for each holder (for ever if it is the
+/// formatting thread's own, as in a `dbg!` inside [`with_current`](Sharded::with_current),
+/// where a take panics instead), fence every CPU, and panic where `membarrier` and
+/// `sched_setaffinity` are both refused. A one-try take would not avoid the fences or the
+/// panic. To see the values, take them explicitly: [`fold`](Sharded::fold) or
+/// [`for_each`](Sharded::for_each) from `&self`, [`iter_mut`](Sharded::iter_mut) (no lock at
+/// all) from `&mut self`.
+///
+/// ```
+/// let mut s = thiscpu::Sharded::new(|_| 7u64);
+/// let debug = format!("{s:?}");
+/// assert!(debug.starts_with("Sharded { shards: "), "{debug}");
+/// let values: Vec<u64> = s.iter_mut().map(|v| *v).collect();
+/// assert!(values.iter().all(|&v| v == 7));
+/// ```
+///
+/// [`PerCpu`]: crate::PerCpu
 impl<T, S: Spread> core::fmt::Debug for Sharded<T, S> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("Sharded")
@@ -734,6 +753,22 @@ mod tests {
     use super::*;
     use std::sync::mpsc;
     use std::sync::{Arc, Barrier};
+
+    #[test]
+    fn debug_takes_no_shard_even_from_inside_a_held_one() {
+        let sharded = Sharded::new(|_| 0u64);
+        let debug = sharded.with_current(|value| {
+            *value += 1;
+            format!("{sharded:?}")
+        });
+        assert!(debug.starts_with("Sharded { shards: "), "{debug}");
+        // Every shard is free again: a take that waited on a shard Debug kept would hang here.
+        assert_eq!(
+            within_seconds("fold after Debug", move || sharded
+                .fold(0, |sum, v| sum + v)),
+            1
+        );
+    }
 
     /// Runs `take` on a new thread and waits for its answer: a take that hangs fails the test
     /// instead of hanging it.

@@ -54,6 +54,18 @@ impl CpuSource {
     }
 }
 
+/// Its [`name`](CpuSource::name).
+///
+/// ```
+/// assert_eq!(thiscpu::CpuSource::RseqGlibc.to_string(), "rseq (glibc)");
+/// println!("cpu via {}", thiscpu::source().this_thread);
+/// ```
+impl core::fmt::Display for CpuSource {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
 static VDSO_GETCPU: AtomicUsize = AtomicUsize::new(0);
 
 /// The `getcpu` system call (about a hundred nanoseconds on a VM), or `None` if it failed

@@ -35,7 +35,10 @@
 //! take no pointer, and `getcpu`, which writes one integer; it reads environment variables with
 //! `getenv`; each block states why it holds.
 
-use crate::sync::atomic::{AtomicU64, Ordering};
+use crate::decided_once::{self, DecidedOnce};
+use crate::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use crate::sync::cell::UnsafeCell;
+use core::mem::MaybeUninit;
 use std::ffi::CStr;
 
 /// `MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ` (Linux 5.10).
@@ -114,51 +117,12 @@ fn turned_off() -> bool {
     matches!(value, b"off" | b"0" | b"false" | b"no")
 }
 
-/// Registration not tried yet.
-const UNKNOWN: u64 = 0;
-/// Registered.
-const REGISTERED: u64 = 1;
-/// Tag of a refusal; the errno is in the high half.
-const REFUSED: u64 = 2;
-/// Tag of a registration in progress; the registering thread's id is in the high half.
-const REGISTERING: u64 = 3;
-
-/// The process's registration: one word, so that a signal handler can read it and tell a
-/// registration of its own thread (which it interrupted) from another thread's.
-// `core`'s even under the model checker, whose atomics have no `const fn new`.
-static STATE: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(UNKNOWN);
-
-fn tagged(tag: u64, value: u32) -> u64 {
-    tag | u64::from(value) << 32
-}
-
-fn decoded(state: u64) -> Option<Result<(), FenceUnavailable>> {
-    match state & 0xffff_ffff {
-        REGISTERED => Some(Ok(())),
-        REFUSED => Some(Err(FenceUnavailable::refused((state >> 32) as i32))),
-        _ => None,
-    }
-}
-
-fn encoded(result: Result<(), FenceUnavailable>) -> u64 {
-    match result {
-        Ok(()) => REGISTERED,
-        Err(refused) => tagged(REFUSED, refused.errno as u32),
-    }
-}
-
-fn gettid() -> u32 {
-    // SAFETY: gettid has no precondition and touches no memory.
-    unsafe { libc::syscall(libc::SYS_gettid) as u32 }
-}
-
-/// Whether thread `tid` is one of this process's: a registration can be left in progress by a
-/// thread that `fork` did not copy into this process.
-fn thread_exists(tid: u32) -> bool {
-    // SAFETY: signal 0 only checks that the thread exists; nothing is sent.
-    let ret = unsafe { libc::syscall(libc::SYS_tgkill, libc::getpid(), tid as i32, 0) };
-    ret == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
-}
+/// The process's registration, made once by the first caller (see `DecidedOnce`, which also
+/// covers a `fork` in the middle of it).
+static REGISTRATION: DecidedOnce<Result<(), FenceUnavailable>> = DecidedOnce::new(
+    AtomicI32::new(decided_once::UNDECIDED),
+    UnsafeCell::new(MaybeUninit::uninit()),
+);
 
 fn registration_attempt() -> Result<(), FenceUnavailable> {
     if turned_off() {
@@ -180,42 +144,12 @@ fn registration_attempt() -> Result<(), FenceUnavailable> {
 /// assert_eq!(thiscpu::fence::register(), thiscpu::fence::register());
 /// ```
 pub fn register() -> Result<(), FenceUnavailable> {
-    let state = STATE.load(Ordering::Acquire);
-    if let Some(result) = decoded(state) {
-        return result;
-    }
-    register_slow()
-}
-
-#[cold]
-fn register_slow() -> Result<(), FenceUnavailable> {
-    let me = tagged(REGISTERING, gettid());
-    loop {
-        let state = STATE.load(Ordering::Acquire);
-        if let Some(result) = decoded(state) {
-            return result;
-        }
-        if state == me {
-            // A signal handler on the registering thread: the interrupted registration resumes
-            // only when this returns, so waiting for it would wait for ever.
-            return registration_attempt();
-        }
-        let stale = state != UNKNOWN && !thread_exists((state >> 32) as u32);
-        if state == UNKNOWN || stale {
-            if STATE
-                .compare_exchange(state, me, Ordering::Acquire, Ordering::Acquire)
-                .is_err()
-            {
-                continue;
-            }
-            inject::signal_in_registration();
-            let result = registration_attempt();
-            STATE.store(encoded(result), Ordering::Release);
-            return result;
-        }
-        // Another thread is registering: one system call, then it stores the answer.
-        std::thread::yield_now();
-    }
+    let decided = REGISTRATION.get_or_decide(&decided_once::Threads, || {
+        inject::signal_in_registration();
+        registration_attempt()
+    });
+    // `None`: a signal handler that interrupted the registration on its own thread.
+    decided.copied().unwrap_or_else(registration_attempt)
 }
 
 /// Whether fences work in this process (registers on first call).

@@ -81,9 +81,14 @@ Example:
 
 /// `bench --help`'s closing text, with the families as registered.
 fn bench_help() -> String {
+    let width = bench::FAMILIES
+        .iter()
+        .map(|family| family.name.len())
+        .max()
+        .unwrap_or(0);
     let families: Vec<String> = bench::FAMILIES
         .iter()
-        .map(|family| format!("  {:<9}{}", family.name, family.about))
+        .map(|family| format!("  {:<width$}  {}", family.name, family.about))
         .collect();
     format!(
         "\

@@ -593,6 +593,60 @@ fn list_names_every_case() {
     }
 }
 
+/// The column where the description starts in an indented `NAME  description` line, after
+/// checking that at least two spaces separate the two.
+fn description_column(line: &str, name: &str) -> usize {
+    let rest = line
+        .strip_prefix("  ")
+        .and_then(|rest| rest.strip_prefix(name))
+        .unwrap_or_else(|| panic!("{line:?} does not start with {name:?}"));
+    assert!(
+        rest.starts_with("  "),
+        "no separator after {name:?}: {line:?}"
+    );
+    let description = rest.trim_start();
+    assert!(!description.is_empty(), "no description: {line:?}");
+    line.len() - description.len()
+}
+
+#[test]
+fn help_and_list_separate_and_align_names_and_descriptions() {
+    let list = succeed(&["bench", "--list"]);
+    let families: Vec<&str> = list
+        .lines()
+        .filter_map(|line| line.split_once(" — ").map(|(name, _)| name))
+        .collect();
+    assert!(families.contains(&"rseq-mode"), "{list}");
+
+    let help = succeed(&["bench", "--help"]);
+    let block: Vec<&str> = help
+        .lines()
+        .skip_while(|line| !line.starts_with("Families"))
+        .skip(1)
+        .take_while(|line| !line.is_empty())
+        .collect();
+    assert_eq!(block.len(), families.len(), "{help}");
+    let columns: Vec<usize> = block
+        .iter()
+        .zip(&families)
+        .map(|(line, name)| description_column(line, name))
+        .collect();
+    assert!(columns.windows(2).all(|w| w[0] == w[1]), "{help}");
+
+    let mut list_columns = Vec::new();
+    for line in list.lines() {
+        if line.starts_with(' ') && !line.trim_start().starts_with("left out:") {
+            let name = line.split_whitespace().next().unwrap();
+            list_columns.push(description_column(line, name));
+        }
+    }
+    assert!(list_columns.len() > families.len(), "{list}");
+    assert!(
+        list_columns.windows(2).all(|w| w[0] == w[1]),
+        "descriptions not in one column:\n{list}"
+    );
+}
+
 #[test]
 fn bare_command_says_where_it_runs() {
     let stdout = succeed(&[]);

@@ -648,6 +648,26 @@ fn help_and_list_separate_and_align_names_and_descriptions() {
 }
 
 #[test]
+fn counter_cases_say_what_they_do_before_naming_a_crate() {
+    let list = succeed(&["bench", "--list"]);
+    let line = list
+        .lines()
+        .find(|line| line.split_whitespace().next() == Some("thread-slot-atomic"))
+        .unwrap_or_else(|| panic!("thread-slot-atomic not listed:\n{list}"));
+    let description = line
+        .trim_start()
+        .trim_start_matches("thread-slot-atomic")
+        .trim();
+    for words in ["atomic", "each thread", "slot", "sum"] {
+        assert!(description.contains(words), "{words:?} missing: {line}");
+    }
+    // A crate's name means nothing to a newcomer: it may come after the explanation, as such.
+    if let Some(at) = description.find("contatori") {
+        assert!(at > 0 && description.contains("crate"), "{line}");
+    }
+}
+
+#[test]
 fn bare_command_says_where_it_runs() {
     let stdout = succeed(&[]);
     assert!(

@@ -75,7 +75,8 @@ Example:
         export_markdown: Option<PathBuf>,
     },
 
-    /// Check that a Counter and a Pool stay exact under migration, signals and thread churn.
+    /// Check that a Counter and a Pool stay exact under migration, signals and thread churn:
+    /// two parts, each running --seconds.
     Stress(StressArgs),
 }
 
@@ -222,7 +223,8 @@ pub fn bench_options(args: BenchArgs) -> Result<Options, Error> {
 /// `thiscpu stress`'s options.
 #[derive(Debug, clap::Args)]
 pub struct StressArgs {
-    /// How long each stress runs, in seconds (fractions allowed).
+    /// How long each of the two parts (the counter, then the pool) runs, in seconds (fractions
+    /// allowed): the whole run takes about twice N.
     #[arg(
         long,
         value_name = "N",

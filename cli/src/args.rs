@@ -123,11 +123,13 @@ pub struct BenchArgs {
     #[arg(long)]
     pub list: bool,
 
-    /// A smoke run of about a second (3 short rounds).
+    /// A smoke run: 3 short rounds, 1 s of timed rounds in all; with thread start-up,
+    /// calibration and the memory cases, every family takes about 7 s on 2 CPUs.
     #[arg(long)]
     quick: bool,
 
-    /// Total time budget in seconds for the whole run [default: 60, or 1 with --quick].
+    /// Time budget in seconds for the timed rounds of the whole run; starting threads,
+    /// calibrating and the memory cases come on top [default: 60, or 1 with --quick].
     #[arg(long, value_name = "N", allow_negative_numbers = true, value_parser = parse_seconds)]
     seconds: Option<f64>,
 

@@ -13,19 +13,20 @@
 #                release as the compiler) with -D warnings, so this also lints them for
 #                aarch64 without a second pass over the dependencies
 #   test-glibc   `cargo test --workspace` in the VM, glibc registering rseq
-#   test-own     the library's tests with GLIBC_TUNABLES=glibc.pthread.rseq=0: thiscpu registers
-#                its own
-#   test-release the library's unit tests and tests/optimiser.rs, built with --release
-#   test-off     the library's tests with THISCPU_RSEQ=off: the fallback without rseq
-#   test-static  the core tests linked with -C target-feature=+crt-static
-#   inject       the counter, pool, fence, sharded and registration tests built with
-#                --cfg thiscpu_inject (delays inside sections, registrations the kernel accepts
-#                without a CPU), as .ci/run does on x86_64
+#   test-own     the tests of the library and of the stress driver (thiscpu-stress) with
+#                GLIBC_TUNABLES=glibc.pthread.rseq=0: thiscpu registers its own
+#   test-release the unit tests of both and tests/optimiser.rs, built with --release
+#   test-off     the tests of both with THISCPU_RSEQ=off: the fallback without rseq
+#   test-static  the core tests and the stresses linked with -C target-feature=+crt-static
+#   inject       the counter, pool, fence, sharded and registration tests and the stresses
+#                built with --cfg thiscpu_inject (delays inside sections, registrations the
+#                kernel accepts without a CPU), as .ci/run does on x86_64
 #   cli          `thiscpu --help`, `info`, `stress` and `bench --quick` (every family on 6.1;
 #                getcpu, counter and rseq-mode on sid)
 #   fast-path    .ci/check_fast_path.py on the aarch64 probe, through aarch64-linux-gnu-objdump
 #   sid-test-glibc, sid-test-own, sid-cli
-#                the library's tests with both registrations and cli again on sid's kernel
+#                the tests of the library and of the stress driver with both registrations and
+#                cli again on sid's kernel
 #                (the command's tests only on 6.1); the builds are the same,
 #                and the steps that do not depend on the kernel's rseq (test-off, static,
 #                inject's delays, fast-path) run on 6.1 only, to stay within the time budget
@@ -153,12 +154,13 @@ test_glibc() (
     vm_doctests "${test_packages[@]}"
 )
 step test-glibc test_glibc
-test_packages=(-p thiscpu)
+library_packages=(-p thiscpu -p thiscpu-stress)
+test_packages=("${library_packages[@]}")
 
 test_own() (
     export GLIBC_TUNABLES=glibc.pthread.rseq=0 THISCPU_EXPECT_REGISTRAR=thiscpu
-    vm_test -p thiscpu
-    vm_doctests -p thiscpu
+    vm_test "${library_packages[@]}"
+    vm_doctests "${library_packages[@]}"
 )
 step test-own test_own
 
@@ -166,7 +168,7 @@ step test-own test_own
 # miscompiled form of the rseq size clamp (tests/optimiser.rs) went wrong on aarch64 only.
 test_release() (
     export THISCPU_EXPECT_REGISTRAR=glibc
-    vm_test --release -p thiscpu --lib --test optimiser
+    vm_test --release "${library_packages[@]}" --lib --test optimiser
 )
 step test-release test_release
 
@@ -174,25 +176,27 @@ step test-release test_release
 # getcpu nor an instruction for it), counters add atomically and pools lock.
 test_off() (
     export THISCPU_RSEQ=off THISCPU_EXPECT_REGISTRAR=none
-    vm_test -p thiscpu
-    vm_doctests -p thiscpu
+    vm_test "${library_packages[@]}"
+    vm_doctests "${library_packages[@]}"
 )
 step test-off test_off
 
 # Linked statically, glibc's rseq symbols come from the link (weak references), not dlsym: the
-# registration, identity, counter and pool tests, expecting glibc's area. A directory of its
-# own keeps the dynamic build.
+# registration, identity, counter and pool tests and the stresses, expecting glibc's area. A
+# directory of its own keeps the dynamic build.
 test_static() (
     export RUSTFLAGS="-C target-feature=+crt-static" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/static"
     export THISCPU_EXPECT_REGISTRAR=glibc
-    vm_test -p thiscpu --test registration --test identity --test counter --test pool
+    vm_test "${library_packages[@]}" --test registration --test identity --test counter \
+        --test pool --test counter_stress --test pool_stress
 )
 step test-static test_static
 
 # Same layout as .ci/run: an instrumented build in a directory of its own.
 inject() (
     export RUSTFLAGS="--cfg thiscpu_inject" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/inject"
-    vm_test -p thiscpu --test counter --test pool --test fence --test sharded --test registration
+    vm_test "${library_packages[@]}" --test counter --test pool --test fence --test sharded \
+        --test registration --test counter_stress --test pool_stress
 )
 step inject inject
 

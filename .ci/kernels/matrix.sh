@@ -26,14 +26,15 @@
 # Under TCG (qemu's software CPU, `-cpu max`; one host thread per vCPU for smp2, one thread for
 # all vCPUs where CPUs are hot-plugged, see accel() below) unless THISCPU_KERNELS_KVM=1 asks for
 # KVM (`-enable-kvm -cpu host`), which only helps where the host has real hardware
-# virtualization. Builds the `thiscpu` command (release), the library's test executables
-# (`cargo test -p thiscpu --all-features --no-run`: the optional features' tests too, the same
-# build as the `features` step of .ci/run) and the probe (.ci/kernels/probe) with the
-# repository's target directory, and one initramfs for every guest. A guest fails on any failed
-# check, a kernel crash, a hang (more than $THISCPU_KERNELS_TIMEOUT seconds, default 600), on
-# output that ends before its end marker, when a test executable runs no test, and on 7.x when
-# the enforcement checks did not run. Full logs go to target/kernels/logs/; the console gets
-# each check's result, the output of failed checks and a summary with each guest's time.
+# virtualization. Builds the `thiscpu` command (release), the library's and the stress driver's
+# test executables (`cargo test -p thiscpu -p thiscpu-stress --all-features --no-run`: the
+# optional features' tests too, the same build as the `features` step of .ci/run) and the probe
+# (.ci/kernels/probe) with the repository's target directory, and one initramfs for every
+# guest. A guest fails on any failed check, a kernel crash, a hang (more than
+# $THISCPU_KERNELS_TIMEOUT seconds, default 600), on output that ends before its end marker,
+# when a test executable runs no test, and on 7.x when the enforcement checks did not run. Full
+# logs go to target/kernels/logs/; the console gets each check's result, the output of failed
+# checks and a summary with each guest's time.
 #
 # Other knobs: THISCPU_KERNELS_STRESS (seconds per part of `stress`, default 3; 5 on up2of4),
 # THISCPU_KERNELS_BENCH (families for `bench --quick`, comma-separated, default getcpu,counter),
@@ -79,7 +80,8 @@ mapfile -t kernel_dirs < <(bash "$here/setup.sh" "${wanted[@]}")
 run cargo build --locked --release -p thiscpu-cli
 tests_json=$(mktemp)
 trap 'rm -f "$tests_json"' EXIT
-run cargo test --locked -p thiscpu --all-features --no-run --message-format=json >"$tests_json"
+run cargo test --locked -p thiscpu -p thiscpu-stress --all-features --no-run \
+    --message-format=json >"$tests_json"
 run env CARGO_TARGET_DIR="$store/probe" cargo build --locked --release \
     --manifest-path "$here/probe/Cargo.toml"
 

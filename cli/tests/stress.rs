@@ -66,6 +66,19 @@ fn text_names_every_figure() {
     ] {
         assert!(stdout.contains(figure), "no {figure:?} in\n{stdout}");
     }
+    // Standard signals coalesce while pending: the text says so where the counts differ.
+    for line in stdout.lines().filter(|l| l.contains("signals handled")) {
+        assert!(line.contains("merge while one is pending"), "{line}");
+    }
+}
+
+#[test]
+fn help_says_seconds_is_per_part() {
+    let output = thiscpu(&["stress", "--help"]);
+    let stdout = text(&output.stdout);
+    assert!(output.status.success(), "{stdout}");
+    assert!(stdout.contains("each of the two parts"), "{stdout}");
+    assert!(stdout.contains("about twice N"), "{stdout}");
 }
 
 #[test]

@@ -21,7 +21,7 @@ fn sample(text: &str, series: &str) -> Option<f64> {
 
 pub fn main() {
     let requests = Counter::new();
-    let sizes = Histogram::new(&[64.0, 1024.0, 16384.0]).expect("increasing buckets");
+    let sizes = Histogram::new([64.0, 1024.0, 16384.0]);
     let mut registry = Registry::default();
     registry.register("requests", "Requests served", requests.clone());
     registry.register("response_bytes", "Size of each response", sizes.clone());

@@ -6,6 +6,7 @@
 //! restartable sequences positioned on the row's CPU (or concurrency id), by atomic adds when
 //! the process has no rseq at all, or, for the spare row, by atomic adds; each block says how.
 
+use crate::cpu;
 use crate::dense;
 use crate::ops::{self, ByCpu, ByMmCid, Outcome, Spread};
 use crate::registration::{self, Registrar};
@@ -41,8 +42,30 @@ use std::sync::Mutex;
 /// });
 /// assert_eq!(requests.sum(), 4000);
 /// ```
+///
+/// # A global counter
+/// [`Counter::new`] is not a `const fn`, so `static REQUESTS: Counter = Counter::new();` does
+/// not compile: making a counter allocates its dense slot (a word in every CPU's row, memory
+/// that exists only at run time) and fixes, from the process's rseq decision, which spread its
+/// adds use for its whole life. A [`LazyLock`](std::sync::LazyLock) makes it on first use;
+/// after that each access is one load of the initialized state before the add.
+///
+/// ```
+/// use std::sync::LazyLock;
+///
+/// static REQUESTS: LazyLock<thiscpu::Counter> = LazyLock::new(thiscpu::Counter::new);
+///
+/// std::thread::scope(|s| {
+///     for _ in 0..4 {
+///         s.spawn(|| (0..1000).for_each(|_| REQUESTS.inc()));
+///     }
+/// });
+/// assert_eq!(REQUESTS.sum(), 4000);
+/// ```
 pub struct Counter<S: Spread = ByCpu> {
-    slot: NonNull<u64>,
+    /// The slot's address; for a counter spread by `mm_cid`, its lowest bit (free: slots are
+    /// 8-byte aligned) says whether it adds by `mm_cid` or, where the process has none, by CPU.
+    tagged_slot: NonNull<u64>,
     spread: PhantomData<S>,
 }
 
@@ -54,6 +77,9 @@ unsafe impl<S: Spread> Sync for Counter<S> {}
 
 const WORD: usize = core::mem::size_of::<u64>();
 
+/// The bit of `tagged_slot` that says "adds by `mm_cid`".
+const BY_MM_CID: usize = 1;
+
 /// Per-word values already returned by `take`, for the counters that used it (keyed by slot
 /// address): a taker subtracts instead of writing the words that rseq sections write.
 static TAKEN: Mutex<Vec<(usize, Box<[u64]>)>> = Mutex::new(Vec::new());
@@ -62,7 +88,9 @@ static TAKEN: Mutex<Vec<(usize, Box<[u64]>)>> = Mutex::new(Vec::new());
 static ANY_TAKEN: AtomicBool = AtomicBool::new(false);
 
 impl Counter<ByCpu> {
-    /// A counter at zero, spread by CPU.
+    /// A counter at zero, spread by CPU. Not `const`: it allocates the counter's dense slot
+    /// and reads the process's rseq decision; a `static` counter goes in a `LazyLock` (see
+    /// [A global counter](Counter#a-global-counter)).
     ///
     /// ```
     /// assert_eq!(thiscpu::Counter::new().sum(), 0);
@@ -88,19 +116,52 @@ impl Counter<ByMmCid> {
 }
 
 impl<S: Spread> Counter<S> {
+    /// A zeroed slot, and the spread its `add` uses for the counter's whole life: chosen here,
+    /// once, from the process's decision, so that no two threads ever add to one word under
+    /// different spreads (a CPU's sections and a concurrency id's are not exclusive with each
+    /// other). A counter made while nothing is decided (in a signal handler that interrupted
+    /// the decision) adds by CPU.
     fn allocate() -> Self {
-        let slot = dense::alloc(WORD, WORD).cast();
+        let slot = dense::alloc(WORD, WORD).cast::<u64>();
+        let by_mm_cid = S::FIELD == ByMmCid::FIELD
+            && registration::decided().is_some_and(|process| process.mm_cid_usable());
         Counter {
-            slot,
+            tagged_slot: slot.map_addr(|address| address | usize::from(by_mm_cid)),
             spread: PhantomData,
         }
+    }
+
+    /// The slot's address, without the tag.
+    #[inline(always)]
+    fn slot(&self) -> NonNull<u64> {
+        if S::FIELD == ByCpu::FIELD {
+            return self.tagged_slot;
+        }
+        let tagged = self.tagged_slot;
+        tagged.map_addr(|address| {
+            core::num::NonZeroUsize::new(address.get() & !BY_MM_CID).unwrap_or(address)
+        })
+    }
+
+    /// Whether `add` adds by `mm_cid` (else by CPU): a counter made by [`Counter::by_mm_cid`]
+    /// in a process whose kernel keeps `mm_cid` current (Linux 6.3+, with rseq).
+    ///
+    /// ```
+    /// let c = thiscpu::Counter::by_mm_cid();
+    /// assert_eq!(c.indexed_by_mm_cid(), thiscpu::source().mm_cid);
+    /// assert!(!thiscpu::Counter::new().indexed_by_mm_cid());
+    /// ```
+    #[inline]
+    #[must_use]
+    pub fn indexed_by_mm_cid(&self) -> bool {
+        S::FIELD == ByMmCid::FIELD && self.tagged_slot.addr().get() & BY_MM_CID != 0
     }
 
     #[inline(always)]
     fn word(&self, row: u32) -> &AtomicU64 {
         // SAFETY: callers pass `row <= dense::cpu_rows()`; the slot is a live, zeroed-at-birth,
         // 8-byte aligned `u64` in every row, accessed only atomically or by sections.
-        unsafe { AtomicU64::from_ptr(dense::row(self.slot.cast(), row).cast()) }
+        unsafe { AtomicU64::from_ptr(dense::row(self.slot().cast(), row).cast()) }
     }
 
     /// Address of row `row`'s word (for tests and diagnostics, e.g. checking with `mincore`
@@ -136,7 +197,7 @@ impl<S: Spread> Counter<S> {
     /// ```
     #[inline]
     pub fn add(&self, n: u64) {
-        if S::FIELD == ByCpu::FIELD || !registration::mm_cid_usable() {
+        if !self.indexed_by_mm_cid() {
             self.add_by::<ByCpu>(n);
         } else {
             self.add_by::<ByMmCid>(n);
@@ -155,9 +216,8 @@ impl<S: Spread> Counter<S> {
     /// below `rows`.
     ///
     /// # Safety
-    /// `at` was read by the calling thread, `rows` is at most `dense::cpu_rows()`, and either
-    /// `By` is the spread `add` chooses (final once the process has decided) or `rows` is 0, so
-    /// that only the slow path runs, which chooses again.
+    /// `at` was read by the calling thread, `rows` is at most `dense::cpu_rows()`, and `By` is
+    /// the counter's spread (`indexed_by_mm_cid`).
     #[inline(always)]
     unsafe fn add_at<By: Spread>(&self, at: ops::Position<By>, rows: u32, n: u64) {
         let index = at.index();
@@ -168,14 +228,14 @@ impl<S: Spread> Counter<S> {
             // (below the rows, the caller's contract), written only by sections positioned on
             // that index with the same spread (process-wide: `mm_cid` usable never changes once
             // true) or, when the process has no rseq, by atomic adds (never both, see
-            // `add_slow`).
+            // `add_slow_by`).
             let outcome = unsafe { ops::load_add_store(at, self.word(index).as_ptr(), n) };
             if outcome == Outcome::Committed(()) {
                 return;
             }
             return self.add_after_abort::<By>(n);
         }
-        self.add_slow::<By>(n);
+        self.add_slow_by::<By>(n);
     }
 
     /// An [`Adder`] for this counter, for loops that add many times: it holds what each
@@ -196,14 +256,14 @@ impl<S: Spread> Counter<S> {
     /// ```
     #[must_use]
     pub fn adder(&self) -> Adder<'_, S> {
-        // Once this thread has a position, the process has decided: the area offset and the
-        // spread `add` chooses no longer change.
+        // Once this thread has a position, the process has decided: the area offset no longer
+        // changes (the counter's spread never does).
         let decided = ops::position().is_some();
         Adder {
             counter: self,
             area: ops::area_offset(),
             rows: if decided { dense::cpu_rows() } else { 0 },
-            by_mm_cid: S::FIELD != ByCpu::FIELD && registration::mm_cid_usable(),
+            by_mm_cid: self.indexed_by_mm_cid(),
         }
     }
 
@@ -213,27 +273,13 @@ impl<S: Spread> Counter<S> {
     #[inline(never)]
     fn add_after_abort<By: Spread>(&self, n: u64) {
         ops::note_abort();
-        self.add_slow::<By>(n);
+        self.add_slow_by::<By>(n);
     }
 
-    /// The slow path. The fast path chose its spread `By` from `registration::mm_cid_usable` as
-    /// it read it; if this thread was not registered then, the process may not have decided
-    /// yet, and the decision (which registering waits for) can make `mm_cid` usable. Every
-    /// section on a word must compare the same field, so a by-`mm_cid` counter chooses again
-    /// once registered.
+    /// The slow path: registers this thread if it can, retries, and gives up to an atomic add
+    /// where sections cannot run.
     #[cold]
     #[inline(never)]
-    fn add_slow<By: Spread>(&self, n: u64) {
-        if S::FIELD != ByCpu::FIELD
-            && By::FIELD == ByCpu::FIELD
-            && ops::position().is_some()
-            && registration::mm_cid_usable()
-        {
-            return self.add_slow_by::<ByMmCid>(n);
-        }
-        self.add_slow_by::<By>(n)
-    }
-
     fn add_slow_by<By: Spread>(&self, n: u64) {
         let mut aborts = ops::AbortRun::new();
         while let Some(at) = ops::position_by::<By>() {
@@ -260,7 +306,7 @@ impl<S: Spread> Counter<S> {
         // while the decision is not known, in a signal handler that interrupted it) sections
         // may write the words with plain adds, and this thread must stay off them.
         if registration::decided().is_some_and(|process| process.registrar == Registrar::None) {
-            let cpu = crate::current_cpu() % dense::cpu_rows();
+            let cpu = cpu::current_cpu() % dense::cpu_rows();
             self.word(cpu).fetch_add(n, Ordering::Relaxed);
         } else {
             self.word(dense::cpu_rows()).fetch_add(n, Ordering::Relaxed);
@@ -339,7 +385,7 @@ impl<S: Spread> Counter<S> {
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         ANY_TAKEN.store(true, Ordering::Relaxed);
-        let key = self.slot.as_ptr() as usize;
+        let key = self.slot().as_ptr() as usize;
         let position = match taken.iter().position(|(slot, _)| *slot == key) {
             Some(position) => position,
             None => {
@@ -370,31 +416,38 @@ impl<S: Spread> Counter<S> {
         let _ = self.take();
     }
 
-    fn taken_words(&self) -> Option<Box<[u64]>> {
+    /// `f` of what `take` returned so far per word, read under the table's lock; `None` when
+    /// nothing was ever taken from this counter.
+    fn with_taken<R>(&self, f: impl FnOnce(&[u64]) -> R) -> Option<R> {
         if !ANY_TAKEN.load(Ordering::Relaxed) {
             return None;
         }
         let taken = TAKEN
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let key = self.slot.as_ptr() as usize;
+        let key = self.slot().as_ptr() as usize;
         taken
             .iter()
             .find(|(slot, _)| *slot == key)
-            .map(|(_, bases)| bases.clone())
+            .map(|(_, bases)| f(bases))
     }
 
+    fn taken_words(&self) -> Option<Box<[u64]>> {
+        self.with_taken(|bases| Box::from(bases))
+    }
+
+    /// The sum of what `take` returned so far, without allocating (so that `sum` allocates
+    /// nothing, whatever a program's allocator counts with).
     fn taken_total(&self) -> u64 {
-        self.taken_words().map_or(0, |bases| {
-            bases.iter().fold(0, |sum, &b| sum.wrapping_add(b))
-        })
+        self.with_taken(|bases| bases.iter().fold(0u64, |sum, &base| sum.wrapping_add(base)))
+            .unwrap_or(0)
     }
 }
 
 impl<S: Spread> Drop for Counter<S> {
     fn drop(&mut self) {
         if ANY_TAKEN.load(Ordering::Relaxed) {
-            let key = self.slot.as_ptr() as usize;
+            let key = self.slot().as_ptr() as usize;
             let mut taken = TAKEN
                 .lock()
                 .unwrap_or_else(|poisoned| poisoned.into_inner());
@@ -403,7 +456,7 @@ impl<S: Spread> Drop for Counter<S> {
         // SAFETY: `drop` has the counter exclusively: no `add` (which borrows it) is running or
         // can be interrupted mid-section, so no late increment can reach the slot; it is freed
         // once, with the size and alignment it was allocated with.
-        unsafe { dense::free(self.slot.cast(), WORD, WORD) };
+        unsafe { dense::free(self.slot().cast(), WORD, WORD) };
     }
 }
 

@@ -1,60 +1,14 @@
 //! Which CPU, node and concurrency id this thread runs on: one load from the rseq area on the
-//! fast path, and a fallback chain chosen once per process (the CPU's own instruction, the
-//! vDSO, the syscall) when rseq is missing.
-//!
-//! # Safety
-//! This module calls the vDSO's `getcpu` through a pointer that `dlsym` returned for that
-//! symbol; each block states why it holds.
+//! fast path, and the fallback that the process's decision chose (the CPU's own instruction,
+//! the vDSO, the syscall: `via`) when rseq is missing. Reads the decision; never makes it
+//! differently from any other caller (`registration::decided`).
 
 use crate::abi::offset;
 use crate::arch::{self, areas};
 use crate::ops;
 use crate::registration::{self, Registrar, RseqMode, Unavailable};
 use crate::topology;
-use core::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
-
-/// A CPU and the NUMA node it belongs to, read together.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
-pub struct CpuNode {
-    /// CPU id, below [`topology::possible_cpus`].
-    pub cpu: u32,
-    /// NUMA node of `cpu`.
-    pub node: u32,
-}
-
-/// The mechanism that answers "which CPU am I on".
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
-#[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
-#[non_exhaustive]
-pub enum CpuSource {
-    /// One load from the rseq area that glibc registered.
-    RseqGlibc,
-    /// One load from the rseq area that thiscpu registered.
-    RseqThiscpu,
-    /// The `rdpid` instruction (x86_64), which reads the CPU and node Linux keeps in
-    /// `IA32_TSC_AUX`.
-    Rdpid,
-    /// `getcpu` in the vDSO.
-    Vdso,
-    /// The `getcpu` system call.
-    Syscall,
-}
-
-impl CpuSource {
-    /// The name used in reports and JSON.
-    #[must_use]
-    pub fn name(self) -> &'static str {
-        match self {
-            CpuSource::RseqGlibc => "rseq (glibc)",
-            CpuSource::RseqThiscpu => "rseq (thiscpu)",
-            CpuSource::Rdpid => "rdpid",
-            CpuSource::Vdso => "vdso",
-            CpuSource::Syscall => "syscall",
-        }
-    }
-}
+use crate::via::{self, CpuNode, CpuSource};
 
 /// What answers thiscpu's questions in this process and thread, and what the kernel offers.
 #[derive(Clone, Copy, Debug)]
@@ -99,87 +53,14 @@ pub struct Source {
     pub mm_cid: bool,
 }
 
-/// Whether `mm_cid` is kept current in this process's areas.
-#[inline]
-pub(crate) fn mm_cid_usable() -> bool {
-    registration::mm_cid_usable()
-        || registration::decided().is_some_and(|process| process.mm_cid_usable())
+/// The source that answers where rseq cannot: the decided fallback, or, in a signal handler
+/// that interrupted the decision on its own thread, the system call, which needs no decision.
+fn fallback_source() -> CpuSource {
+    registration::decided().map_or(CpuSource::Syscall, |process| process.fallback)
 }
 
-const UNDECIDED: u8 = 0;
-static FALLBACK: AtomicU8 = AtomicU8::new(UNDECIDED);
-static VDSO_GETCPU: AtomicUsize = AtomicUsize::new(0);
-
-fn encode(source: CpuSource) -> u8 {
-    match source {
-        CpuSource::RseqGlibc | CpuSource::RseqThiscpu | CpuSource::Syscall => 1,
-        CpuSource::Rdpid => 2,
-        CpuSource::Vdso => 3,
-    }
-}
-
-fn decode(code: u8) -> CpuSource {
-    match code {
-        2 => CpuSource::Rdpid,
-        3 => CpuSource::Vdso,
-        _ => CpuSource::Syscall,
-    }
-}
-
-/// The fallback source, once the process-wide decision (which also reads the topology tables,
-/// so that nothing later allocates) is made. In a signal handler that interrupted the decision
-/// on its own thread: the system call, which needs no decision.
-pub(crate) fn decide_fallback() -> CpuSource {
-    let code = FALLBACK.load(Ordering::Acquire);
-    if code != UNDECIDED {
-        return decode(code);
-    }
-    match registration::decided() {
-        Some(_) => decode(FALLBACK.load(Ordering::Acquire)),
-        None => CpuSource::Syscall,
-    }
-}
-
-/// Chooses the fallback source and reads the topology tables; part of the process-wide
-/// decision (`registration::decided`), which runs it once.
-pub(crate) fn choose_fallback() {
-    topology::prepare();
-    let source = if via::rdpid().is_some() {
-        CpuSource::Rdpid
-    } else if via::vdso().is_some() {
-        CpuSource::Vdso
-    } else {
-        CpuSource::Syscall
-    };
-    FALLBACK.store(encode(source), Ordering::Release);
-}
-
-#[inline]
 fn fallback_cpu_node() -> CpuNode {
-    match decide_fallback() {
-        CpuSource::Rdpid => arch_native_cpu_node(),
-        CpuSource::Vdso => via::vdso().unwrap_or_else(syscall_or_first_cpu),
-        _ => syscall_or_first_cpu(),
-    }
-}
-
-/// The system call's answer, or CPU 0 on node 0 where even that is refused (a seccomp
-/// filter): a valid index, so per-CPU data stays correct, only no longer spread.
-fn syscall_or_first_cpu() -> CpuNode {
-    via::syscall().unwrap_or(CpuNode { cpu: 0, node: 0 })
-}
-
-/// The plain native read; the fallback selects it only where `via::rdpid` answered, so the
-/// system call stands in for an architecture without one only in principle.
-#[inline]
-fn arch_native_cpu_node() -> CpuNode {
-    match arch::NATIVE_CPU_READ {
-        Some(native) => {
-            let (cpu, node) = (native.read)();
-            CpuNode { cpu, node }
-        }
-        None => syscall_or_first_cpu(),
-    }
+    via::fallback_cpu_node(fallback_source())
 }
 
 /// The CPU the calling thread runs on now.
@@ -214,7 +95,7 @@ fn rseq_cpu_id() -> i32 {
 #[inline(never)]
 fn current_cpu_slow() -> u32 {
     // Once the process is known to have no rseq, go straight to the fallback.
-    if !registration::NO_RSEQ.load(Ordering::Relaxed) && registration::ensure_registered() {
+    if !registration::decided_without_rseq() && registration::ensure_registered() {
         let cpu = rseq_cpu_id();
         if cpu >= 0 {
             return cpu as u32;
@@ -254,8 +135,8 @@ pub fn getcpu() -> CpuNode {
 #[cold]
 #[inline(never)]
 fn getcpu_slow() -> CpuNode {
-    if !registration::NO_RSEQ.load(Ordering::Relaxed) && registration::ensure_registered() {
-        if registration::process().node_id_usable() {
+    if !registration::decided_without_rseq() && registration::ensure_registered() {
+        if registration::decided().is_some_and(|process| process.node_id_usable()) {
             // Aborts are rare: a section two loads long is only interrupted by events that
             // happen between them, unless the thread is interrupted at every instruction
             // (single-stepped), which the bound on consecutive aborts is for.
@@ -332,8 +213,8 @@ pub fn mm_cid() -> Option<u32> {
 #[cold]
 #[inline(never)]
 fn mm_cid_slow() -> Option<u32> {
-    decide_fallback();
-    if registration::mm_cid_usable() && registration::ensure_registered() {
+    let usable = registration::decided().is_some_and(|process| process.mm_cid_usable());
+    if usable && registration::ensure_registered() {
         return Some(arch::active_field::<{ offset::MM_CID }>() as u32);
     }
     None
@@ -347,21 +228,26 @@ fn mm_cid_slow() -> Option<u32> {
 /// ```
 #[must_use]
 pub fn source() -> Source {
-    let fallback = decide_fallback();
-    let process = registration::process();
+    match registration::decided() {
+        Some(process) => source_of(process),
+        None => source_while_undecided(),
+    }
+}
+
+fn source_of(process: &registration::Process) -> Source {
     let this_thread = if registration::ensure_registered() {
         match process.registrar {
             Registrar::Glibc => CpuSource::RseqGlibc,
             _ => CpuSource::RseqThiscpu,
         }
     } else {
-        fallback
+        process.fallback
     };
     Source {
         registrar: process.registrar,
         unavailable: process.unavailable,
         this_thread,
-        fallback,
+        fallback: process.fallback,
         kernel_feature_size: process.kernel_feature_size,
         kernel_align: process.kernel_align,
         registered_size: process.registered_size,
@@ -377,163 +263,25 @@ pub fn source() -> Source {
     }
 }
 
-/// Every other way to ask "which CPU am I on", for comparison and for environments without
-/// rseq. Each function answers independently of the fallback choice.
-pub mod via {
-    use super::*;
-
-    /// The `getcpu` system call (about a hundred nanoseconds on a VM), or `None` if it failed
-    /// (refused by a seccomp filter).
-    ///
-    /// ```
-    /// if let Some(here) = thiscpu::via::syscall() {
-    ///     assert!((here.cpu as usize) < thiscpu::topology::possible_cpus());
-    /// }
-    /// ```
-    #[inline(never)]
-    pub fn syscall() -> Option<CpuNode> {
-        let mut cpu = 0u32;
-        let mut node = 0u32;
-        // SAFETY: getcpu writes two `unsigned int`s through valid pointers; the third
-        // argument (the unused cache) may be null.
-        let ret = unsafe {
-            libc::syscall(
-                libc::SYS_getcpu,
-                &mut cpu,
-                &mut node,
-                core::ptr::null_mut::<u8>(),
-            )
-        };
-        (ret == 0).then_some(CpuNode { cpu, node })
-    }
-
-    type VdsoGetcpu = unsafe extern "C" fn(*mut u32, *mut u32, *mut libc::c_void) -> libc::c_long;
-
-    fn vdso_getcpu_fn() -> Option<VdsoGetcpu> {
-        const MISSING: usize = 1;
-        let mut address = VDSO_GETCPU.load(Ordering::Relaxed);
-        if address == 0 {
-            address = lookup_vdso_getcpu().unwrap_or(MISSING);
-            VDSO_GETCPU.store(address, Ordering::Relaxed);
-        }
-        if address == MISSING {
-            return None;
-        }
-        // SAFETY: `address` came from `dlsym` for `__vdso_getcpu`, whose C type is
-        // `long (unsigned *cpu, unsigned *node, void *cache)`.
-        Some(unsafe { core::mem::transmute::<usize, VdsoGetcpu>(address) })
-    }
-
-    fn lookup_vdso_getcpu() -> Option<usize> {
-        // SAFETY: glibc lists the vDSO among the loaded objects; RTLD_NOLOAD only looks it up.
-        let handle = unsafe {
-            libc::dlopen(
-                c"linux-vdso.so.1".as_ptr(),
-                libc::RTLD_LAZY | libc::RTLD_NOLOAD,
-            )
-        };
-        if handle.is_null() {
-            return None;
-        }
-        let mut symbol = core::ptr::null_mut();
-        for name in [c"__vdso_getcpu", c"__kernel_getcpu"] {
-            // SAFETY: `handle` is a valid handle from dlopen; `name` is NUL-terminated.
-            symbol = unsafe { libc::dlsym(handle, name.as_ptr()) };
-            if !symbol.is_null() {
-                break;
-            }
-        }
-        (!symbol.is_null()).then_some(symbol as usize)
-    }
-
-    /// `getcpu` in the vDSO, or `None` where the vDSO has none (aarch64, valgrind).
-    ///
-    /// ```
-    /// if let Some(here) = thiscpu::via::vdso() {
-    ///     assert!((here.cpu as usize) < thiscpu::topology::possible_cpus());
-    /// }
-    /// ```
-    #[inline]
-    pub fn vdso() -> Option<CpuNode> {
-        let getcpu = vdso_getcpu_fn()?;
-        let mut cpu = 0u32;
-        let mut node = 0u32;
-        // SAFETY: the vDSO function writes two `unsigned int`s through valid pointers and
-        // accepts a null cache.
-        let ret = unsafe { getcpu(&mut cpu, &mut node, core::ptr::null_mut()) };
-        (ret == 0).then_some(CpuNode { cpu, node })
-    }
-
-    /// glibc's `sched_getcpu` (which itself reads rseq when glibc registered it), or `None`
-    /// if it failed.
-    #[inline]
-    pub fn sched_getcpu() -> Option<u32> {
-        // SAFETY: no precondition.
-        u32::try_from(unsafe { libc::sched_getcpu() }).ok()
-    }
-
-    const UNKNOWN: u8 = 0;
-    const YES: u8 = 1;
-    const NO: u8 = 2;
-
-    fn cached(flag: &AtomicU8, probe: impl FnOnce() -> bool) -> bool {
-        match flag.load(Ordering::Relaxed) {
-            YES => true,
-            NO => false,
-            _ => {
-                let has = probe();
-                flag.store(if has { YES } else { NO }, Ordering::Relaxed);
-                has
-            }
-        }
-    }
-
-    /// Whether the instruction's answer agrees with the kernel's: the kernel sets
-    /// `IA32_TSC_AUX` to `(node << 12) | cpu`, but a hypervisor or emulator may not.
-    fn agrees_with_syscall(read: fn() -> (u32, u32)) -> bool {
-        (0..3).any(|_| {
-            let Some(kernel) = syscall() else {
-                return false;
-            };
-            read() == (kernel.cpu, kernel.node)
-        })
-    }
-
-    /// A native read, where the architecture has it, the CPU has it, and it agrees with the
-    /// kernel (each checked once per process, cached in `has`).
-    #[inline]
-    fn native(read: Option<arch::NativeCpuRead>, has: &AtomicU8) -> Option<CpuNode> {
-        let read = read?;
-        cached(has, || (read.present)() && agrees_with_syscall(read.read)).then(|| {
-            let (cpu, node) = (read.read)();
-            CpuNode { cpu, node }
-        })
-    }
-
-    /// The `rdpid` instruction, where the CPU has it and it agrees with the kernel.
-    ///
-    /// ```
-    /// if let Some(here) = thiscpu::via::rdpid() {
-    ///     assert!((here.cpu as usize) < thiscpu::topology::possible_cpus());
-    /// }
-    /// ```
-    #[inline]
-    pub fn rdpid() -> Option<CpuNode> {
-        static HAS: AtomicU8 = AtomicU8::new(UNKNOWN);
-        native(arch::NATIVE_CPU_READ, &HAS)
-    }
-
-    /// The `rdtscp` instruction's `IA32_TSC_AUX`, where the CPU has it and it agrees with the
-    /// kernel.
-    ///
-    /// ```
-    /// if let Some(here) = thiscpu::via::rdtscp() {
-    ///     assert!((here.cpu as usize) < thiscpu::topology::possible_cpus());
-    /// }
-    /// ```
-    #[inline]
-    pub fn rdtscp() -> Option<CpuNode> {
-        static HAS: AtomicU8 = AtomicU8::new(UNKNOWN);
-        native(arch::NATIVE_CPU_READ_WITH_CLOCK, &HAS)
+/// What a signal handler that interrupted the decision on its own thread is told: every
+/// answer from the system call, nothing about rseq, since nothing is decided.
+#[cold]
+fn source_while_undecided() -> Source {
+    Source {
+        registrar: Registrar::None,
+        unavailable: None,
+        this_thread: CpuSource::Syscall,
+        fallback: CpuSource::Syscall,
+        kernel_feature_size: 0,
+        kernel_align: 0,
+        registered_size: 0,
+        mode: None,
+        optimized_size: None,
+        area_offset: None,
+        usable_size: 0,
+        glibc_rseq_size: None,
+        glibc_rseq_offset: None,
+        node_id: false,
+        mm_cid: false,
     }
 }

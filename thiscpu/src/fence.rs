@@ -19,16 +19,27 @@
 //! their fallback. `THISCPU_MEMBARRIER=off` in the environment (read once) makes fences
 //! unavailable on purpose, to test those fallbacks.
 //!
+//! # Fences by visiting
+//! A process whose sections already run when `membarrier` starts being refused (a sandbox
+//! installing a seccomp filter for every thread after start-up) cannot fall back to
+//! compare-and-swap: the sections keep writing with plain stores. [`visit_cpu`] fences a CPU
+//! without `membarrier`, by running the calling thread there for a moment; [`visit_all`] visits
+//! every CPU, and [`take_over_by_visiting`] is [`take_over`] built on them. They cost two
+//! migrations per CPU, and fail only where the thread may not change its own affinity.
+//!
 //! # References
 //! membarrier(2); Linux `kernel/sched/membarrier.c`; `tools/testing/selftests/rseq/param_test.c`.
 //!
 //! # Safety
-//! The module makes the `membarrier` system call, which takes no pointer, and reads one
-//! environment variable with `getenv`; each block states why it holds.
+//! The module makes the `membarrier`, `gettid` and `tgkill` (signal 0) system calls, which
+//! take no pointer, and `getcpu`, which writes one integer; it reads environment variables with
+//! `getenv`; each block states why it holds.
 
-use core::sync::atomic::{AtomicU64, Ordering};
+use crate::decided_once::{self, DecidedOnce};
+use crate::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use crate::sync::cell::UnsafeCell;
+use core::mem::MaybeUninit;
 use std::ffi::CStr;
-use std::sync::OnceLock;
 
 /// `MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ` (Linux 5.10).
 pub const CMD_PRIVATE_EXPEDITED_RSEQ: i32 = 1 << 7;
@@ -74,6 +85,7 @@ impl core::fmt::Display for FenceUnavailable {
 
 impl std::error::Error for FenceUnavailable {}
 
+#[cfg(not(thiscpu_model))]
 fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), FenceUnavailable> {
     // SAFETY: membarrier takes three integers and touches no user memory.
     let ret = unsafe { libc::syscall(libc::SYS_membarrier, cmd, flags, cpu) };
@@ -88,6 +100,12 @@ fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), FenceUnavailable> {
     }
 }
 
+/// The model machine's fences, under the model checker.
+#[cfg(thiscpu_model)]
+fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), FenceUnavailable> {
+    crate::arch::model::membarrier(cmd, flags, cpu).map_err(FenceUnavailable::refused)
+}
+
 fn turned_off() -> bool {
     // SAFETY: `getenv` with a NUL-terminated name; the result is read at once.
     let value = unsafe { libc::getenv(c"THISCPU_MEMBARRIER".as_ptr()) };
@@ -99,20 +117,39 @@ fn turned_off() -> bool {
     matches!(value, b"off" | b"0" | b"false" | b"no")
 }
 
+/// The process's registration, made once by the first caller (see `DecidedOnce`, which also
+/// covers a `fork` in the middle of it).
+static REGISTRATION: DecidedOnce<Result<(), FenceUnavailable>> = DecidedOnce::new(
+    AtomicI32::new(decided_once::UNDECIDED),
+    UnsafeCell::new(MaybeUninit::uninit()),
+);
+
+fn registration_attempt() -> Result<(), FenceUnavailable> {
+    if turned_off() {
+        return Err(FenceUnavailable::refused(libc::EPERM));
+    }
+    membarrier(CMD_REGISTER_PRIVATE_EXPEDITED_RSEQ, 0, 0)
+}
+
 /// Registers the process for rseq fences (once; later calls return the first result).
+///
+/// Safe to call from a signal handler, including one that interrupted this very call on its
+/// own thread: that call cannot finish while the handler runs, so the handler does not wait
+/// for it but registers again itself (the kernel accepts the same registration any number of
+/// times) and returns the kernel's answer. Calls on other threads wait for the first one, which
+/// takes at most one system call (an RCU grace period, in a process with several threads).
 ///
 /// ```
 /// // Either way, asking again gives the same answer.
 /// assert_eq!(thiscpu::fence::register(), thiscpu::fence::register());
 /// ```
 pub fn register() -> Result<(), FenceUnavailable> {
-    static REGISTERED: OnceLock<Result<(), FenceUnavailable>> = OnceLock::new();
-    *REGISTERED.get_or_init(|| {
-        if turned_off() {
-            return Err(FenceUnavailable::refused(libc::EPERM));
-        }
-        membarrier(CMD_REGISTER_PRIVATE_EXPEDITED_RSEQ, 0, 0)
-    })
+    let decided = REGISTRATION.get_or_decide(&decided_once::Threads, || {
+        inject::signal_in_registration();
+        registration_attempt()
+    });
+    // `None`: a signal handler that interrupted the registration on its own thread.
+    decided.copied().unwrap_or_else(registration_attempt)
 }
 
 /// Whether fences work in this process (registers on first call).
@@ -229,4 +266,249 @@ pub fn take_over(
         return Ok(None);
     }
     Ok(Some(TakenOver { flag, running }))
+}
+
+/// Why a visiting fence ([`visit_cpu`], [`visit_all`]) could not be made: the CPU it had to run
+/// on, and the errno of `sched_setaffinity` (or `EAGAIN` when the thread was moved elsewhere
+/// again before it could see itself on that CPU).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct VisitRefused {
+    cpu: u32,
+    errno: i32,
+}
+
+impl VisitRefused {
+    /// The CPU the calling thread could not run on.
+    pub fn cpu(self) -> u32 {
+        self.cpu
+    }
+
+    /// `sched_setaffinity`'s errno (`EPERM` under a seccomp filter, say), or `EAGAIN` when
+    /// the thread's affinity kept being changed from elsewhere.
+    pub fn errno(self) -> i32 {
+        self.errno
+    }
+}
+
+impl core::fmt::Display for VisitRefused {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        if self.errno == libc::EAGAIN {
+            write!(
+                f,
+                "could not run on CPU {}: the thread's affinity kept changing",
+                self.cpu
+            )
+        } else {
+            write!(
+                f,
+                "could not run on CPU {}: {}",
+                self.cpu,
+                std::io::Error::from_raw_os_error(self.errno)
+            )
+        }
+    }
+}
+
+impl std::error::Error for VisitRefused {}
+
+/// The CPU the calling thread runs on, from the `getcpu` system call (never from rseq, which a
+/// thread without it lacks, nor from a vDSO whose answer nothing here can check).
+fn kernel_cpu() -> Option<u32> {
+    let mut cpu = u32::MAX;
+    // SAFETY: getcpu writes one `unsigned int` through a valid pointer; the node and cache
+    // arguments may be null.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_getcpu,
+            &raw mut cpu,
+            core::ptr::null_mut::<u32>(),
+            core::ptr::null_mut::<libc::c_void>(),
+        )
+    };
+    (ret == 0).then_some(cpu)
+}
+
+/// How many times a visit re-pins a thread that something else moved away meanwhile.
+const VISIT_TRIES: u32 = 8;
+
+/// Fences CPU `cpu` without `membarrier`, by running the calling thread there: when this returns
+/// `Ok`, no restartable sequence of this process that started on `cpu` before the call can
+/// commit any more, and sections starting there afterwards see the caller's earlier stores.
+/// The thread's affinity is restored before it returns. It costs two `sched_setaffinity` calls
+/// and two migrations: the fallback where `membarrier` is refused.
+///
+/// Why it is a fence: once the caller runs on `cpu`, every other thread that was inside a
+/// section there has left the CPU, so that section either ended before, or was preempted and
+/// aborts when its thread resumes (the kernel restarts a section whose thread was preempted or
+/// migrated). The caller's trip there goes through the scheduler's run-queue locks of `cpu`,
+/// whose full barriers order the caller's earlier stores before anything that CPU runs next.
+/// The caller trusts the trip only once the kernel's `getcpu` shows it on `cpu`: another thread
+/// (or `taskset`) may change its affinity between the pin and the check, and then it pins again,
+/// up to a few times.
+///
+/// A CPU the kernel will not run the thread on (`EINVAL`: offline, or outside the thread's
+/// cpuset) needs no visit and returns `Ok`: no thread of a process whose threads share a cpuset
+/// runs there, and a thread that ran there before went through a migration, which aborts its
+/// section. Any other refusal (a seccomp filter refusing `sched_setaffinity`, say) is an error.
+/// If another thread changes the caller's affinity during the call, the restore may undo that
+/// change.
+///
+/// ```
+/// let cpu = thiscpu::topology::allowed_cpus().unwrap()[0];
+/// thiscpu::fence::visit_cpu(cpu).unwrap();
+/// ```
+pub fn visit_cpu(cpu: u32) -> Result<(), VisitRefused> {
+    for _ in 0..VISIT_TRIES {
+        // Restores the previous affinity when dropped.
+        let _visiting = match crate::topology::pin_to_beyond_mask(cpu) {
+            Ok(pinned) => pinned,
+            Err(error) => {
+                let errno = error.raw_os_error().unwrap_or(libc::EINVAL);
+                if errno == libc::EINVAL {
+                    return Ok(());
+                }
+                return Err(VisitRefused { cpu, errno });
+            }
+        };
+        if kernel_cpu() == Some(cpu) {
+            return Ok(());
+        }
+    }
+    Err(VisitRefused {
+        cpu,
+        errno: libc::EAGAIN,
+    })
+}
+
+/// [`visit_cpu`] for every CPU a thread of this process may run on (the possible CPUs, and any
+/// the calling thread is allowed beyond them): the visiting counterpart of [`fence_all`], for
+/// data indexed by `mm_cid`. Costs two migrations per CPU.
+///
+/// ```
+/// thiscpu::fence::visit_all().unwrap();
+/// ```
+pub fn visit_all() -> Result<(), VisitRefused> {
+    let possible = crate::topology::possible_cpus() as u32;
+    let beyond = crate::topology::allowed_cpus()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|&cpu| cpu >= possible);
+    for cpu in (0..possible).chain(beyond) {
+        visit_cpu(cpu)?;
+    }
+    Ok(())
+}
+
+/// [`take_over`] with a visiting fence ([`visit_cpu`], or [`visit_all`] for `cpu` `None`)
+/// instead of `membarrier`: for a process where `membarrier` was refused after sections began
+/// to run, when a compare-and-swap alone would race them. The same contract and steps; with
+/// `Err`, `flag` is back to `running` (unless a section wrote it meanwhile).
+///
+/// ```
+/// use core::sync::atomic::AtomicU64;
+/// let flag = AtomicU64::new(0);
+/// let taken = thiscpu::fence::take_over_by_visiting(Some(0), &flag, 0, 1).unwrap();
+/// assert_eq!(flag.load(core::sync::atomic::Ordering::Relaxed), 1);
+/// drop(taken);
+/// assert_eq!(flag.load(core::sync::atomic::Ordering::Relaxed), 0);
+/// ```
+pub fn take_over_by_visiting(
+    cpu: Option<u32>,
+    flag: &AtomicU64,
+    running: u64,
+    stopped: u64,
+) -> Result<Option<TakenOver<'_>>, VisitRefused> {
+    debug_assert_ne!(running, stopped);
+    if flag
+        .compare_exchange(running, stopped, Ordering::SeqCst, Ordering::Relaxed)
+        .is_err()
+    {
+        return Ok(None);
+    }
+    let visited = match cpu {
+        Some(cpu) => visit_cpu(cpu),
+        None => visit_all(),
+    };
+    if let Err(refused) = visited {
+        let _ = flag.compare_exchange(stopped, running, Ordering::Release, Ordering::Relaxed);
+        return Err(refused);
+    }
+    // As in `take_over`: a section that read `running` before the swap and committed since owns
+    // the data; every other one reads `stopped` from now on.
+    if flag.load(Ordering::Acquire) != stopped {
+        return Ok(None);
+    }
+    Ok(Some(TakenOver { flag, running }))
+}
+
+/// Fault injection for tests, built only with `--cfg thiscpu_inject`.
+mod inject {
+    /// Raises the signal in `THISCPU_INJECT_SIGNAL_IN_FENCE_REGISTRATION` on the registering
+    /// thread, in the middle of [`super::register`], so that a test can re-enter it from the
+    /// handler.
+    #[cfg(thiscpu_inject)]
+    pub(super) fn signal_in_registration() {
+        // SAFETY: `getenv` with a NUL-terminated name; a non-null result is a NUL-terminated
+        // string, read at once.
+        let signal = unsafe {
+            let value = libc::getenv(c"THISCPU_INJECT_SIGNAL_IN_FENCE_REGISTRATION".as_ptr());
+            if value.is_null() {
+                return;
+            }
+            std::ffi::CStr::from_ptr(value)
+                .to_str()
+                .ok()
+                .and_then(|v| v.parse::<i32>().ok())
+        };
+        if let Some(signal) = signal {
+            // SAFETY: raises a signal whose handler the test installed.
+            unsafe { libc::raise(signal) };
+        }
+    }
+
+    #[cfg(not(thiscpu_inject))]
+    #[inline(always)]
+    pub(super) fn signal_in_registration() {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::topology;
+
+    #[test]
+    fn a_visit_leaves_the_thread_where_it_was_allowed_to_run() {
+        let allowed = topology::allowed_cpus().unwrap();
+        let (first, last) = (allowed[0], *allowed.last().unwrap());
+        std::thread::spawn(move || {
+            let _pinned = topology::pin_to(first).unwrap();
+            // Beyond the thread's own mask, as a shard's CPU may be.
+            visit_cpu(last).unwrap();
+            assert_eq!(topology::allowed_cpus().unwrap(), [first]);
+            visit_all().unwrap();
+            assert_eq!(topology::allowed_cpus().unwrap(), [first]);
+            // No such CPU: nothing runs there, nothing to fence.
+            visit_cpu(100_000).unwrap();
+        })
+        .join()
+        .unwrap();
+    }
+
+    #[test]
+    fn a_take_over_by_visiting_yields_to_a_holder_and_gives_back_on_drop() {
+        let flag = AtomicU64::new(7);
+        assert!(
+            take_over_by_visiting(Some(0), &flag, 0, 1)
+                .unwrap()
+                .is_none()
+        );
+        assert_eq!(flag.load(Ordering::Relaxed), 7, "a held flag was changed");
+        flag.store(0, Ordering::Relaxed);
+        let taken = take_over_by_visiting(None, &flag, 0, 1)
+            .unwrap()
+            .expect("free");
+        assert_eq!(flag.load(Ordering::Relaxed), 1);
+        drop(taken);
+        assert_eq!(flag.load(Ordering::Relaxed), 0);
+    }
 }

@@ -1,8 +1,8 @@
 //! [`Histogram`]: an exact per-CPU histogram with fixed bucket boundaries, as Prometheus
 //! histograms have them.
 
-use crate::CachePadded;
 use crate::ops::{self, Outcome};
+use crate::percpu::CachePadded;
 use core::sync::atomic::{AtomicU64, Ordering};
 
 /// Prometheus' default bucket boundaries (`prometheus.DefBuckets`), in seconds: meant for

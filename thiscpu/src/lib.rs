@@ -54,21 +54,18 @@
 //! - [`ops`]: the raw restartable operations (add, compare-and-store, list pop and push) for
 //!   building other per-CPU structures; [`dense`]: the allocator that packs per-CPU words.
 //! - [`topology`]: possible and online CPUs, and their NUMA nodes, from `/sys`.
-//!
-//!
-//! Two public modules are hidden from the documentation and outside the stable surface (they
-//! may change in any release): `abi`, the kernel's rseq structures as thiscpu uses them, and
-//! `stress`, the self-test behind `thiscpu stress`.
+//! - [`via`]: every other way to read the current CPU (the system call, the vDSO, the CPU's own
+//!   instructions), each on its own, for comparison and for code that picks one
+//!   ([`CpuSource`]).
 //! - `metrics` (feature `metrics`): a backend for the `metrics` facade whose counters are
 //!   per-CPU, so that `metrics::counter!(..).increment(1)` makes no atomic read-modify-write;
 //!   with feature `metrics-layer`, `metrics::PerCpuLayer` puts per-CPU counters in front of any
 //!   other recorder (an exporter's) and publishes their totals to it.
 //! - `prometheus` (feature `prometheus-client`): a per-CPU counter and histogram for a
 //!   `prometheus_client` registry.
-//! - Feature `serde`: `Serialize` and `Deserialize` on the plain data types ([`CpuNode`],
-//!   [`Source`] and the enums in it, written as snake_case ids such as `"rseq_glibc"`,
-//!   [`dense::DenseStats`], [`histogram::HistogramSnapshot`], whose infinite bounds are written
-//!   `"+Inf"`), and `Serialize` on the `metrics` backend's snapshot.
+//!
+//! One public module is hidden from the documentation and outside the stable surface (it may
+//! change in any release): `abi`, the kernel's rseq structures as thiscpu uses them.
 //!
 //! # When not to use thiscpu
 //! - **Little contention.** A counter that one thread, or a few threads now and then, update is
@@ -98,9 +95,23 @@
 //!   says nothing about which task's data it touches.
 //!
 //! # Features
-//! - `metrics` (off by default): the `metrics` module, which depends on the `metrics` crate.
-//!   Without it, thiscpu depends on `libc` alone.
+//! All are off by default; without them thiscpu depends on `libc` alone. Items that need one
+//! are marked with it in the documentation.
+//! - `metrics`: the `metrics` module, a per-CPU backend for the `metrics` 0.24 facade.
+//! - `metrics-layer` (implies `metrics`): `metrics::PerCpuLayer`, per-CPU counters in front of
+//!   another recorder, as a `metrics-util` 0.20 `Layer`.
+//! - `prometheus-client`: the `prometheus` module, a per-CPU counter and histogram for a
+//!   `prometheus-client` 0.26 registry.
+//! - `serde`: `Serialize` and `Deserialize` on the plain data types ([`CpuNode`], [`Source`]
+//!   and the enums in it, written as snake_case ids such as `"rseq_glibc"`,
+//!   [`dense::DenseStats`], [`histogram::HistogramSnapshot`], whose infinite bounds are written
+//!   `"+Inf"`), and `Serialize` on the `metrics` backend's snapshot.
+//!
+//! The integrations re-export the crates they plug into (`metrics::metrics`,
+//! `metrics::metrics_util`, `prometheus::prometheus_client`): using those paths keeps a
+//! program on the releases thiscpu implements.
 
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(unsafe_code)]
 
 #[doc(hidden)]
@@ -113,6 +124,10 @@ mod counter;
 #[allow(unsafe_code)]
 mod cpu;
 #[allow(unsafe_code)]
+// The model checker stands in for the decision (`arch::model`).
+#[cfg_attr(thiscpu_model, allow(dead_code))]
+mod decided_once;
+#[allow(unsafe_code)]
 pub mod dense;
 #[allow(unsafe_code)]
 pub mod fence;
@@ -121,6 +136,7 @@ pub mod histogram;
 #[allow(unsafe_code)]
 pub mod mask;
 #[cfg(feature = "metrics")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
 pub mod metrics;
 #[allow(unsafe_code)]
 pub mod ops;
@@ -128,19 +144,27 @@ mod percpu;
 #[allow(unsafe_code)]
 pub mod pool;
 #[cfg(feature = "prometheus-client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "prometheus-client")))]
 pub mod prometheus;
 #[allow(unsafe_code)]
+// The model checker stands in for the decision (`arch::model`).
+#[cfg_attr(thiscpu_model, allow(dead_code))]
 mod registration;
 #[allow(unsafe_code)]
 mod sharded;
-#[doc(hidden)]
 #[allow(unsafe_code)]
-pub mod stress;
+mod sync;
 #[allow(unsafe_code)]
 pub mod topology;
+#[allow(unsafe_code)]
+pub mod via;
+// The model machine of `--cfg thiscpu_model` builds (tests/model.rs).
+#[cfg(thiscpu_model)]
+#[doc(hidden)]
+pub use arch::model;
 
 pub use counter::{Adder, Counter};
-pub use cpu::{CpuNode, CpuSource, Source, current_cpu, current_node, getcpu, mm_cid, source, via};
+pub use cpu::{Source, current_cpu, current_node, getcpu, mm_cid, source};
 pub use histogram::Histogram;
 pub use mask::CpuMask;
 pub use ops::{ByCpu, ByMmCid, Spread};
@@ -148,3 +172,36 @@ pub use percpu::{CachePadded, PerCpu};
 pub use pool::{Pool, Pooled};
 pub use registration::{Registrar, RseqMode, Unavailable};
 pub use sharded::{ShardGuard, Sharded};
+pub use via::{CpuNode, CpuSource};
+
+#[cfg(test)]
+mod crate_docs {
+    /// The crate's `[features]` table, as `(name, enables)` lines, from its manifest.
+    fn features() -> Vec<&'static str> {
+        let manifest = include_str!("../Cargo.toml");
+        let table = &manifest[manifest.find("\n[features]\n").expect("a [features] table")..];
+        let table = &table["\n[features]\n".len()..];
+        let table = &table[..table.find("\n[").unwrap_or(table.len())];
+        table
+            .lines()
+            .filter_map(|line| line.split_once(" = "))
+            .map(|(name, _)| name.trim())
+            .filter(|&name| name != "default")
+            .collect()
+    }
+
+    #[test]
+    fn the_features_section_lists_every_feature() {
+        let docs = include_str!("lib.rs");
+        let section = &docs[docs.find("//! # Features\n").expect("a Features section")..];
+        let section = &section[..section.find("\n\n").expect("the section ends")];
+        let features = features();
+        assert!(features.len() >= 4, "{features:?}");
+        for feature in features {
+            assert!(
+                section.contains(&format!("//! - `{feature}`")),
+                "feature `{feature}` is not listed in the crate docs' Features section"
+            );
+        }
+    }
+}

@@ -148,14 +148,19 @@ impl CpuMask {
     }
 
     /// Adds `cpu`; returns whether it was absent (whether this call changed the mask).
-    /// Panics if `cpu >= capacity()`.
+    /// Panics if `cpu >= capacity()`, with a message naming the CPU and the capacity.
     ///
     /// ```
     /// let mask = thiscpu::CpuMask::new();
     /// assert!(mask.set(0));
     /// assert!(!mask.set(0), "already there: nothing written");
     /// ```
+    ///
+    /// ```should_panic
+    /// thiscpu::CpuMask::with_capacity(64).set(64); // "CPU 64 is beyond the mask's capacity of 64 CPUs"
+    /// ```
     #[inline]
+    #[track_caller]
     pub fn set(&self, cpu: u32) -> bool {
         self.update(cpu, true)
     }
@@ -170,6 +175,7 @@ impl CpuMask {
     /// assert!(!mask.clear(0));
     /// ```
     #[inline]
+    #[track_caller]
     pub fn clear(&self, cpu: u32) -> bool {
         self.update(cpu, false)
     }
@@ -206,7 +212,7 @@ impl CpuMask {
 
     #[inline]
     fn current(&self) -> u32 {
-        let cpu = crate::current_cpu();
+        let cpu = crate::cpu::current_cpu();
         // Below the possible CPUs by the kernel's guarantee; a mask made smaller by
         // `with_capacity` folds larger ids rather than panicking.
         let capacity = self.capacity();
@@ -309,6 +315,7 @@ impl CpuMask {
 impl CpuMask {
     /// The update of one bit, by the mask's mode.
     #[inline(always)]
+    #[track_caller]
     fn update(&self, cpu: u32, set: bool) -> bool {
         let index = cpu as usize / BITS;
         let bit = 1 << (cpu as usize % BITS);
@@ -325,7 +332,9 @@ impl CpuMask {
         // Read-modify-write mode (or an index beyond the capacity, which panics here): learn
         // from the old value. In the steady "every call changes it" state nothing else is
         // written; a wasted call counts towards reading first.
-        let word = &self.words[index];
+        let Some(word) = self.words.get(index) else {
+            beyond_capacity(cpu, self.capacity())
+        };
         let left = self.wasted_left.load(Ordering::Relaxed);
         let changed = read_modify_write(word, bit, set);
         if !changed {
@@ -366,6 +375,19 @@ impl CpuMask {
         }
         changed
     }
+}
+
+/// The panic of `set` and `clear` on a CPU the mask has no bit for, naming both numbers (an
+/// index error would name only a word).
+#[cold]
+#[inline(never)]
+#[track_caller]
+fn beyond_capacity(cpu: u32, capacity: usize) -> ! {
+    panic!(
+        "thiscpu::CpuMask: CPU {cpu} is beyond the mask's capacity of {capacity} CPUs \
+         (ids 0..{capacity}); make it with CpuMask::with_capacity({})",
+        cpu as usize + 1
+    )
 }
 
 /// `fetch_or` or `fetch_and`; returns whether the bit changed.
@@ -424,33 +446,82 @@ impl FromIterator<u32> for CpuMask {
 /// ```
 impl core::fmt::Display for CpuMask {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        let mut cpus = self.iter().peekable();
-        let mut first = true;
-        while let Some(start) = cpus.next() {
-            let mut end = start;
-            while cpus.peek() == Some(&(end + 1)) {
-                end += 1;
-                cpus.next();
-            }
-            if !first {
-                f.write_str(",")?;
-            }
-            first = false;
-            if start == end {
-                write!(f, "{start}")?;
-            } else {
-                write!(f, "{start}-{end}")?;
-            }
-        }
-        Ok(())
+        write_cpu_list(f, self.iter())
     }
 }
 
+/// Writes increasing CPU ids in the kernel's cpulist format, ranges folded: `0-3,8`.
+pub(crate) fn write_cpu_list(
+    f: &mut impl core::fmt::Write,
+    cpus: impl Iterator<Item = u32>,
+) -> core::fmt::Result {
+    let mut cpus = cpus.peekable();
+    let mut first = true;
+    while let Some(start) = cpus.next() {
+        let mut end = start;
+        while cpus.peek() == Some(&(end + 1)) {
+            end += 1;
+            cpus.next();
+        }
+        if !first {
+            f.write_str(",")?;
+        }
+        first = false;
+        if start == end {
+            write!(f, "{start}")?;
+        } else {
+            write!(f, "{start}-{end}")?;
+        }
+    }
+    Ok(())
+}
+
+/// The members as a quoted cpulist (as [`Display`](core::fmt::Display) writes them), and the
+/// capacity.
+///
+/// ```
+/// let mask = thiscpu::CpuMask::with_capacity(64);
+/// assert_eq!(format!("{mask:?}"), r#"CpuMask { cpus: "", capacity: 64 }"#);
+/// mask.set(1);
+/// mask.set(2);
+/// assert_eq!(format!("{mask:?}"), r#"CpuMask { cpus: "1-2", capacity: 64 }"#);
+/// ```
 impl core::fmt::Debug for CpuMask {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        write!(f, "CpuMask({}; capacity {})", self, self.capacity())
+        f.debug_struct("CpuMask")
+            .field("cpus", &self.to_string())
+            .field("capacity", &self.capacity())
+            .finish()
     }
 }
+
+/// Masks are equal when they hold the same CPUs; their capacities do not count (a mask of
+/// 64 and one of 128 holding the same CPUs are equal), nor does their update mode. Each word
+/// of each mask is read once: while other threads update them, the answer compares values
+/// each word had during the call.
+///
+/// ```
+/// let small = thiscpu::CpuMask::with_capacity(64);
+/// let large = thiscpu::CpuMask::with_capacity(128);
+/// small.set(3);
+/// large.set(3);
+/// assert_eq!(small, large);
+/// large.set(100);
+/// assert_ne!(small, large);
+/// ```
+impl PartialEq for CpuMask {
+    fn eq(&self, other: &CpuMask) -> bool {
+        let word_of = |words: &[AtomicU64], index: usize| {
+            words
+                .get(index)
+                .map_or(0, |word| word.load(Ordering::Relaxed))
+        };
+        let words = self.words.len().max(other.words.len());
+        (0..words).all(|index| word_of(&self.words, index) == word_of(&other.words, index))
+    }
+}
+
+impl Eq for CpuMask {}
 
 /// The CPUs of a [`CpuMask`], in increasing order (see [`CpuMask::iter`]).
 #[derive(Debug)]
@@ -480,6 +551,20 @@ impl Iterator for Iter<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    #[should_panic(expected = "CPU 64 is beyond the mask's capacity of 64 CPUs")]
+    fn setting_a_cpu_beyond_the_capacity_names_both() {
+        CpuMask::with_capacity(64).set(64);
+    }
+
+    #[test]
+    #[should_panic(expected = "CPU 200 is beyond the mask's capacity of 128 CPUs")]
+    fn clearing_a_cpu_beyond_the_capacity_in_read_modify_write_mode_names_both() {
+        let mask = CpuMask::with_capacity(128);
+        mask.switch_to_read_modify_write();
+        mask.clear(200);
+    }
 
     #[test]
     fn the_mode_switches_to_rmw_and_back() {

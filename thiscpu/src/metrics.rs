@@ -55,14 +55,43 @@
 //! unbounded label values (user ids, paths) multiply both. A thread's handles live until the
 //! thread exits, or until it next registers a counter with a new recorder after their own
 //! recorder was dropped: only then is a dropped recorder's memory all returned.
+//!
+//! # Which `metrics`
+//! The recorder and counters implement the traits of `metrics` 0.24, and `PerCpuLayer` the
+//! `Layer` of `metrics-util` 0.20 (thiscpu depends on `metrics = "0.24"` and, with feature
+//! `metrics-layer`, `metrics-util = "0.20"`). A program whose own `metrics` is another
+//! semver-incompatible release has a second, separate facade: its `counter!` never reaches a
+//! recorder installed through thiscpu's, and the traits do not match ("the trait `Recorder`
+//! is not implemented"). Either depend on the same releases, or use them as re-exported here,
+//! [`metrics`] and (feature `metrics-layer`) `metrics_util`, which cannot
+//! disagree:
+//!
+//! ```
+//! use thiscpu::metrics::metrics;
+//!
+//! let recorder = thiscpu::metrics::PerCpuRecorder::new();
+//! metrics::with_local_recorder(&recorder, || metrics::counter!("jobs").increment(2));
+//! assert_eq!(recorder.snapshot().counter("jobs"), Some(2));
+//! ```
+
+/// The `metrics` facade release this backend implements (0.24), for `counter!` and
+/// `set_global_recorder` that reach it.
+pub use ::metrics;
+/// The `metrics-util` release whose `Layer` [`PerCpuLayer`] implements (0.20).
+#[cfg(feature = "metrics-layer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics-layer")))]
+pub use ::metrics_util;
 
 #[cfg(feature = "metrics-layer")]
 mod layer;
 #[cfg(feature = "metrics-layer")]
+#[cfg_attr(docsrs, doc(cfg(feature = "metrics-layer")))]
 pub use layer::{PerCpuLayer, PerCpuLayered, Publisher};
 
+use crate::counter::Counter;
+use crate::histogram::Histogram;
 pub use crate::histogram::{Bucket, HistogramSnapshot, InvalidBuckets};
-use crate::{CachePadded, Counter, Histogram};
+use crate::percpu::CachePadded;
 use metrics::{
     CounterFn, Gauge, HistogramFn, Key, KeyName, Metadata, Recorder, SetRecorderError,
     SharedString, Unit,

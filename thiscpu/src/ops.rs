@@ -197,9 +197,7 @@ pub fn position() -> Option<Position<ByCpu>> {
 #[cold]
 #[inline(never)]
 fn position_slow() -> Option<Position<ByCpu>> {
-    if registration::NO_RSEQ.load(core::sync::atomic::Ordering::Relaxed)
-        || !registration::ensure_registered()
-    {
+    if registration::decided_without_rseq() || !registration::ensure_registered() {
         return None;
     }
     let at = position_as_is::<ByCpu>();
@@ -247,7 +245,9 @@ pub(crate) fn position_by<S: Spread>() -> Option<Position<S>> {
     if S::FIELD == offset::CPU_ID {
         return Some(Position::new(cpu.offset, cpu.index));
     }
-    if !crate::cpu::mm_cid_usable() {
+    // A position means the process decided (only the decision registers a thread).
+    if !registration::mm_cid_usable() && !registration::decided().is_some_and(|p| p.mm_cid_usable())
+    {
         return None;
     }
     let index = arch::field_at::<{ offset::MM_CID }>(cpu.offset);

@@ -99,7 +99,7 @@ impl<T> PerCpu<T> {
     /// ```
     #[inline]
     pub fn current(&self) -> &T {
-        let cpu = crate::current_cpu() as usize;
+        let cpu = crate::cpu::current_cpu() as usize;
         // `current_cpu()` is below the number of possible CPUs by the kernel's guarantee; the
         // modulo keeps this total even on a machine whose /sys undercounts.
         &self.slots[if cpu < self.slots.len() {

@@ -9,10 +9,14 @@
 
 use crate::abi::{self, Rseq};
 use crate::arch::{self, areas, hot};
-use core::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use crate::decided_once::{self, DecidedOnce};
+use crate::sync::atomic::AtomicI32;
+use crate::sync::cell::UnsafeCell;
+use crate::topology;
+use crate::via::{self, CpuSource};
+use core::mem::MaybeUninit;
 use std::cell::Cell;
 use std::ffi::CStr;
-use std::sync::OnceLock;
 
 /// Who registered the rseq areas that thiscpu reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -35,6 +39,18 @@ impl Registrar {
             Registrar::Thiscpu => "thiscpu",
             Registrar::None => "none",
         }
+    }
+}
+
+/// Its [`name`](Registrar::name).
+///
+/// ```
+/// assert_eq!(thiscpu::Registrar::Glibc.to_string(), "glibc");
+/// println!("rseq registered by {}", thiscpu::source().registrar);
+/// ```
+impl core::fmt::Display for Registrar {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -86,6 +102,17 @@ impl RseqMode {
             RseqMode::Legacy => "legacy",
             RseqMode::Optimized => "optimized",
         }
+    }
+}
+
+/// Its [`name`](RseqMode::name).
+///
+/// ```
+/// assert_eq!(thiscpu::RseqMode::Optimized.to_string(), "optimized");
+/// ```
+impl core::fmt::Display for RseqMode {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.write_str(self.name())
     }
 }
 
@@ -162,6 +189,8 @@ pub(crate) struct Process {
     pub glibc_rseq_size: Option<u32>,
     /// glibc's `__rseq_offset`, if the symbol exists.
     pub glibc_rseq_offset: Option<isize>,
+    /// What answers where rseq cannot.
+    pub fallback: CpuSource,
 }
 
 impl Process {
@@ -189,82 +218,46 @@ impl Process {
     }
 }
 
-static PROCESS: OnceLock<Process> = OnceLock::new();
+/// The decision, published whole once made (see `DecidedOnce`).
+static PROCESS: DecidedOnce<Process> = DecidedOnce::new(
+    AtomicI32::new(decided_once::UNDECIDED),
+    UnsafeCell::new(MaybeUninit::uninit()),
+);
 
-/// Whether the process decided that the areas' `mm_cid` is kept current: a process-wide fact
-/// that inline fast paths test with one load (a hot word). False until the decision, which
-/// sends the first calls to the slow path, where the decision is made; never changes once
-/// true.
+/// Whether the process decided that the areas' `mm_cid` is kept current: a copy of
+/// `Process::mm_cid_usable` that inline fast paths test with one load (a hot word). False
+/// until the decision, which sends the first calls to the slow path, where the decision is
+/// made; never changes once true. A false answer only ever means "ask the slow path".
 #[inline(always)]
 pub(crate) fn mm_cid_usable() -> bool {
     arch::hot_word::<{ hot::MM_CID_USABLE }>() != 0
 }
 
-/// Set once the decision is that nobody uses rseq in this process, so slow paths skip the
-/// registration check.
-pub(crate) static NO_RSEQ: AtomicBool = AtomicBool::new(false);
-
-/// Who makes the decision: `UNDECIDED`, the thread id of the thread making it, or `DECIDED`.
-static DECIDER: AtomicI32 = AtomicI32::new(UNDECIDED);
-const UNDECIDED: i32 = 0;
-const DECIDED: i32 = -1;
-
-/// What `process` answers to a signal handler that interrupted the decision on its own thread:
-/// nobody owns rseq. Only callers that choose something for one object of their own (a pool's
-/// caches, a sharded value's locking) may act on it; shared data must not (see `decided`).
-static UNDECIDED_PROCESS: Process = Process {
-    registrar: Registrar::None,
-    unavailable: None,
-    kernel_feature_size: 0,
-    kernel_align: 0,
-    registered_size: 0,
-    usable_size: 0,
-    glibc_rseq_size: None,
-    glibc_rseq_offset: None,
-};
-
-/// The process-wide decision, made on first call (normally by a constructor before `main`);
-/// `None` only in a signal handler that interrupted the decision on the thread making it.
+/// The process-wide decision, made on first call (normally by a constructor before `main`).
+/// `None` only in a signal handler that interrupted the decision on the thread making it:
+/// such a caller must act without the decision, in a way that is right whatever it turns
+/// out to be (an atomic update of a word no section writes, an object that never uses
+/// sections, a system call).
 ///
-/// Safe against that reentry (the handler must not wait for its own thread) and against
+/// Safe against that reentry (the handler does not wait for its own thread), against
 /// concurrent first calls (other threads wait for the decision, which makes a handful of
-/// system calls and never waits for them).
+/// system calls and never waits for them), against a decision that unwinds, and against a
+/// `fork` in the middle of it (see `DecidedOnce`).
 #[inline]
 pub(crate) fn decided() -> Option<&'static Process> {
-    match PROCESS.get() {
-        Some(process) => Some(process),
-        None => decide_once(),
-    }
+    #[cfg(thiscpu_model)]
+    return Some(crate::arch::model::process());
+    #[cfg(not(thiscpu_model))]
+    PROCESS.get_or_decide(&decided_once::Threads, decide)
 }
 
-/// The decision, or a process without rseq owner for a signal handler that interrupted it (see
-/// `UNDECIDED_PROCESS`).
+/// Whether the process decided that nobody uses rseq: the callers' slow paths then skip the
+/// registration check. False while undecided.
 #[inline]
-pub(crate) fn process() -> &'static Process {
-    decided().unwrap_or(&UNDECIDED_PROCESS)
-}
-
-#[cold]
-#[inline(never)]
-fn decide_once() -> Option<&'static Process> {
-    // SAFETY: `gettid` has no precondition.
-    let me = unsafe { libc::syscall(libc::SYS_gettid) } as i32;
-    loop {
-        match DECIDER.compare_exchange(UNDECIDED, me, Ordering::Acquire, Ordering::Acquire) {
-            Ok(_) => {
-                // A decision that unwinds hands the decision back instead of leaving the
-                // other threads waiting for a thread that gave up.
-                let handing_back = HandBackOnUnwind;
-                let _ = PROCESS.set(decide());
-                core::mem::forget(handing_back);
-                DECIDER.store(DECIDED, Ordering::Release);
-                return PROCESS.get();
-            }
-            Err(DECIDED) => return PROCESS.get(),
-            Err(deciding) if deciding == me => return None,
-            Err(_) => std::thread::yield_now(),
-        }
-    }
+pub(crate) fn decided_without_rseq() -> bool {
+    PROCESS
+        .get()
+        .is_some_and(|process| process.registrar == Registrar::None)
 }
 
 /// Runs the decision before `main`, so that no first call pays for it, and no first call
@@ -273,28 +266,7 @@ fn decide_once() -> Option<&'static Process> {
 #[unsafe(link_section = ".init_array")]
 static DECIDE_AT_STARTUP: extern "C" fn() = decide_at_startup;
 
-/// Resets [`DECIDER`] when dropped: only while a decision unwinds (see `decide_once`).
-struct HandBackOnUnwind;
-
-impl Drop for HandBackOnUnwind {
-    fn drop(&mut self) {
-        DECIDER.store(UNDECIDED, Ordering::Release);
-    }
-}
-
-/// In the child of a `fork` that another thread made while this thread was deciding, the
-/// decider does not exist: the child's first call decides again instead of waiting for it.
-extern "C" fn forget_a_decider_after_fork() {
-    if DECIDER.load(Ordering::Relaxed) != DECIDED {
-        DECIDER.store(UNDECIDED, Ordering::Relaxed);
-    }
-}
-
 extern "C" fn decide_at_startup() {
-    // SAFETY: registers a handler that only touches an atomic and takes no lock, as a child's
-    // fork handler must; its code stays mapped, since the decision just below pins the object
-    // holding thiscpu (`pin_own_module`).
-    unsafe { libc::pthread_atfork(None, None, Some(forget_a_decider_after_fork)) };
     if inject::defer_decision() {
         return;
     }
@@ -407,18 +379,43 @@ fn probe_syscall() -> Result<(), Unavailable> {
 
 /// The whole process-wide decision: rseq's owner and usable fields, the fallback source, the
 /// topology tables. Calls nothing that asks for the decision.
+///
+/// Everything is worked out before anything that inline fast paths read is written, so that a
+/// decision that unwinds half-way leaves those caches as they were, and the next decision
+/// starts from the same state (a thread it already registered included, see
+/// `register_own_area`).
 fn decide() -> Process {
     pin_own_module();
     let process = decide_registrar();
     inject::signal_in_decision();
-    crate::cpu::choose_fallback();
-    // Until now `getcpu`'s fast path read the blank area, which sent it here.
-    if process.node_id_usable() {
-        arch::set_area_offset::<{ areas::NODE }>(arch::area_offset().area_start());
-    }
-    arch::set_hot_word::<{ hot::MM_CID_USABLE }>(process.mm_cid_usable().into());
-    NO_RSEQ.store(process.registrar == Registrar::None, Ordering::Relaxed);
+    inject::panic_in_decision();
+    inject::delay_in_decision();
+    // Read now, so that nothing asks `/sys` or allocates for them later.
+    topology::prepare();
+    let process = Process {
+        fallback: via::choose_fallback(),
+        ..process
+    };
+    copy_to_fast_paths(&process);
     process
+}
+
+/// Writes the copies of the decision that inline fast paths read. Each only ever goes from
+/// "take the slow path" to its final value, once; a reader that still sees the old value takes
+/// the slow path, where it asks the published decision.
+fn copy_to_fast_paths(process: &Process) {
+    arch::set_hot_word::<{ hot::MM_CID_USABLE }>(process.mm_cid_usable().into());
+    let registered_area = match (process.registrar, process.glibc_rseq_offset) {
+        (Registrar::Glibc, Some(offset)) => offset,
+        _ => arch::own_area_offset(),
+    };
+    // Until now `getcpu`'s fast path read the blank area, which sent it to the slow path.
+    if process.node_id_usable() {
+        arch::set_area_offset::<{ areas::NODE }>(registered_area);
+    }
+    if process.registrar == Registrar::Glibc {
+        arch::set_area_offset::<{ areas::ACTIVE }>(registered_area);
+    }
 }
 
 /// Keeps the object that holds this copy of thiscpu (the program, or a shared library loaded
@@ -457,14 +454,29 @@ fn pin_own_module() {
 
 /// Registers the thread that makes the decision, so that a registration made elsewhere (by
 /// another library, or a libc that publishes no `__rseq_offset`) is found now rather than
-/// failing in every thread later.
-fn register_deciding_thread(size: u32) -> Result<(), Unavailable> {
+/// failing in every thread later. Returns the length the area is registered with.
+fn register_deciding_thread(size: u32) -> Result<u32, Unavailable> {
     let _ = REGISTRATION_TRIED.try_with(|tried| tried.set(true));
-    match register_own_area(size) {
-        Ok(()) => Ok(()),
-        Err(NotRegistered::Refused(libc::EINVAL | libc::EBUSY)) => {
-            Err(Unavailable::RegisteredElsewhere)
+    registration_outcome(size, register_own_area)
+}
+
+/// What the deciding thread's registration with `size` bytes (by `register`) means for the
+/// process.
+fn registration_outcome(
+    size: u32,
+    register: impl Fn(u32) -> Result<u32, NotRegistered>,
+) -> Result<u32, Unavailable> {
+    let registered = match register(size) {
+        // Kernels that know only the original area refuse a longer one with EINVAL.
+        Err(NotRegistered::Refused(libc::EINVAL)) if size > abi::ORIGINAL_AREA_SIZE => {
+            register(abi::ORIGINAL_AREA_SIZE)
         }
+        other => other,
+    };
+    match registered {
+        Ok(size) => Ok(size),
+        // Another area (or this one, with another length) is registered for this thread.
+        Err(NotRegistered::Refused(libc::EINVAL)) => Err(Unavailable::RegisteredElsewhere),
         Err(NotRegistered::Refused(errno)) => Err(Unavailable::Refused(errno)),
         Err(NotRegistered::NoCpuId) => Err(Unavailable::NoCpuId),
     }
@@ -486,12 +498,13 @@ fn decide_registrar() -> Process {
         usable_size: 0,
         glibc_rseq_size,
         glibc_rseq_offset,
+        fallback: CpuSource::Syscall,
     };
     if rseq_turned_off() {
         process.unavailable = Some(Unavailable::TurnedOff);
         return process;
     }
-    if let (Some(size), Some(offset)) = (glibc_rseq_size, glibc_rseq_offset)
+    if let (Some(size), Some(_)) = (glibc_rseq_size, glibc_rseq_offset)
         && size > 0
     {
         process.registrar = Registrar::Glibc;
@@ -499,16 +512,15 @@ fn decide_registrar() -> Process {
         // kernel's feature size) when that is larger (2.41+).
         process.registered_size = size.max(abi::ORIGINAL_AREA_SIZE);
         process.usable_size = abi::usable_size(size, kernel_feature_size);
-        arch::set_area_offset::<{ areas::ACTIVE }>(offset);
         return process;
     }
     let own_size =
         abi::own_registration_size(kernel_feature_size, kernel_align, legacy_area_asked());
     match probe_syscall().and_then(|()| register_deciding_thread(own_size)) {
-        Ok(()) => {
+        Ok(size) => {
             process.registrar = Registrar::Thiscpu;
-            process.registered_size = own_size;
-            process.usable_size = abi::usable_size(own_size, kernel_feature_size);
+            process.registered_size = size;
+            process.usable_size = abi::usable_size(size, kernel_feature_size);
         }
         Err(why) => process.unavailable = Some(why),
     }
@@ -519,6 +531,14 @@ thread_local! {
     /// Whether this thread already tried to register thiscpu's own area, so a refused
     /// registration costs one syscall per thread, not one per call.
     static REGISTRATION_TRIED: Cell<bool> = const { Cell::new(false) };
+    /// The length this thread's own area was registered with, 0 until it is.
+    static OWN_REGISTERED_LENGTH: Cell<u32> = const { Cell::new(0) };
+}
+
+/// Notes that this thread's own area is registered with `size` bytes, and returns it.
+fn registered_with(size: u32) -> u32 {
+    let _ = OWN_REGISTERED_LENGTH.try_with(|length| length.set(size));
+    size
 }
 
 /// Registers thiscpu's own area for the calling thread when thiscpu owns rseq in this process.
@@ -553,24 +573,37 @@ enum NotRegistered {
 }
 
 /// Registers thiscpu's own area for the calling thread with `size` bytes (32, or an
-/// optimized-mode length from `abi::own_registration_size`).
+/// optimized-mode length from `abi::own_registration_size`), and returns the length it is
+/// registered with.
+///
+/// An area that is registered already is left as it is: its id fields belong to the kernel
+/// (a write to them kills the process in optimized mode). That happens to the thread of a
+/// decision that unwound after registering it, and to the child of a `fork` made from a
+/// signal handler in the middle of the decision, which inherits the registration; the next
+/// decision on that thread finds it here.
 ///
 /// A registration the kernel accepts but whose `cpu_id` stays negative is withdrawn: kept, the
 /// kernel would start filling the area later, and this thread would then run restartable
 /// sequences (plain stores) on data that the rest of the process, told that nobody owns rseq,
 /// updates with atomics.
-fn register_own_area(size: u32) -> Result<(), NotRegistered> {
+fn register_own_area(size: u32) -> Result<u32, NotRegistered> {
     debug_assert!((abi::ORIGINAL_AREA_SIZE..=abi::OWN_AREA_CAPACITY).contains(&size));
     let size = size.clamp(abi::ORIGINAL_AREA_SIZE, abi::OWN_AREA_CAPACITY);
     let own = arch::area_at(arch::own_area_offset());
+    // SAFETY: `own` is this thread's static-TLS area, which lives as long as the thread;
+    // `cpu_id` is an aligned `i32` that only this thread and the kernel write.
+    if unsafe { core::ptr::addr_of!((*own).cpu_id).read_volatile() } >= 0 {
+        let registered = OWN_REGISTERED_LENGTH.try_with(Cell::get).unwrap_or(0);
+        return Ok(if registered == 0 { size } else { registered });
+    }
     // SAFETY: `own` is this thread's static-TLS area of `OWN_AREA_CAPACITY` bytes, aligned to
-    // as much (see `arch`), which no other thread writes; `size` is clamped to it. Callers
-    // only come here when it is not registered (a registered area has a non-negative
-    // `cpu_id`, and nothing else unregisters it), so none of its fields belongs to the kernel
-    // yet. The kernel requires `cpu_id = -1`, `rseq_cs = 0` and the rest 0 (the bytes past the
-    // original 32 included: time-slice requests live there) before registration. The area
-    // lives in static TLS, freed only after the kernel has seen the thread exit, so it may
-    // stay registered until then.
+    // as much (see `arch`), which no other thread writes; `size` is clamped to it. It is not
+    // registered (a registered area has a non-negative `cpu_id`, checked above, and nothing
+    // else unregisters it), so none of its fields belongs to the kernel yet. The kernel
+    // requires `cpu_id = -1`, `rseq_cs = 0` and the rest 0 (the bytes past the original 32
+    // included: time-slice requests live there) before registration. The area lives in static
+    // TLS, freed only after the kernel has seen the thread exit, so it may stay registered
+    // until then.
     let ret = unsafe {
         own.write_volatile(Rseq {
             cpu_id_start: 0,
@@ -589,19 +622,21 @@ fn register_own_area(size: u32) -> Result<(), NotRegistered> {
         own_area_syscall(own, size, 0)
     };
     if ret != 0 {
-        return Err(NotRegistered::Refused(
-            std::io::Error::last_os_error().raw_os_error().unwrap_or(0),
-        ));
+        return match std::io::Error::last_os_error().raw_os_error().unwrap_or(0) {
+            // This very area is registered with this length (its `cpu_id` not filled in yet).
+            libc::EBUSY => Ok(registered_with(size)),
+            errno => Err(NotRegistered::Refused(errno)),
+        };
     }
     // SAFETY: as above.
     let cpu_id = unsafe { core::ptr::addr_of!((*own).cpu_id).read_volatile() };
     if cpu_id >= 0 && !inject::no_cpu_id() {
-        return Ok(());
+        return Ok(registered_with(size));
     }
     // SAFETY: the area was registered just above, with the same address, length and signature.
     if unsafe { own_area_syscall(own, size, abi::FLAG_UNREGISTER) } != 0 {
         // Still registered: the kernel will fill it in, so it counts as registered.
-        return Ok(());
+        return Ok(registered_with(size));
     }
     // SAFETY: as above; no longer registered, so only this thread writes it.
     unsafe { core::ptr::addr_of_mut!((*own).cpu_id).write_volatile(abi::CPU_ID_UNINITIALIZED) };
@@ -657,7 +692,10 @@ mod inject {
         // SAFETY: `getenv` with a NUL-terminated name; only the result's nullness is used.
         let deferred =
             !unsafe { libc::getenv(c"THISCPU_INJECT_DEFER_DECISION".as_ptr()) }.is_null();
-        deferred || signal().is_some()
+        // SAFETY: as above.
+        let panics =
+            !unsafe { libc::getenv(c"THISCPU_INJECT_PANIC_IN_DECISION".as_ptr()) }.is_null();
+        deferred || panics || signal().is_some()
     }
 
     #[cfg(not(thiscpu_inject))]
@@ -679,4 +717,108 @@ mod inject {
     #[cfg(not(thiscpu_inject))]
     #[inline(always)]
     pub(super) fn signal_in_decision() {}
+
+    /// With `THISCPU_INJECT_PANIC_IN_DECISION` set, the decision waits for its first use, and
+    /// the first decision panics halfway (after registering its thread), once.
+    #[cfg(thiscpu_inject)]
+    pub(super) fn panic_in_decision() {
+        use core::sync::atomic::{AtomicBool, Ordering};
+        static PANICKED: AtomicBool = AtomicBool::new(false);
+        // SAFETY: `getenv` with a NUL-terminated name; only the result's nullness is used.
+        let asked =
+            !unsafe { libc::getenv(c"THISCPU_INJECT_PANIC_IN_DECISION".as_ptr()) }.is_null();
+        if asked && !PANICKED.swap(true, Ordering::Relaxed) {
+            panic!("a decision that fails halfway (THISCPU_INJECT_PANIC_IN_DECISION)");
+        }
+    }
+
+    #[cfg(not(thiscpu_inject))]
+    #[inline(always)]
+    pub(super) fn panic_in_decision() {}
+
+    /// With `THISCPU_INJECT_DELAY_IN_DECISION` set to a number of milliseconds, the decision
+    /// sleeps that long halfway, so that other threads race it for that long.
+    #[cfg(thiscpu_inject)]
+    pub(super) fn delay_in_decision() {
+        // SAFETY: `getenv` with a NUL-terminated name; a non-null result is a NUL-terminated
+        // string, read at once.
+        let value = unsafe { libc::getenv(c"THISCPU_INJECT_DELAY_IN_DECISION".as_ptr()) };
+        if value.is_null() {
+            return;
+        }
+        // SAFETY: as above.
+        let value = unsafe { std::ffi::CStr::from_ptr(value) };
+        if let Some(ms) = value.to_str().ok().and_then(|text| text.parse().ok()) {
+            std::thread::sleep(std::time::Duration::from_millis(ms));
+        }
+    }
+
+    #[cfg(not(thiscpu_inject))]
+    #[inline(always)]
+    pub(super) fn delay_in_decision() {}
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_long_registration_refused_with_einval_is_retried_with_the_original_length() {
+        let tried = std::cell::RefCell::new(Vec::new());
+        let kernel_without_long_areas = |size| {
+            tried.borrow_mut().push(size);
+            if size > abi::ORIGINAL_AREA_SIZE {
+                Err(NotRegistered::Refused(libc::EINVAL))
+            } else {
+                Ok(size)
+            }
+        };
+        assert_eq!(registration_outcome(64, kernel_without_long_areas), Ok(32));
+        assert_eq!(*tried.borrow(), [64, 32]);
+        let elsewhere = |_| Err(NotRegistered::Refused(libc::EINVAL));
+        assert_eq!(
+            registration_outcome(64, elsewhere),
+            Err(Unavailable::RegisteredElsewhere)
+        );
+        assert_eq!(
+            registration_outcome(32, elsewhere),
+            Err(Unavailable::RegisteredElsewhere)
+        );
+        let refused = |_| Err(NotRegistered::Refused(libc::EPERM));
+        assert_eq!(
+            registration_outcome(64, refused),
+            Err(Unavailable::Refused(libc::EPERM))
+        );
+    }
+
+    /// Registering thiscpu's own area again on a thread where it is registered (the thread of a
+    /// decision that unwound, or a child forked during the decision) keeps the registration and
+    /// writes nothing into the area. Only where thiscpu registers its own areas.
+    #[test]
+    fn registering_a_registered_own_area_again_keeps_it() {
+        let Some(process) = decided().filter(|p| p.registrar == Registrar::Thiscpu) else {
+            eprintln!("skipped: thiscpu does not register its own areas in this process");
+            return;
+        };
+        let size = process.registered_size;
+        std::thread::spawn(move || {
+            assert!(ensure_registered());
+            let own = arch::area_at(arch::own_area_offset());
+            // SAFETY: this thread's own area; `cpu_id` is read as the kernel writes it.
+            let cpu_id = || unsafe { core::ptr::addr_of!((*own).cpu_id).read_volatile() };
+            assert!(cpu_id() >= 0);
+            assert_eq!(register_own_area(size), Ok(size));
+            assert!(cpu_id() >= 0, "the registered area was rewritten");
+            // The kernel still has this very area: the same registration is "busy".
+            // SAFETY: the area is registered with `size` bytes; asking again changes nothing.
+            let again = unsafe { own_area_syscall(own, size, 0) };
+            assert_eq!(again, -1);
+            assert_eq!(
+                std::io::Error::last_os_error().raw_os_error(),
+                Some(libc::EBUSY)
+            );
+        })
+        .join()
+        .unwrap();
+    }
 }

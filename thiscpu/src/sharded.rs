@@ -3,8 +3,8 @@
 //!
 //! # The protocol
 //! Each shard is a lock word and a `T`, alone on their cache lines. The word is `FREE` (0), or
-//! holds the *token* of the thread that holds the shard: the address of a thread-local byte,
-//! unique among live threads and never 0.
+//! holds the *token* of the thread that holds the shard: a number drawn once per thread from a
+//! process-wide count, unique among every thread the process ever had and never 0.
 //!
 //! - **Taking the current CPU's shard** is one restartable sequence on that CPU
 //!   ([`ops::load_cbne_store`]): compare the shard's word with `FREE`, leave if it differs,
@@ -39,15 +39,31 @@
 //! and the reader backs off as above and tries again. The fence costs a few microseconds (an
 //! inter-processor interrupt when a thread of the process runs on that CPU), so readers visiting
 //! every shard ([`Sharded::for_each`], [`Sharded::fold`]) pay that per possible CPU. A thread
-//! that has no rseq while the rest of the process has (one made by a raw `clone`) takes the
-//! shard of the CPU it reads from the fallback the same way.
+//! that has no rseq while the rest of the process has (one made by a raw `clone`, or whose own
+//! registration was refused) takes the shard of the CPU it reads from the fallback the same way.
+//! So does a thread on a CPU (or with a concurrency id) at or beyond the shard count, which
+//! counted the possible CPUs at construction and can fall short where `/sys` is unreadable:
+//! it shares shard `index % len` with that shard's own CPU.
+//!
+//! # When `membarrier` is refused after construction
+//! A sandbox may install a seccomp filter on every thread after the shards began to be taken
+//! by sections. The sections keep writing the lock words with plain stores, so a take from
+//! another CPU still needs a fence: it then fences by running on the shard's CPU for a moment
+//! ([`crate::fence::take_over_by_visiting`]; on every CPU for shards indexed by `mm_cid`), two
+//! migrations per CPU instead of an interrupt. Where the thread cannot run there either
+//! (`sched_setaffinity` refused too, or its affinity changed under it again and again), the
+//! take panics with a message naming both refusals: it can neither wait for ever nor take the
+//! shard unsafely. Only takes from another CPU are concerned ([`Sharded::lock`],
+//! [`Sharded::for_each`], [`Sharded::fold`], and [`Sharded::lock_current`] in a thread without
+//! rseq or beyond the shard count); the current CPU's shard is still taken by a section.
 //!
 //! # Without rseq or without fences
 //! Where the process has no rseq (old kernel, valgrind, `THISCPU_RSEQ=off`), or `membarrier`
-//! is refused (kernels before 5.10, seccomp, `THISCPU_MEMBARRIER=off`, without which readers
-//! could not take a shard safely), a `Sharded` decides at construction to take shards with a
-//! compare-and-swap of the same word, `FREE` to the token, on the shard of the CPU the fallback
-//! reports: the same API and guarantees, at the cost of an atomic read-modify-write per take.
+//! is refused when the `Sharded` is made (kernels before 5.10, seccomp,
+//! `THISCPU_MEMBARRIER=off`, without which readers could not take a shard cheaply), it decides
+//! at construction to take shards with a compare-and-swap of the same word, `FREE` to the
+//! token, on the shard of the CPU the fallback reports: the same API and guarantees, at the
+//! cost of an atomic read-modify-write per take.
 //! [`Sharded::uses_rseq`] says which.
 //!
 //! # A panic inside the closure
@@ -65,7 +81,11 @@
 //!   last shard later.
 //! - A closure that blocks (I/O, a lock, a long computation) keeps its CPU's shard held: the
 //!   next thread on that CPU waits, sleeping, until it ends. Keep closures short.
+//! - Waiting is not fair: a waiter (a reader above all, whose take costs a fence) can be
+//!   overtaken again and again by threads that take the shard without pause.
 //! - Not async-signal-safe: a signal handler taking the shard its thread holds panics.
+//! - A thread taking a shard it already holds (a nested `with_current`, `lock_current` or
+//!   `lock`) panics rather than wait for itself.
 //! - A guard leaked with `mem::forget` keeps its shard held for good; after `fork` in a
 //!   multi-threaded program, shards held by other threads stay held in the child.
 //!
@@ -77,10 +97,10 @@ use crate::fence;
 use crate::ops::{self, ByCpu, ByMmCid, Outcome, Position, Spread};
 use crate::percpu::CachePadded;
 use crate::registration::{self, Registrar};
+use crate::sync::atomic::{self, AtomicU64, Ordering};
 use crate::topology;
 use core::cell::UnsafeCell;
 use core::marker::PhantomData;
-use core::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 /// The lock word of a shard nobody holds.
@@ -92,15 +112,52 @@ struct Shard<T> {
     value: UnsafeCell<T>,
 }
 
-thread_local! {
-    /// The byte whose address is this thread's token.
-    static TOKEN_BYTE: u8 = const { 0 };
+// The token words are `core`'s even under the model checker: each is one thread's, and
+// their `new` must be `const`.
+crate::sync::thread_local! {
+    /// This thread's token, drawn on its first take; `FREE` until then.
+    static TOKEN: core::sync::atomic::AtomicU64 = const { core::sync::atomic::AtomicU64::new(FREE) };
 }
 
-/// The calling thread's token: distinct among live threads, never `FREE`.
+/// The next token to draw. A 64-bit count never wraps: tokens are unique for the life of the
+/// process, so a shard left held by a thread that exited (its guard leaked) never looks like a
+/// later thread's own shard.
+static NEXT_TOKEN: core::sync::atomic::AtomicU64 = core::sync::atomic::AtomicU64::new(FREE + 1);
+
+/// The calling thread's token if it has drawn one, else `FREE`: one thread-local load, for the
+/// fast path, which leaves the first take of a thread to the slow path.
 #[inline(always)]
+fn drawn_token() -> u64 {
+    TOKEN.with(|token| token.load(Ordering::Relaxed))
+}
+
+/// The calling thread's token: unique among every thread the process ever had, never `FREE`.
 fn token() -> u64 {
-    TOKEN_BYTE.with(|byte| byte as *const u8 as u64)
+    let token = drawn_token();
+    if token != FREE { token } else { draw_token() }
+}
+
+#[cold]
+#[inline(never)]
+fn draw_token() -> u64 {
+    let drawn = NEXT_TOKEN.fetch_add(1, Ordering::Relaxed);
+    // A signal handler that interrupted this thread between the draw and here may have set a
+    // token already; keep that one, so the thread never changes token.
+    TOKEN.with(|token| {
+        match token.compare_exchange(FREE, drawn, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => drawn,
+            Err(set) => set,
+        }
+    })
+}
+
+/// What one try of the slow path of [`Sharded::lock_current`] came to.
+enum Step<'a, T> {
+    Taken(ShardGuard<'a, T>),
+    /// The section was aborted: try again at once.
+    Retry,
+    /// Shard `index` is held by another thread (or by this one: a nested take).
+    Held(u32),
 }
 
 /// Waiting for a shard another thread holds: spin, then yield, then sleep.
@@ -117,6 +174,10 @@ impl Backoff {
     }
 
     fn wait(&mut self) {
+        if cfg!(thiscpu_model) {
+            // The model runs one thread at a time and has no clock: let the holder go on.
+            return crate::sync::yield_now();
+        }
         self.step = self.step.saturating_add(1);
         if self.step <= Self::SPINS {
             for _ in 0..(4u32 << self.step) {
@@ -215,9 +276,15 @@ impl<T> Sharded<T, ByMmCid> {
 }
 
 impl<T, S: Spread> Sharded<T, S> {
-    fn build(mut init: impl FnMut(u32) -> T) -> Self {
+    fn build(init: impl FnMut(u32) -> T) -> Self {
+        Sharded::with_shards(topology::possible_cpus(), init)
+    }
+
+    /// `shards` shards (at least one), whatever the number of CPUs: what a process whose
+    /// possible CPUs were undercounted gets, so that tests can make CPUs beyond the shards.
+    fn with_shards(shards: usize, mut init: impl FnMut(u32) -> T) -> Self {
         // CPU ids come from /sys as u32s, so every one below the count fits in a u32.
-        let shards = (0..topology::possible_cpus().max(1))
+        let shards = (0..shards.max(1))
             .map(|index| {
                 CachePadded(Shard {
                     lock: AtomicU64::new(FREE),
@@ -227,11 +294,15 @@ impl<T, S: Spread> Sharded<T, S> {
             .collect();
         // Readers need fences to take a shard from sections; registering for them once here
         // keeps that system call (which may wait for an RCU grace period) off the first read.
-        let rseq = registration::process().registrar != Registrar::None && fence::available();
+        let rseq = registration::decided()
+            .is_some_and(|process| process.registrar != Registrar::None)
+            && fence::available();
         Sharded {
             shards,
             rseq,
-            by_mm_cid: rseq && S::FIELD == ByMmCid::FIELD && crate::cpu::mm_cid_usable(),
+            by_mm_cid: rseq
+                && S::FIELD == ByMmCid::FIELD
+                && registration::decided().is_some_and(|process| process.mm_cid_usable()),
             spread: PhantomData,
         }
     }
@@ -278,7 +349,9 @@ impl<T, S: Spread> Sharded<T, S> {
 
     /// Runs `f` on the current CPU's shard, held for the duration of the call.
     ///
-    /// Panics if the calling thread already holds that shard (a nested call).
+    /// Panics if the calling thread already holds that shard (a nested call), or where it must
+    /// take the shard from another CPU and can fence it neither with `membarrier` nor by
+    /// running there (see the module's documentation).
     ///
     /// ```
     /// let counts = thiscpu::Sharded::new(|_| [0u64; 4]);
@@ -298,7 +371,7 @@ impl<T, S: Spread> Sharded<T, S> {
     /// it holds the guard; the shard stays its own, and other threads on the shard's CPU wait.
     /// Keep the guard briefly.
     ///
-    /// Panics if the calling thread already holds that shard.
+    /// Panics as [`with_current`](Sharded::with_current) does.
     ///
     /// ```
     /// let lists = thiscpu::Sharded::new(|_| Vec::<u32>::new());
@@ -311,11 +384,14 @@ impl<T, S: Spread> Sharded<T, S> {
     #[inline]
     #[must_use = "the shard is released as soon as the guard is dropped"]
     pub fn lock_current(&self) -> ShardGuard<'_, T> {
-        if self.rseq {
+        let token = drawn_token();
+        // A section must not store `FREE`: a thread's first take draws its token on the slow
+        // path.
+        if self.rseq && token != FREE {
             let taken = if S::FIELD == ByMmCid::FIELD && self.by_mm_cid {
-                ops::mm_cid_position().and_then(|at| self.try_section(at, token()))
+                ops::mm_cid_position().and_then(|at| self.try_section(at, token).ok())
             } else {
-                ops::position().and_then(|at| self.try_section(at, token()))
+                ops::position().and_then(|at| self.try_section(at, token).ok())
             };
             if let Some(guard) = taken {
                 return guard;
@@ -324,29 +400,35 @@ impl<T, S: Spread> Sharded<T, S> {
         self.lock_current_slow()
     }
 
-    /// One restartable take of the shard at `at`: `None` if it is held, out of range, or the
-    /// section was aborted.
+    /// One restartable take of the shard at `at`: the section's outcome if it did not commit
+    /// (`Mismatch` also for an index beyond the shards, where no section may run).
     #[inline(always)]
-    fn try_section<By: Spread>(&self, at: Position<By>, token: u64) -> Option<ShardGuard<'_, T>> {
+    fn try_section<By: Spread>(
+        &self,
+        at: Position<By>,
+        token: u64,
+    ) -> Result<ShardGuard<'_, T>, Outcome> {
         let index = at.index();
-        let shard = self.shards.get(index as usize)?;
+        let Some(shard) = self.shards.get(index as usize) else {
+            return Err(Outcome::Mismatch);
+        };
         // SAFETY: `at` was just read by this thread; the word is an aligned `u64` that lives as
         // long as `self`. Shards are indexed by `By` for the whole life of `self` (decided at
         // construction), so sections commit on this word only from `index`'s CPU (or
         // concurrency id), one at a time. Every other write to it is atomic and happens while
-        // no section can commit there: takers (`fence::take_over`, after its fence) and the
-        // release store, made while the word holds a token that every section's comparison
-        // rejects.
+        // no section can commit there: takers (`fence::take_over` or
+        // `fence::take_over_by_visiting`, after their fence) and the release store, made while
+        // the word holds a token that every section's comparison rejects.
         let outcome = unsafe { ops::load_cbne_store(at, shard.lock.as_ptr(), FREE, token) };
         if outcome == Outcome::Committed(()) {
             // The section's load is the acquiring read of the last release.
-            core::sync::atomic::fence(Ordering::Acquire);
-            return Some(ShardGuard::new(shard, index));
+            atomic::fence(Ordering::Acquire);
+            return Ok(ShardGuard::new(shard, index));
         }
         if outcome == Outcome::Aborted {
             ops::note_abort();
         }
-        None
+        Err(outcome)
     }
 
     #[cold]
@@ -356,66 +438,77 @@ impl<T, S: Spread> Sharded<T, S> {
         let mut backoff = Backoff::new();
         let mut aborts = ops::AbortRun::new();
         loop {
-            let index = if self.rseq {
-                let at = if S::FIELD == ByMmCid::FIELD && self.by_mm_cid {
-                    ops::mm_cid_position().map(|at| (at.index(), self.try_section(at, token)))
-                } else {
-                    ops::position().map(|at| (at.index(), self.try_section(at, token)))
-                };
-                match at {
-                    Some((_, Some(guard))) => return guard,
-                    Some((index, None)) => {
-                        let shard = self.shard(index);
-                        if shard.lock.load(Ordering::Relaxed) != FREE {
-                            index
-                        } else if !aborts.gives_up() {
-                            continue; // aborted: retry at once
-                        } else {
-                            // Interrupted at every instruction: take it as readers do.
-                            match self.take(index, token) {
-                                Some(guard) => return guard,
-                                None => index,
-                            }
-                        }
-                    }
-                    // No rseq on this thread (made by a raw `clone`): take a shard as readers do.
-                    None => match self.take(self.fallback_index(), token) {
-                        Some(guard) => return guard,
-                        None => self.fallback_index(),
-                    },
-                }
+            let step = if !self.rseq {
+                self.take_step(self.fallback_index(), token)
+            } else if S::FIELD == ByMmCid::FIELD && self.by_mm_cid {
+                self.step_at(ops::mm_cid_position(), token, &mut aborts)
             } else {
-                let index = self.fallback_index();
-                if let Some(guard) = self.take(index, token) {
-                    return guard;
-                }
-                index
+                self.step_at(ops::position(), token, &mut aborts)
             };
-            self.check_not_held_by(index, token);
-            backoff.wait();
+            match step {
+                Step::Taken(guard) => return guard,
+                Step::Retry => {}
+                Step::Held(index) => {
+                    self.check_not_held_by(index, token);
+                    backoff.wait();
+                }
+            }
+        }
+    }
+
+    /// One try at the current shard with rseq, from `at`, the thread's position (`None` for a
+    /// thread without rseq).
+    fn step_at<By: Spread>(
+        &self,
+        at: Option<Position<By>>,
+        token: u64,
+        aborts: &mut ops::AbortRun,
+    ) -> Step<'_, T> {
+        let Some(at) = at else {
+            // No rseq on this thread (made by a raw `clone`, or its registration was refused):
+            // the shard of the CPU the fallback reports, taken as readers take one.
+            return self.take_step(self.fallback_index(), token);
+        };
+        let index = at.index();
+        let shards = self.shards.len() as u32;
+        if index >= shards {
+            // A CPU (or concurrency id) beyond the shards, which counted the possible CPUs at
+            // construction (an undercount where /sys could not be read). No section runs for
+            // it: share shard `index % shards` as readers do, which is correct from any CPU.
+            return self.take_step(index % shards, token);
+        }
+        match self.try_section(at, token) {
+            Ok(guard) => Step::Taken(guard),
+            Err(Outcome::Aborted) if !aborts.gives_up() => Step::Retry,
+            // Interrupted at every instruction: take it as readers do.
+            Err(Outcome::Aborted) => self.take_step(index, token),
+            // The section left at the comparison: contention, not an abort.
+            Err(_) => Step::Held(index),
+        }
+    }
+
+    fn take_step(&self, index: u32, token: u64) -> Step<'_, T> {
+        match self.take(index, token) {
+            Some(guard) => Step::Taken(guard),
+            None => Step::Held(index),
         }
     }
 
     /// The shard for the CPU the fallback reports (without rseq).
     fn fallback_index(&self) -> u32 {
-        crate::current_cpu() % self.shards.len() as u32
-    }
-
-    /// The shard at `index`, which sections may only have produced in range.
-    fn shard(&self, index: u32) -> &Shard<T> {
-        &self.shards[(index as usize).min(self.shards.len() - 1)]
+        crate::cpu::current_cpu() % self.shards.len() as u32
     }
 
     fn check_not_held_by(&self, index: u32, token: u64) {
-        if self.shard(index).lock.load(Ordering::Relaxed) == token {
+        if self.shards[index as usize].lock.load(Ordering::Relaxed) == token {
             panic!("thiscpu::Sharded: this thread already holds shard {index} (a nested take)");
         }
     }
 
-    /// One try at taking shard `index` from any thread: a fenced take-over with rseq, a
-    /// compare-and-swap without. `None` if the shard is held.
+    /// One try at taking shard `index` (in range) from any thread: a fenced take-over with
+    /// rseq, a compare-and-swap without. `None` if the shard is held.
     fn take(&self, index: u32, token: u64) -> Option<ShardGuard<'_, T>> {
-        let shard = self.shards.get(index as usize)?;
+        let shard = &self.shards[index as usize];
         if !self.rseq {
             shard
                 .lock
@@ -425,18 +518,46 @@ impl<T, S: Spread> Sharded<T, S> {
         }
         let cpu = (!self.by_mm_cid).then_some(index);
         // Concurrent take-overs of one word are told apart by their tokens, so they need no
-        // lock. A fence refused now (it worked at construction) counts as a held shard.
-        let taken = fence::take_over(cpu, &shard.lock, FREE, token).ok()??;
+        // lock.
+        let taken = match fence::take_over(cpu, &shard.lock, FREE, token) {
+            Ok(taken) => taken,
+            Err(refused) => Self::take_by_visiting(cpu, shard, index, token, refused),
+        }?;
         // The guard releases with the same store of FREE, with release ordering.
         core::mem::forget(taken);
         Some(ShardGuard::new(shard, index))
+    }
+
+    /// The take-over of [`take`](Sharded::take) where `membarrier` is refused now although it
+    /// worked at construction (a seccomp filter installed since): the sections still write the
+    /// word with plain stores, so the fence is made by running on the shard's CPU (on every CPU
+    /// for shards indexed by `mm_cid`). Panics where this thread cannot run there.
+    #[cold]
+    #[inline(never)]
+    fn take_by_visiting<'a>(
+        cpu: Option<u32>,
+        shard: &'a Shard<T>,
+        index: u32,
+        token: u64,
+        refused: fence::FenceUnavailable,
+    ) -> Option<fence::TakenOver<'a>> {
+        match fence::take_over_by_visiting(cpu, &shard.lock, FREE, token) {
+            Ok(taken) => taken,
+            Err(visit) => panic!(
+                "thiscpu::Sharded: cannot take shard {index} safely: {refused}, and this \
+                 thread cannot fence by running on the CPU instead: {visit}"
+            ),
+        }
     }
 
     /// Takes shard `index` (a CPU, or a concurrency id for [`Sharded::by_mm_cid`]) from any
     /// thread, waiting while another thread holds it; `None` if there is no such shard. With
     /// rseq this fences the shard's CPU (a few microseconds).
     ///
-    /// Panics if the calling thread already holds that shard.
+    /// Panics if the calling thread already holds that shard, or where `membarrier` was
+    /// refused after construction and this thread cannot run on the shard's CPU to fence it
+    /// (see the module's documentation). [`for_each`](Sharded::for_each) and
+    /// [`fold`](Sharded::fold) panic in the same cases.
     ///
     /// ```
     /// let s = thiscpu::Sharded::new(|cpu| cpu);
@@ -531,6 +652,25 @@ impl<T, S: Spread> Sharded<T, S> {
     }
 }
 
+/// The shape of the shards, never their values, even for `T: Debug` (where [`PerCpu`]'s
+/// `Debug` lists its values): a value may be read only by the thread holding its shard, and
+/// taking every shard from inside `Debug` would wait for each holder (for ever if it is the
+/// formatting thread's own, as in a `dbg!` inside [`with_current`](Sharded::with_current),
+/// where a take panics instead), fence every CPU, and panic where `membarrier` and
+/// `sched_setaffinity` are both refused. A one-try take would not avoid the fences or the
+/// panic. To see the values, take them explicitly: [`fold`](Sharded::fold) or
+/// [`for_each`](Sharded::for_each) from `&self`, [`iter_mut`](Sharded::iter_mut) (no lock at
+/// all) from `&mut self`.
+///
+/// ```
+/// let mut s = thiscpu::Sharded::new(|_| 7u64);
+/// let debug = format!("{s:?}");
+/// assert!(debug.starts_with("Sharded { shards: "), "{debug}");
+/// let values: Vec<u64> = s.iter_mut().map(|v| *v).collect();
+/// assert!(values.iter().all(|&v| v == 7));
+/// ```
+///
+/// [`PerCpu`]: crate::PerCpu
 impl<T, S: Spread> core::fmt::Debug for Sharded<T, S> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("Sharded")
@@ -605,5 +745,129 @@ impl<T: core::fmt::Debug> core::fmt::Debug for ShardGuard<'_, T> {
             .field("index", &self.index)
             .field("value", &**self)
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::mpsc;
+    use std::sync::{Arc, Barrier};
+
+    #[test]
+    fn debug_takes_no_shard_even_from_inside_a_held_one() {
+        let sharded = Sharded::new(|_| 0u64);
+        let debug = sharded.with_current(|value| {
+            *value += 1;
+            format!("{sharded:?}")
+        });
+        assert!(debug.starts_with("Sharded { shards: "), "{debug}");
+        // Every shard is free again: a take that waited on a shard Debug kept would hang here.
+        assert_eq!(
+            within_seconds("fold after Debug", move || sharded
+                .fold(0, |sum, v| sum + v)),
+            1
+        );
+    }
+
+    /// Runs `take` on a new thread and waits for its answer: a take that hangs fails the test
+    /// instead of hanging it.
+    fn within_seconds<R: Send + 'static>(
+        what: &str,
+        take: impl FnOnce() -> R + Send + 'static,
+    ) -> R {
+        let (done, answer) = mpsc::channel();
+        std::thread::spawn(move || done.send(take()).unwrap());
+        answer
+            .recv_timeout(Duration::from_secs(10))
+            .unwrap_or_else(|_| panic!("{what}: no answer within 10 s"))
+    }
+
+    #[test]
+    fn a_cpu_beyond_the_shards_takes_a_shard_instead_of_waiting_for_ever() {
+        let allowed = topology::allowed_cpus().unwrap();
+        let Some(&beyond) = allowed.iter().find(|&&cpu| cpu >= 1) else {
+            eprintln!("skipped: this thread may run on CPU 0 only, none beyond one shard");
+            return;
+        };
+        let sharded = Arc::new(Sharded::<u64, ByCpu>::with_shards(1, |_| 0));
+        eprintln!("{sharded:?} on CPU {beyond}");
+        let taker = Arc::clone(&sharded);
+        let index = within_seconds("lock_current on a CPU beyond the shards", move || {
+            let _pinned = topology::pin_to(beyond).unwrap();
+            taker.with_current(|n| *n += 1);
+            let mut guard = taker.lock_current();
+            *guard += 1;
+            guard.index()
+        });
+        // Every CPU beyond the only shard shares it.
+        assert_eq!(index, 0);
+        assert_eq!(*sharded.lock(0).unwrap(), 2);
+    }
+
+    #[test]
+    fn a_concurrency_id_beyond_the_shards_takes_a_shard_instead_of_waiting_for_ever() {
+        let allowed = topology::allowed_cpus().unwrap();
+        let [first, .., last] = allowed[..] else {
+            eprintln!("skipped: one allowed CPU, so no two threads run at once");
+            return;
+        };
+        let sharded = Arc::new(Sharded::<u64, ByMmCid>::with_shards(1, |_| 0));
+        if !sharded.indexed_by_mm_cid() {
+            eprintln!("skipped: shards are not indexed by mm_cid here: {sharded:?}");
+            return;
+        }
+        // Two threads running at once on two CPUs have two concurrency ids: one is at least 1.
+        let start = Arc::new(Barrier::new(2));
+        let threads: Vec<_> = [first, last]
+            .into_iter()
+            .map(|cpu| {
+                let (sharded, start) = (Arc::clone(&sharded), Arc::clone(&start));
+                move || {
+                    let _pinned = topology::pin_to(cpu).unwrap();
+                    start.wait();
+                    let (mut takes, mut beyond) = (0u64, 0u64);
+                    let began = std::time::Instant::now();
+                    while takes < 20_000 && began.elapsed() < Duration::from_secs(2) {
+                        if ops::mm_cid_position().is_some_and(|at| at.index() >= 1) {
+                            beyond += 1;
+                        }
+                        sharded.with_current(|n| *n += 1);
+                        takes += 1;
+                    }
+                    (takes, beyond)
+                }
+            })
+            .collect();
+        let (done, answers) = mpsc::channel();
+        for thread in threads {
+            let done = done.clone();
+            std::thread::spawn(move || done.send(thread()).unwrap());
+        }
+        let (mut takes, mut beyond) = (0, 0);
+        for _ in 0..2 {
+            let (t, b) = answers
+                .recv_timeout(Duration::from_secs(10))
+                .expect("a take with a concurrency id beyond the shards: no answer within 10 s");
+            takes += t;
+            beyond += b;
+        }
+        eprintln!("{takes} takes, {beyond} of them with a concurrency id beyond the shard");
+        assert!(beyond > 0, "no thread had a concurrency id of 1 or more");
+        assert_eq!(*sharded.lock(0).unwrap(), takes);
+    }
+
+    #[test]
+    fn tokens_are_never_reused_by_later_threads() {
+        let mut tokens: Vec<u64> = (0..16)
+            .map(|_| std::thread::spawn(token).join().unwrap())
+            .collect();
+        tokens.push(token());
+        assert!(tokens.iter().all(|&t| t != FREE));
+        assert_eq!(token(), token(), "a thread keeps its token");
+        let count = tokens.len();
+        tokens.sort_unstable();
+        tokens.dedup();
+        assert_eq!(tokens.len(), count, "a token was drawn twice");
     }
 }

@@ -26,6 +26,10 @@ fn fences_reach_every_cpu_and_ignore_offline_ones() {
     }
 }
 
+fn online_cpus() -> usize {
+    thiscpu::topology::online_cpus().len().max(1)
+}
+
 /// Stops the drainer when a worker's assertion fails, so that the failure ends the test.
 struct StopIfPanicking<'a>(&'a AtomicBool);
 
@@ -37,30 +41,52 @@ impl Drop for StopIfPanicking<'_> {
     }
 }
 
-/// Workers take and return numbered objects for a few million operations while a drainer
-/// thread drains every CPU's cache over and over; afterwards each object is in the pool once.
-fn drain_while_working(total_ops: u64) -> (u64, u64, Option<DrainMethod>) {
+/// What the drainer of `drain_while_working` did.
+#[derive(Debug)]
+struct DrainRun {
+    /// Successful drains.
+    drains: u64,
+    /// Objects they moved to the shared list.
+    drained: u64,
+    /// How the last of them reached its CPU.
+    method: Option<DrainMethod>,
+    /// Sections the workers saw aborted while a drain was in progress: each was in flight
+    /// during a drain (the fence of a drain aborts the sections on its CPU). An upper bound:
+    /// a preemption during a drain counts too.
+    aborts_during_drains: u64,
+}
+
+/// `workers` threads take and return numbered objects for a few million operations while a
+/// drainer thread drains every CPU's cache over and over; afterwards each object is in the
+/// pool once.
+fn drain_while_working(workers: usize, total_ops: u64) -> DrainRun {
     const OBJECTS: usize = 1 << 16;
     let ids = std::sync::Arc::new(AtomicU64::new(0));
     let pool = Pool::with_capacity(16, move || ids.fetch_add(1, Ordering::Relaxed) as usize);
     let held: Vec<AtomicU8> = (0..OBJECTS).map(|_| AtomicU8::new(0)).collect();
     let stop = AtomicBool::new(false);
-    let workers = 2 * thiscpu::topology::online_cpus().len().max(1);
     let per_worker = total_ops / workers as u64;
     // Bounded in time as well as in operations: an emulated CPU (the aarch64 VM) is far slower.
     let deadline = Instant::now() + Duration::from_secs(5);
-    let (drains, drained, method) = std::thread::scope(|s| {
+    let run = std::thread::scope(|s| {
         let drainer = s.spawn(|| {
-            let (mut drains, mut drained, mut method) = (0u64, 0u64, None);
+            let mut run = DrainRun {
+                drains: 0,
+                drained: 0,
+                method: None,
+                aborts_during_drains: 0,
+            };
             // One full pass after the workers stopped, however late this thread got to run:
             // their last objects are in the caches then.
             loop {
                 let last = stop.load(Ordering::Relaxed);
                 for cpu in 0..thiscpu::topology::possible_cpus() as u32 {
+                    let aborts = thiscpu::ops::aborts();
                     if let Ok(done) = pool.drain_cpu(cpu) {
-                        drains += 1;
-                        drained += done.objects as u64;
-                        method = Some(done.method);
+                        run.aborts_during_drains += thiscpu::ops::aborts() - aborts;
+                        run.drains += 1;
+                        run.drained += done.objects as u64;
+                        run.method = Some(done.method);
                     }
                 }
                 if last {
@@ -68,7 +94,7 @@ fn drain_while_working(total_ops: u64) -> (u64, u64, Option<DrainMethod>) {
                 }
                 std::thread::yield_now();
             }
-            (drains, drained, method)
+            run
         });
         let handles: Vec<_> = (0..workers)
             .map(|w| {
@@ -111,11 +137,11 @@ fn drain_while_working(total_ops: u64) -> (u64, u64, Option<DrainMethod>) {
             .collect();
         let done: u64 = handles.into_iter().map(|h| h.join().unwrap()).sum();
         stop.store(true, Ordering::Relaxed);
-        let drained = drainer.join().unwrap();
+        let run = drainer.join().unwrap();
         // How many operations fit in the time depends on the machine (an emulated CPU without
         // rseq manages a few thousand a second), so the count is reported, not asserted.
-        eprintln!("{done} of {total_ops} operations, {} drains", drained.0);
-        drained
+        eprintln!("{done} of {total_ops} operations, {} drains", run.drains);
+        run
     });
     let created = pool.created() as usize;
     assert!(created < OBJECTS);
@@ -141,29 +167,50 @@ fn drain_while_working(total_ops: u64) -> (u64, u64, Option<DrainMethod>) {
         });
     });
     assert_eq!(pool.created() as usize, created, "an object went missing");
-    (drains, drained, method)
+    run
 }
 
 #[test]
 fn concurrent_drains_lose_and_duplicate_nothing() {
-    let (drains, drained, method) = drain_while_working(4_000_000);
-    eprintln!("drains {drains}, objects drained {drained}, method {method:?}");
-    if fence::available() || method.is_some() {
-        assert!(drains > 0);
-        assert!(drained > 0, "the drains never caught an object in a cache");
+    let run = drain_while_working(2 * online_cpus(), 4_000_000);
+    eprintln!("{run:?}");
+    if fence::available() || run.method.is_some() {
+        assert!(run.drains > 0);
+        assert!(
+            run.drained > 0,
+            "the drains never caught an object in a cache"
+        );
     }
 }
 
-/// Built with `--cfg thiscpu_inject`, a delay between the `stopped` check and the commit of
-/// every push and pop keeps sections in flight while the drainer sets the flag: only the fence
-/// stops them from committing into a cache the drainer already emptied. Without the cfg this
-/// is one more exactness run.
+/// Built with `--cfg thiscpu_inject` only: a delay between the `stopped` check and the commit
+/// of every push and pop keeps sections in flight while the drainer sets the flag: only the
+/// fence stops them from committing into a cache the drainer already emptied. Sections
+/// aborted while a drain ran are the witness that sections and drains did race.
+#[cfg(thiscpu_inject)]
 #[test]
 fn drains_racing_delayed_sections_lose_and_duplicate_nothing() {
-    #[cfg(thiscpu_inject)]
-    thiscpu::ops::inject::set_delay(3, 3_000);
-    let (drains, drained, method) = drain_while_working(400_000);
-    eprintln!("drains {drains}, objects drained {drained}, method {method:?}");
+    if thiscpu::ops::position().is_none() {
+        // Only where the environment says so (`THISCPU_EXPECT_REGISTRAR=none`): anywhere else
+        // this would pass with no section run at all.
+        assert_eq!(
+            common::expected_registrar_from_env().as_deref(),
+            Some("none"),
+            "no rseq here, so no section to race a drain"
+        );
+        eprintln!("rseq not in use here: no section to race a drain");
+        return;
+    }
+    // Long delays, so that a worker spends most of its time between the check and the commit,
+    // and one CPU fewer workers than CPUs, so that the drainer runs while they are there.
+    thiscpu::ops::inject::set_delay(3, 200_000);
+    let run = drain_while_working((online_cpus() - 1).max(1), 400_000);
+    eprintln!("{run:?}");
+    assert!(run.drains > 0, "no drain succeeded: {run:?}");
+    assert!(
+        run.aborts_during_drains > 0,
+        "no section was aborted while a drain ran: nothing raced the drains: {run:?}"
+    );
 }
 
 /// The fallback, in a child process where membarrier is turned off: drains migrate the drainer
@@ -176,14 +223,14 @@ fn drains_fall_back_when_membarrier_is_refused() {
             fence::register().map_err(|why| why.errno()),
             Err(libc::EPERM)
         );
-        let (drains, _, method) = drain_while_working(1_000_000);
-        eprintln!("fallback drains {drains}, method {method:?}");
+        let run = drain_while_working(2 * online_cpus(), 1_000_000);
+        eprintln!("fallback {run:?}");
         let expected = if thiscpu::ops::position().is_some() {
             DrainMethod::Migrate
         } else {
             DrainMethod::Lock
         };
-        assert_eq!(method, Some(expected));
+        assert_eq!(run.method, Some(expected));
         return;
     }
     let status = std::process::Command::new(std::env::current_exe().unwrap())

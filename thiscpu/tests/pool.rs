@@ -1,79 +1,11 @@
-//! `Pool`: every object in exactly one place, under migration, signals, thread churn, drains and
-//! (built with `--cfg thiscpu_inject`) delays inside the sections; spills, refills and drops.
+//! `Pool`: spills, refills, distinct objects, drops, drains and the capacity cap (every object
+//! in exactly one place under migration, signals, churn and drains is
+//! `stress/tests/pool_stress.rs`).
 
 mod common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::Duration;
-use thiscpu::stress::{PoolStressConfig, PoolStressReport, StressConfig, run_pool};
-use thiscpu::{Pool, Pooled, ops};
-
-fn stress(config: PoolStressConfig) -> PoolStressReport {
-    let report = run_pool(&config).expect("pool stress run");
-    eprintln!("{report:?}");
-    assert!(
-        report.exact(),
-        "objects lost or handed out twice: {report:?}"
-    );
-    assert!(report.operations > 0);
-    assert!(report.created > 0 && report.found == report.created);
-    report
-}
-
-#[test]
-fn pool_is_exact_under_migration_signals_churn_and_drains() {
-    let report = stress(PoolStressConfig {
-        stress: StressConfig {
-            duration: Duration::from_millis(1500),
-            ..Default::default()
-        },
-        ..Default::default()
-    });
-    assert!(
-        report.signals_handled > 0,
-        "the signal storm reached no handler: {report:?}"
-    );
-    assert!(report.migrations > 0 || thiscpu::topology::online_cpus().len() == 1);
-    assert!(report.threads_created > 0);
-    assert!(
-        report.drains > 0 || report.drains_unavailable > 0,
-        "the drainer never ran: {report:?}"
-    );
-    if report.drains > 0 {
-        assert!(
-            report.drained_objects > 0,
-            "drains never found an object to move: {report:?}"
-        );
-    } else {
-        eprintln!("draining is unavailable here: {report:?}");
-    }
-}
-
-/// Built with `--cfg thiscpu_inject`, delay loops inside the push and pop sections (between the
-/// `stopped` check and the commit) make preemption, signals and drains land inside them.
-#[test]
-fn aborted_pool_sections_are_retried_exactly() {
-    #[cfg(thiscpu_inject)]
-    for point in 0..ops::inject::POINTS {
-        ops::inject::set_delay(point, 20_000);
-    }
-    let report = stress(PoolStressConfig {
-        stress: StressConfig {
-            duration: Duration::from_millis(1000),
-            churn: false,
-            ..Default::default()
-        },
-        ..Default::default()
-    });
-    let rseq_in_use = ops::position().is_some();
-    eprintln!("aborts: {}, rseq in use: {rseq_in_use}", report.aborts);
-    if cfg!(thiscpu_inject) && rseq_in_use {
-        assert!(
-            report.aborts > 0,
-            "fault injection on, yet no section aborted: {report:?}"
-        );
-    }
-}
+use thiscpu::{Pool, Pooled};
 
 /// Pins the calling thread to the CPU it runs on, and returns that CPU.
 fn pin_to_current_cpu() -> u32 {

@@ -24,7 +24,7 @@ fn sample(text: &str, series: &str) -> Option<f64> {
 fn counter_and_histogram_encode_exact_numbers() {
     let requests = thiscpu::prometheus::Counter::new();
     let theirs = prometheus_client::metrics::counter::Counter::<u64>::default();
-    let latency = thiscpu::prometheus::Histogram::new(&[1.0, 10.0, 100.0]).unwrap();
+    let latency = thiscpu::prometheus::Histogram::new([1.0, 10.0, 100.0]);
     let mut registry = Registry::default();
     registry.register("requests", "Requests served", requests.clone());
     registry.register(
@@ -86,7 +86,7 @@ fn counter_and_histogram_encode_exact_numbers() {
 
 #[test]
 fn an_empty_histogram_encodes_zeros() {
-    let h = thiscpu::prometheus::Histogram::new(&[0.5]).unwrap();
+    let h = thiscpu::prometheus::Histogram::new([0.5]);
     let mut registry = Registry::default();
     registry.register("idle", "Nothing observed", h);
     let mut text = String::new();
@@ -94,5 +94,5 @@ fn an_empty_histogram_encodes_zeros() {
     assert_eq!(sample(&text, "idle_count"), Some(0.0), "{text}");
     assert_eq!(sample(&text, "idle_sum"), Some(0.0));
     assert_eq!(sample(&text, "idle_bucket{le=\"+Inf\"}"), Some(0.0));
-    assert!(thiscpu::prometheus::Histogram::new(&[1.0, 0.0]).is_err());
+    assert!(thiscpu::prometheus::Histogram::try_new([1.0, 0.0]).is_err());
 }

@@ -686,6 +686,46 @@ fn main_thread_rseq_state() -> KernelRseq {
     }
 }
 
+/// Runs the test `name` of this binary again in a child process with `env` set (and glibc's
+/// registration off when `tunables` says so), and fails unless the child passed it within a
+/// minute: the child side of a test checks a state that only a fresh process can be in.
+#[cfg(thiscpu_inject)]
+fn rerun_in_child(name: &str, env: &[(&str, &str)], tunables: Option<&str>) {
+    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+    command
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env_remove("THISCPU_RSEQ")
+        .env_remove("THISCPU_EXPECT_REGISTRAR")
+        .env_remove("GLIBC_TUNABLES")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    command.envs(env.iter().copied());
+    if let Some(tunables) = tunables {
+        command.env("GLIBC_TUNABLES", tunables);
+    }
+    let mut child = command.spawn().expect("re-run the test");
+    let start = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for the child") {
+            break status;
+        }
+        if start.elapsed() > std::time::Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{name} {tunables:?}: the child hung");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let output = child.wait_with_output().expect("the child's output");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        status.success() && stdout.contains("1 passed"),
+        "{name} {tunables:?}: {status}\n{stdout}\n{stderr}"
+    );
+    eprint!("{stderr}");
+}
+
 /// Set in the environment of the re-executed test binary: the decision waits for first use and
 /// raises this signal on the deciding thread halfway through (fault injection).
 #[cfg(thiscpu_inject)]
@@ -742,41 +782,13 @@ fn a_signal_handler_during_the_decision_falls_back() {
         check_thread("the deciding thread, after the decision");
         return;
     }
-    let name = "a_signal_handler_during_the_decision_falls_back";
+    let signal = libc::SIGUSR1.to_string();
     for tunables in [None, Some("glibc.pthread.rseq=0")] {
-        let mut command = std::process::Command::new(std::env::current_exe().unwrap());
-        command
-            .args(["--exact", name, "--nocapture", "--test-threads=1"])
-            .env(SIGNAL_IN_DECISION, libc::SIGUSR1.to_string())
-            .env_remove("THISCPU_RSEQ")
-            .env_remove("THISCPU_EXPECT_REGISTRAR")
-            .env_remove("GLIBC_TUNABLES")
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped());
-        if let Some(tunables) = tunables {
-            command.env("GLIBC_TUNABLES", tunables);
-        }
-        let mut child = command.spawn().expect("re-run the test");
-        let start = std::time::Instant::now();
-        let status = loop {
-            if let Some(status) = child.try_wait().expect("wait for the child") {
-                break status;
-            }
-            if start.elapsed() > std::time::Duration::from_secs(30) {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("{tunables:?}: the child hung (a deadlock in the decision?)");
-            }
-            std::thread::sleep(std::time::Duration::from_millis(20));
-        };
-        let output = child.wait_with_output().expect("the child's output");
-        let stdout = String::from_utf8_lossy(&output.stdout);
-        let stderr = String::from_utf8_lossy(&output.stderr);
-        assert!(
-            status.success() && stdout.contains("1 passed"),
-            "{tunables:?}: {status}\n{stdout}\n{stderr}"
+        rerun_in_child(
+            "a_signal_handler_during_the_decision_falls_back",
+            &[(SIGNAL_IN_DECISION, &signal)],
+            tunables,
         );
-        eprint!("{stderr}");
     }
 }
 
@@ -798,9 +810,16 @@ fn a_child_forked_during_the_decision_decides_on_its_own() {
         // and `_exit`, the parent only waits for it.
         let pid = unsafe { libc::fork() };
         if pid == 0 {
-            // `source()` asks for the decision itself (the CPU-id fast path would not).
+            // `source()` asks for the decision itself (the CPU-id fast path would not). With
+            // thiscpu's own registration the child's thread inherited the registration the
+            // parent's decision made: deciding again must keep it, not read the kernel's
+            // "already registered" as someone else's area.
             let possible = topology::possible_cpus() as u32;
-            let ok = thiscpu::source().this_thread.name() != "" && thiscpu::getcpu().cpu < possible;
+            let source = thiscpu::source();
+            let ok = source.registrar == registrar_from_environment()
+                && source.unavailable.is_none()
+                && source.this_thread == expected_this_thread(&source)
+                && thiscpu::getcpu().cpu < possible;
             // SAFETY: ends the child without running the parent's exit handlers.
             unsafe { libc::_exit(if ok { 0 } else { 1 }) };
         }
@@ -840,20 +859,118 @@ fn a_child_forked_during_the_decision_decides_on_its_own() {
         );
         return;
     }
-    let name = "a_child_forked_during_the_decision_decides_on_its_own";
-    let output = std::process::Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", name, "--nocapture", "--test-threads=1"])
-        .env(FORK_IN_DECISION, "1")
-        .env(SIGNAL_IN_DECISION, libc::SIGUSR2.to_string())
-        .env_remove("THISCPU_RSEQ")
-        .env_remove("THISCPU_EXPECT_REGISTRAR")
-        .output()
-        .expect("re-run the test");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success() && stdout.contains("1 passed"),
-        "{}\n{stdout}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let signal = libc::SIGUSR2.to_string();
+    for tunables in [None, Some("glibc.pthread.rseq=0")] {
+        rerun_in_child(
+            "a_child_forked_during_the_decision_decides_on_its_own",
+            &[(FORK_IN_DECISION, "1"), (SIGNAL_IN_DECISION, &signal)],
+            tunables,
+        );
+    }
+}
+
+/// Set in the environment of the re-executed test binary: the first decision panics halfway
+/// through, after registering its thread (fault injection).
+#[cfg(thiscpu_inject)]
+const PANIC_IN_DECISION: &str = "THISCPU_INJECT_PANIC_IN_DECISION";
+
+/// A decision that unwinds after registering its thread's own area hands the decision back;
+/// the next call decides again on a thread that is registered already, and must keep that
+/// registration (not rewrite a live area, not read the kernel's "busy" as someone else's).
+#[cfg(thiscpu_inject)]
+#[test]
+fn a_decision_that_panics_is_made_again_on_its_registered_thread() {
+    if std::env::var_os(PANIC_IN_DECISION).is_some() {
+        let first = std::panic::catch_unwind(thiscpu::source);
+        assert!(first.is_err(), "the injected panic did not happen");
+        let source = thiscpu::source();
+        eprintln!("after a decision that panicked: {source:?}");
+        assert_eq!(source.registrar, registrar_from_environment(), "{source:?}");
+        assert_eq!(source.unavailable, None, "{source:?}");
+        check_thread("the thread whose first decision panicked");
+        let counter = thiscpu::Counter::new();
+        std::thread::scope(|s| {
+            for _ in 0..4 {
+                s.spawn(|| (0..10_000).for_each(|_| counter.inc()));
+            }
+        });
+        assert_eq!(counter.sum(), 40_000);
+        return;
+    }
+    for tunables in [None, Some("glibc.pthread.rseq=0")] {
+        rerun_in_child(
+            "a_decision_that_panics_is_made_again_on_its_registered_thread",
+            &[(PANIC_IN_DECISION, "1")],
+            tunables,
+        );
+    }
+}
+
+/// Set in the environment of the re-executed test binary: the decision waits for first use.
+#[cfg(thiscpu_inject)]
+const DEFER_DECISION: &str = "THISCPU_INJECT_DEFER_DECISION";
+
+/// Set in the environment of the re-executed test binary: the decision sleeps this many
+/// milliseconds halfway, so that the other threads race it.
+#[cfg(thiscpu_inject)]
+const DELAY_IN_DECISION: &str = "THISCPU_INJECT_DELAY_IN_DECISION";
+
+/// Threads that start together before anything is decided, each making the first call of the
+/// process (a by-`mm_cid` counter, an adder, `mm_cid()`) while the decision takes 50 ms: one
+/// decides, the others wait for it, and every counter and adder adds under one spread for its
+/// whole life, the one the decision allows, so no increment is lost. With glibc's registration
+/// and with thiscpu's own.
+#[cfg(thiscpu_inject)]
+#[test]
+fn threads_racing_the_decision_count_exactly_by_mm_cid() {
+    use std::sync::OnceLock;
+    const ADDS: u64 = 20_000;
+    if std::env::var_os(DEFER_DECISION).is_some() {
+        let threads = 2 * topology::possible_cpus().max(2);
+        let start = Barrier::new(threads);
+        let shared: OnceLock<thiscpu::Counter<thiscpu::ByMmCid>> = OnceLock::new();
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                let (start, shared) = (&start, &shared);
+                s.spawn(move || {
+                    start.wait();
+                    match t % 3 {
+                        0 => {
+                            let _ = thiscpu::mm_cid();
+                        }
+                        1 => {
+                            let _ = thiscpu::current_cpu();
+                        }
+                        _ => {}
+                    }
+                    let counter = shared.get_or_init(thiscpu::Counter::by_mm_cid);
+                    let adder = counter.adder();
+                    for i in 0..ADDS {
+                        if i % 2 == 0 {
+                            counter.inc();
+                        } else {
+                            adder.inc();
+                        }
+                    }
+                });
+            }
+        });
+        let source = thiscpu::source();
+        let counter = shared.get().unwrap();
+        assert_eq!(counter.sum(), threads as u64 * ADDS, "{source:?}");
+        assert_eq!(counter.indexed_by_mm_cid(), source.mm_cid, "{source:?}");
+        assert_eq!(source.registrar, registrar_from_environment(), "{source:?}");
+        eprintln!(
+            "{threads} threads raced the decision; by mm_cid: {}",
+            counter.indexed_by_mm_cid()
+        );
+        return;
+    }
+    for tunables in [None, Some("glibc.pthread.rseq=0")] {
+        rerun_in_child(
+            "threads_racing_the_decision_count_exactly_by_mm_cid",
+            &[(DEFER_DECISION, "1"), (DELAY_IN_DECISION, "50")],
+            tunables,
+        );
+    }
 }

@@ -1,16 +1,103 @@
 //! `Sharded`: exact under migration, signals and thread churn (a count inside each shard against
 //! the updates made); never two holders of one shard (a flag inside the shard, checked on
 //! entry); readers that take every shard while writers run; a panic inside the closure; a
-//! nested take; waiting without burning the CPU; the compare-and-swap mode where `membarrier`
-//! is refused (`THISCPU_MEMBARRIER=off`, in a child process). `.ci/run` runs this file in
-//! every environment and once built with `--cfg thiscpu_inject`.
+//! nested take; waiting without burning the CPU, and without counting the wait as aborts; the
+//! compare-and-swap mode where `membarrier` is refused (`THISCPU_MEMBARRIER=off`, in a child
+//! process); takes that neither hang nor lose an update where a seccomp filter refuses
+//! `membarrier` after construction (in a child process); a shard left held by a thread that
+//! exited. `.ci/run` runs this file in every environment and once built with
+//! `--cfg thiscpu_inject`, where more tests drive aborts and re-enter the fences' registration
+//! from a signal handler.
 
 mod common;
 
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, OnceLock};
 use std::time::{Duration, Instant};
-use thiscpu::{ByCpu, Sharded, Spread};
+use thiscpu::{ByCpu, ByMmCid, Sharded, Spread};
+
+/// Runs the test `name` of this binary again, alone, with `env` set, and fails unless it
+/// passes within `limit`: a child that hangs is killed and fails the test. Returns its
+/// standard error.
+fn run_child(name: &str, env: &[(&str, &str)], limit: Duration) -> String {
+    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+    command
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    let mut child = command.spawn().expect("run the test binary again");
+    let began = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if began.elapsed() > limit {
+            let _ = child.kill();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let output = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let Some(status) = status else {
+        panic!("{name}: no answer within {limit:?} (hung)\n{stdout}\n{stderr}");
+    };
+    assert!(status.success(), "{name}: {status}\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("1 passed"),
+        "{name} did not run:\n{stdout}\n{stderr}"
+    );
+    stderr.into_owned()
+}
+
+/// What a `Sharded` must decide in this environment, worked out without thiscpu.
+#[derive(Debug)]
+struct ExpectedMode {
+    /// Sections (rseq and `membarrier`), else compare-and-swap.
+    rseq: bool,
+    /// Indexed by `mm_cid`, for `Sharded::by_mm_cid`.
+    mm_cid: bool,
+}
+
+/// `MEMBARRIER_CMD_QUERY`: the commands the kernel offers (and a seccomp filter lets through).
+fn kernel_offers_rseq_fences() -> bool {
+    // SAFETY: membarrier takes three integers and touches no user memory.
+    let commands = unsafe { libc::syscall(libc::SYS_membarrier, 0, 0, 0) };
+    commands > 0 && commands & (1 << 7) != 0
+}
+
+/// The running kernel's `(major, minor)`, from `uname`.
+fn kernel_version() -> (u32, u32) {
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let mut numbers = release
+        .trim()
+        .split(|c: char| !c.is_ascii_digit())
+        .map(|n| n.parse::<u32>().unwrap_or(0));
+    (numbers.next().unwrap(), numbers.next().unwrap_or(0))
+}
+
+/// From `THISCPU_EXPECT_REGISTRAR` when `.ci/run` sets it (as `registration.rs` does, else from
+/// glibc's symbols, `THISCPU_RSEQ` and the kernel), `THISCPU_MEMBARRIER`, the kernel's own
+/// list of `membarrier` commands, and its version (`mm_cid` since Linux 6.3).
+fn expected_mode() -> ExpectedMode {
+    let registrar = match common::expected_registrar_from_env() {
+        Some(name) => name != "none",
+        None => common::registrar_from_environment() != thiscpu::Registrar::None,
+    };
+    let membarrier_off = matches!(
+        std::env::var("THISCPU_MEMBARRIER").as_deref(),
+        Ok("off" | "0" | "false" | "no")
+    );
+    let rseq = registrar && !membarrier_off && kernel_offers_rseq_fences();
+    ExpectedMode {
+        rseq,
+        mm_cid: rseq && kernel_version() >= (6, 3),
+    }
+}
 
 /// What each shard holds in these tests.
 #[derive(Debug, Default)]
@@ -217,52 +304,85 @@ fn exact_by_cpu_under_migration_signals_churn_and_readers() {
 fn exact_by_mm_cid_under_migration_signals_churn_and_readers() {
     let _serial = common::serial();
     let sharded = Sharded::by_mm_cid(|_| Tally::default());
-    eprintln!("{sharded:?}");
+    let expected = expected_mode();
+    eprintln!("{sharded:?}, expected {expected:?}");
+    assert_eq!(sharded.indexed_by_mm_cid(), expected.mm_cid, "{sharded:?}");
     let report = storm(sharded, Duration::from_millis(800));
     assert_exact(&report);
 }
 
 /// Built with `--cfg thiscpu_inject`, delay loops inside the sections (between the comparison
-/// and the commit) make preemption, migration, signals and the readers' fences land there.
+/// and the commit) make preemption, migration, signals and the readers' fences land there:
+/// takes abort, and are retried exactly.
+#[cfg(thiscpu_inject)]
 #[test]
-fn aborted_takes_are_retried_exactly() {
+fn injected_delays_abort_takes_and_they_are_retried_exactly() {
     let _serial = common::serial();
-    #[cfg(thiscpu_inject)]
+    let sharded = Sharded::<Tally>::default();
+    if !sharded.uses_rseq() {
+        eprintln!("skipped: no sections to abort here: {sharded:?}");
+        return;
+    }
     for point in 0..thiscpu::ops::inject::POINTS {
         thiscpu::ops::inject::set_delay(point, 20_000);
     }
     let before = thiscpu::ops::aborts();
-    let sharded = Sharded::<Tally>::default();
-    let rseq = sharded.uses_rseq();
     let report = storm(sharded, Duration::from_millis(800));
-    #[cfg(thiscpu_inject)]
     for point in 0..thiscpu::ops::inject::POINTS {
         thiscpu::ops::inject::set_delay(point, 0);
     }
-    assert_exact(&report);
     let aborts = thiscpu::ops::aborts() - before;
-    eprintln!("aborts: {aborts}, rseq: {rseq}");
-    if cfg!(thiscpu_inject) && rseq {
-        assert!(aborts > 0, "fault injection on, yet no take aborted");
-    }
+    eprintln!("aborts: {aborts}");
+    assert_exact(&report);
+    assert!(aborts > 0, "fault injection on, yet no take aborted");
 }
 
 #[test]
 fn the_mode_follows_rseq_and_membarrier() {
+    let expected = expected_mode();
     let sharded = Sharded::new(|_| 0u8);
-    let expected =
-        thiscpu::source().registrar != thiscpu::Registrar::None && thiscpu::fence::available();
-    assert_eq!(sharded.uses_rseq(), expected, "{sharded:?}");
-    if common::rseq_turned_off_by_env() {
-        assert!(!sharded.uses_rseq());
-    }
+    eprintln!("{sharded:?}, expected {expected:?}");
+    assert_eq!(sharded.uses_rseq(), expected.rseq, "{sharded:?}");
     assert_eq!(sharded.len(), common::sys_possible_cpus().len());
     let by_cid = Sharded::by_mm_cid(|_| 0u8);
-    assert_eq!(
-        by_cid.indexed_by_mm_cid(),
-        by_cid.uses_rseq() && thiscpu::source().mm_cid,
-        "{by_cid:?}"
+    assert_eq!(by_cid.uses_rseq(), expected.rseq, "{by_cid:?}");
+    assert_eq!(by_cid.indexed_by_mm_cid(), expected.mm_cid, "{by_cid:?}");
+}
+
+/// A thread waiting on the current CPU for a shard held there is contention, not aborts: it
+/// must not count toward the abort limit and its fallback.
+#[test]
+fn waiting_for_a_held_shard_is_not_counted_as_aborts() {
+    let _serial = common::serial();
+    let sharded = Sharded::new(|_| 0u64);
+    if !sharded.uses_rseq() {
+        eprintln!("skipped: without sections a held shard is a failed compare-and-swap");
+        return;
+    }
+    let cpu = *common::allowed_cpus().last().unwrap();
+    let holding = Barrier::new(2);
+    let before = (thiscpu::ops::abort_fallbacks(), thiscpu::ops::aborts());
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            common::pin(cpu);
+            let mut guard = sharded.lock_current();
+            holding.wait();
+            std::thread::sleep(Duration::from_millis(200));
+            *guard += 1;
+        });
+        s.spawn(|| {
+            common::pin(cpu);
+            holding.wait();
+            sharded.with_current(|n| *n += 1);
+        });
+    });
+    let fallbacks = thiscpu::ops::abort_fallbacks() - before.0;
+    eprintln!(
+        "aborts meanwhile: {}, fallbacks: {fallbacks}",
+        thiscpu::ops::aborts() - before.1
     );
+    assert_eq!(fallbacks, 0, "waiting for a held shard counted as aborts");
+    assert_eq!(sharded.fold(0, |total, n| total + n), 2);
 }
 
 #[test]
@@ -289,23 +409,92 @@ fn a_panic_inside_the_closure_releases_the_shard() {
     assert_eq!(sharded.into_inner().iter().sum::<u64>(), 2);
 }
 
+/// Runs `nested` on a thread pinned to one CPU (so that both takes name the same shard) and
+/// returns its panic message; fails if it returns, or hangs.
+fn nested_take_message(nested: impl FnOnce() + Send + 'static) -> String {
+    let cpu = *common::allowed_cpus().last().unwrap();
+    let (done, answer) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        common::pin(cpu);
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(nested));
+        let message = outcome.err().map(|payload| {
+            payload
+                .downcast_ref::<String>()
+                .cloned()
+                .unwrap_or_default()
+        });
+        done.send(message).unwrap();
+    });
+    answer
+        .recv_timeout(Duration::from_secs(10))
+        .expect("a nested take waited (no answer within 10 s)")
+        .expect("a nested take returned")
+}
+
 #[test]
 fn a_nested_take_panics_instead_of_waiting_forever() {
-    let sharded = Sharded::new(|_| 0u64);
-    let nested = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+    let sharded: &'static Sharded<u64> = Box::leak(Box::new(Sharded::new(|_| 0)));
+    let nested_lock = nested_take_message(|| {
         let mut outer = sharded.lock_current();
         *outer += 1;
-        // The same shard, wherever this thread runs now.
-        let again = sharded.lock(outer.index());
-        drop(again);
-    }));
-    let message = nested.expect_err("a nested take returned");
-    let message = message
-        .downcast_ref::<String>()
-        .cloned()
-        .unwrap_or_default();
-    assert!(message.contains("already holds"), "{message}");
-    assert_eq!(sharded.fold(0, |total, n| total + n), 1);
+        drop(sharded.lock(outer.index()));
+    });
+    let nested_lock_current = nested_take_message(|| {
+        let mut outer = sharded.lock_current();
+        *outer += 1;
+        drop(sharded.lock_current());
+    });
+    let nested_with_current = nested_take_message(|| {
+        sharded.with_current(|outer| {
+            *outer += 1;
+            sharded.with_current(|inner| *inner += 1);
+        });
+    });
+    for message in [nested_lock, nested_lock_current, nested_with_current] {
+        assert!(message.contains("already holds"), "{message}");
+    }
+    // Each outer take's update stays, and the unwinding released every shard.
+    assert_eq!(sharded.fold(0, |total, n| total + n), 3);
+}
+
+/// A thread that exits holding a shard (its guard leaked) keeps it held for good; a later
+/// thread, even one given the same thread-local memory, waits for it like any other thread
+/// rather than taking it for its own and panicking as at a nested take. Run in a child process,
+/// which ends with the waiters still waiting.
+#[test]
+fn a_shard_left_held_by_an_exited_thread_is_waited_for() {
+    const CHILD: &str = "THISCPU_SHARDED_LEFT_HELD_CHILD";
+    if std::env::var_os(CHILD).is_none() {
+        run_child(
+            "a_shard_left_held_by_an_exited_thread_is_waited_for",
+            &[(CHILD, "1")],
+            Duration::from_secs(30),
+        );
+        return;
+    }
+    let sharded: &'static Sharded<u64> = Box::leak(Box::new(Sharded::new(|_| 0)));
+    let index = std::thread::spawn(|| {
+        let guard = sharded.lock_current();
+        let index = guard.index();
+        std::mem::forget(guard);
+        index
+    })
+    .join()
+    .unwrap();
+    for _ in 0..4 {
+        let (done, answer) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let taken = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                drop(sharded.lock(index))
+            }));
+            done.send(taken.is_ok()).unwrap();
+        });
+        match answer.recv_timeout(Duration::from_millis(200)) {
+            Err(_) => {} // waiting, as it must
+            Ok(true) => panic!("shard {index} was taken while its holder's guard is leaked"),
+            Ok(false) => panic!("a later thread took shard {index} for its own (see above)"),
+        }
+    }
 }
 
 /// Thread CPU time of the calling thread.
@@ -407,4 +596,259 @@ fn without_membarrier_shards_are_taken_by_compare_and_swap() {
         status.success(),
         "the run without membarrier failed: {status}"
     );
+}
+
+/// `AUDIT_ARCH_*` of this target (`EM_*` with the 64-bit and little-endian bits).
+#[cfg(target_arch = "x86_64")]
+const AUDIT_ARCH: u32 = 0xc000_003e;
+#[cfg(target_arch = "aarch64")]
+const AUDIT_ARCH: u32 = 0xc000_00b7;
+
+/// A seccomp program that makes the system calls `refused` fail with `EPERM` and allows every
+/// other one: a sandbox installed after start-up.
+fn refuse_with_eperm(refused: &[libc::c_long]) -> Vec<libc::sock_filter> {
+    let op = |code: u32, jt: u8, jf: u8, k: u32| libc::sock_filter {
+        code: code as u16,
+        jt,
+        jf,
+        k,
+    };
+    let load = |offset: u32| op(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, 0, 0, offset);
+    let jump_if =
+        |k: u32, jt: u8, jf: u8| op(libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K, jt, jf, k);
+    let ret = |k: u32| op(libc::BPF_RET | libc::BPF_K, 0, 0, k);
+    let count = refused.len() as u8;
+    // struct seccomp_data: `nr` at offset 0, `arch` at offset 4.
+    let mut program = vec![load(4), jump_if(AUDIT_ARCH, 0, count + 1), load(0)];
+    for (i, &nr) in refused.iter().enumerate() {
+        // Past the rest of the comparisons and the allowing return, to the refusing one.
+        program.push(jump_if(nr as u32, count - i as u8, 0));
+    }
+    program.push(ret(libc::SECCOMP_RET_ALLOW));
+    program.push(ret(libc::SECCOMP_RET_ERRNO | libc::EPERM as u32));
+    program
+}
+
+/// glibc's `RSEQ_SIG`, the signature its registration used.
+#[cfg(target_arch = "x86_64")]
+const GLIBC_RSEQ_SIG: u32 = 0x5305_3053;
+#[cfg(target_arch = "aarch64")]
+const GLIBC_RSEQ_SIG: u32 = 0xd428_bc00;
+
+/// Takes the calling thread's rseq away where glibc registered it: unregisters glibc's area.
+fn unregister_glibcs_area() {
+    let offset = common::glibc_symbol::<isize>(c"__rseq_offset").expect("glibc's rseq");
+    let area = common::thread_pointer().wrapping_add_signed(offset);
+    let size = common::glibc_symbol::<u32>(c"__rseq_size").unwrap_or(32);
+    // glibc registers 32 bytes, or `__rseq_size` in its later versions: the kernel accepts
+    // the unregistration only with the length registered.
+    let unregistered = [32, size].into_iter().any(|len| {
+        // SAFETY: unregisters glibc's area of this thread (the kernel checks the address,
+        // length and signature); glibc reads `cpu_id` as unregistered (-1) afterwards.
+        unsafe { libc::syscall(libc::SYS_rseq, area, len, 1, GLIBC_RSEQ_SIG) == 0 }
+    });
+    assert!(
+        unregistered,
+        "rseq unregistration: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// Installs `program` on every thread of the process (`SECCOMP_FILTER_FLAG_TSYNC`).
+fn install_on_every_thread(program: &[libc::sock_filter]) {
+    let fprog = libc::sock_fprog {
+        len: program.len() as u16,
+        filter: program.as_ptr().cast_mut(),
+    };
+    // SAFETY: prctl with integer arguments.
+    let no_new_privs = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+    assert_eq!(no_new_privs, 0, "{}", std::io::Error::last_os_error());
+    // SAFETY: seccomp reads the program through `fprog`, which outlives the call; the kernel
+    // copies it.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_seccomp,
+            libc::SECCOMP_SET_MODE_FILTER,
+            libc::SECCOMP_FILTER_FLAG_TSYNC,
+            &raw const fprog,
+        )
+    };
+    assert_eq!(ret, 0, "seccomp: {}", std::io::Error::last_os_error());
+}
+
+/// Writers with rseq running before the filter and others started after it (without rseq:
+/// their registration is refused), while this thread reads with `fold`, `lock(0)`,
+/// `lock(len - 1)` and `for_each`. Exact, and every take returns.
+fn refused_after_construction<S: Spread>(sharded: Sharded<Tally, S>) {
+    let sharded = Arc::new(sharded);
+    let expected = expected_mode();
+    eprintln!("{sharded:?}, expected before the filter {expected:?}");
+    assert_eq!(sharded.uses_rseq(), expected.rseq);
+    sharded.with_current(|tally| update(tally, false));
+    let stop = Arc::new(AtomicBool::new(false));
+    let registrar = thiscpu::source().registrar;
+    // The writers with rseq register (thiscpu registers a thread on its first use) before the
+    // filter comes.
+    let registered = Arc::new(Barrier::new(3));
+    let writer = |with_rseq: bool| {
+        let (sharded, stop, ready) = (
+            Arc::clone(&sharded),
+            Arc::clone(&stop),
+            Arc::clone(&registered),
+        );
+        std::thread::spawn(move || {
+            if with_rseq {
+                let with_registrar = registrar != thiscpu::Registrar::None;
+                let position = thiscpu::ops::position();
+                ready.wait();
+                assert_eq!(position.is_some(), with_registrar, "{position:?}");
+            } else {
+                if registrar == thiscpu::Registrar::Glibc {
+                    unregister_glibcs_area();
+                }
+                assert!(thiscpu::ops::position().is_none(), "a writer kept rseq");
+            }
+            let mut made = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                sharded.with_current(|tally| update(tally, made.is_multiple_of(64)));
+                made += 1;
+                // Waiting is not fair: writers that never pause would starve the readers,
+                // whose takes now last two migrations per CPU.
+                if made.is_multiple_of(16) {
+                    std::thread::sleep(Duration::from_micros(50));
+                }
+            }
+            made
+        })
+    };
+    // Built with `--cfg thiscpu_inject`, sections linger between their comparison and their
+    // commit, so that a take without a working fence would meet them there.
+    #[cfg(thiscpu_inject)]
+    for point in 0..thiscpu::ops::inject::POINTS {
+        thiscpu::ops::inject::set_delay(point, 20_000);
+    }
+    let mut writers: Vec<_> = (0..2).map(|_| writer(true)).collect();
+    registered.wait();
+    // glibc ends a process whose new thread it cannot register; where thiscpu registers, the
+    // filter refuses rseq too, so that later threads have none.
+    if registrar == thiscpu::Registrar::Thiscpu {
+        install_on_every_thread(&refuse_with_eperm(&[libc::SYS_membarrier, libc::SYS_rseq]));
+    } else {
+        install_on_every_thread(&refuse_with_eperm(&[libc::SYS_membarrier]));
+    }
+    assert!(
+        !kernel_offers_rseq_fences() && thiscpu::fence::fence_all().is_err(),
+        "membarrier still allowed under the filter"
+    );
+    writers.extend((0..2).map(|_| writer(false)));
+    let last = sharded.len() as u32 - 1;
+    let (mut harvested, mut reads) = (0u64, 0u64);
+    let first = sharded.fold(0, |sum, tally| sum + tally.updates);
+    assert!(first >= 1, "the update made before the filter is gone");
+    let deadline = Instant::now() + Duration::from_millis(500);
+    while Instant::now() < deadline {
+        for index in [0, last] {
+            let mut guard = sharded.lock(index).expect("a shard in range");
+            assert_eq!(guard.index(), index);
+            if guard.held {
+                OVERLAPS.fetch_add(1, Ordering::Relaxed);
+            }
+            harvested += std::mem::take(&mut guard.updates);
+        }
+        sharded.for_each(|_, tally| {
+            if tally.held {
+                OVERLAPS.fetch_add(1, Ordering::Relaxed);
+            }
+            harvested += std::mem::take(&mut tally.updates);
+        });
+        reads += 1;
+    }
+    stop.store(true, Ordering::Relaxed);
+    // The writers' updates and this thread's first one.
+    let performed: u64 = writers.into_iter().map(|w| w.join().unwrap()).sum::<u64>() + 1;
+    let sharded = Arc::into_inner(sharded).unwrap();
+    let remaining: u64 = sharded.into_inner().iter().map(|t| t.updates).sum();
+    eprintln!("performed {performed}, harvested {harvested}, remaining {remaining}, {reads} reads");
+    assert_eq!(
+        OVERLAPS.load(Ordering::Relaxed),
+        0,
+        "two holders met in a shard"
+    );
+    assert_eq!(
+        harvested + remaining,
+        performed,
+        "updates lost or counted twice"
+    );
+    assert!(reads > 0 && harvested > 0);
+}
+
+/// A sandbox refuses `membarrier` (and `rseq`) on every thread after the shards began to be
+/// taken by sections: reads fence by visiting the CPUs, threads without rseq take their shard
+/// the same way, nothing hangs and nothing is lost. In a child process, by CPU and by
+/// `mm_cid`.
+#[test]
+fn membarrier_refused_after_construction_neither_hangs_nor_loses_a_take() {
+    const CHILD: &str = "THISCPU_SHARDED_SECCOMP_AFTER_START";
+    const NAME: &str = "membarrier_refused_after_construction_neither_hangs_nor_loses_a_take";
+    match std::env::var(CHILD).as_deref() {
+        Ok("by-cpu") => refused_after_construction(Sharded::<Tally, ByCpu>::default()),
+        Ok("by-mm-cid") => {
+            refused_after_construction(Sharded::<Tally, ByMmCid>::by_mm_cid(|_| Tally::default()))
+        }
+        _ => {
+            for spread in ["by-cpu", "by-mm-cid"] {
+                let stderr = run_child(NAME, &[(CHILD, spread)], Duration::from_secs(30));
+                eprintln!("{spread}:\n{stderr}");
+            }
+        }
+    }
+}
+
+#[cfg(thiscpu_inject)]
+static HANDLER_REGISTRATION: AtomicI32 = AtomicI32::new(i32::MIN);
+
+#[cfg(thiscpu_inject)]
+extern "C" fn register_in_handler(_: libc::c_int) {
+    let answer = match thiscpu::fence::register() {
+        Ok(()) => thiscpu::fence::fence_all().map_or_else(|e| e.errno(), |()| 0),
+        Err(refused) => refused.errno(),
+    };
+    HANDLER_REGISTRATION.store(answer, Ordering::SeqCst);
+}
+
+/// A signal handler that interrupts the fences' registration on its own thread and registers
+/// (then fences) itself gets an answer instead of waiting for the registration it interrupted.
+/// In a child process, where the registration has not happened yet.
+#[cfg(thiscpu_inject)]
+#[test]
+fn the_fence_registration_answers_a_signal_handler_that_interrupts_it() {
+    const INJECT: &str = "THISCPU_INJECT_SIGNAL_IN_FENCE_REGISTRATION";
+    if std::env::var_os(INJECT).is_none() {
+        run_child(
+            "the_fence_registration_answers_a_signal_handler_that_interrupts_it",
+            &[(INJECT, &libc::SIGUSR1.to_string())],
+            Duration::from_secs(30),
+        );
+        return;
+    }
+    // SAFETY: a zeroed sigaction is valid; the handler only registers, fences and stores.
+    unsafe {
+        let mut action: libc::sigaction = std::mem::zeroed();
+        action.sa_sigaction = register_in_handler as extern "C" fn(libc::c_int) as usize;
+        libc::sigemptyset(&mut action.sa_mask);
+        assert_eq!(
+            libc::sigaction(libc::SIGUSR1, &action, std::ptr::null_mut()),
+            0
+        );
+    }
+    let outer = thiscpu::fence::register();
+    let inner = HANDLER_REGISTRATION.load(Ordering::SeqCst);
+    eprintln!("outer {outer:?}, the handler's errno {inner}");
+    assert_ne!(
+        inner,
+        i32::MIN,
+        "the handler did not run inside the registration"
+    );
+    assert_eq!(outer.err().map_or(0, |e| e.errno()), inner);
+    assert_eq!(thiscpu::fence::register(), outer);
 }

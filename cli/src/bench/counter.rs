@@ -252,7 +252,8 @@ fn cases() -> Vec<Case> {
         ),
         Case::new(
             "thread-slot-atomic",
-            "contatori Unsigned: per-thread slot, fetch_add",
+            "128 padded atomics, each thread given its own slot: fetch_add on it, a sum to read \
+             (the contatori crate's Unsigned)",
             ns,
             Exact::new(ThreadSlot(Box::new(
                 contatori::counters::unsigned::Unsigned::new(),

@@ -145,7 +145,7 @@ fn cases() -> Vec<Case> {
             "thiscpu prometheus::Histogram::observe",
             ns,
             InRegistry::new(
-                thiscpu::prometheus::Histogram::new(&BOUNDS).expect("increasing bounds"),
+                thiscpu::prometheus::Histogram::new(BOUNDS),
                 |h, ops, first| (first..first + ops).for_each(|i| h.observe(value(i))),
                 "_count",
             ),

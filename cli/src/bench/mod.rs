@@ -60,18 +60,41 @@ families![
 
 /// The text of `thiscpu bench --list`: every family and case, and why a case is left out here.
 pub fn list(families: &[&'static Family]) -> String {
+    // One width for every family, so that the descriptions start in one column throughout.
+    let width = families
+        .iter()
+        .flat_map(|family| family.case_names.iter().map(|name| name.chars().count()))
+        .max()
+        .unwrap_or(0);
     let mut out = String::new();
     for family in families {
         out.push_str(&format!("{} — {}\n", family.name, family.about));
+        let mut left_out: Vec<(String, Vec<&str>)> = Vec::new();
         for case in (family.cases)() {
-            let what = match &case.workload {
-                Ok(_) => case.how.clone(),
-                Err(reason) => format!("left out here: {reason}"),
-            };
-            out.push_str(&format!("  {:<22} {what}\n", case.name));
+            match &case.workload {
+                Ok(_) => out.push_str(&format!("  {:<width$}  {}\n", case.name, case.how)),
+                Err(reason) => {
+                    out.push_str(&format!(
+                        "  {:<width$}  (left out here: see below)\n",
+                        case.name
+                    ));
+                    group_by_reason(&mut left_out, reason, case.name);
+                }
+            }
+        }
+        for (reason, cases) in left_out {
+            out.push_str(&format!("  left out: {}: {reason}\n", cases.join(", ")));
         }
     }
     out.trim_end().to_owned()
+}
+
+/// Adds `case` to the group of cases left out for `reason`, so that each reason is said once.
+pub fn group_by_reason<'a>(groups: &mut Vec<(String, Vec<&'a str>)>, reason: &str, case: &'a str) {
+    match groups.iter_mut().find(|(known, _)| known == reason) {
+        Some((_, cases)) => cases.push(case),
+        None => groups.push((reason.to_owned(), vec![case])),
+    }
 }
 
 /// The family called `name`.

@@ -7,8 +7,8 @@ use crate::error::{Error, Result};
 use std::io::IsTerminal;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
-use thiscpu::stress::StartGate;
 use thiscpu::topology;
+use thiscpu_stress::StartGate;
 
 /// One family's plan: its runnable cases (after `--cases`), thread counts, and skipped cases.
 pub struct Plan {

@@ -97,8 +97,8 @@ pub fn family(family: &Family, results: &[Measured], skipped: &[Skipped]) -> Str
         out.push_str(&render(&table));
         out.push('\n');
     }
-    for skip in skipped {
-        out.push_str(&format!("  left out: {}: {}\n", skip.case, skip.reason));
+    for (reason, cases) in by_reason(skipped) {
+        out.push_str(&format!("  left out: {}: {reason}\n", cases.join(", ")));
     }
     let on_cpu: Vec<f64> = results
         .iter()
@@ -126,10 +126,21 @@ pub fn family_markdown(family: &Family, results: &[Measured], skipped: &[Skipped
     if !skipped.is_empty() {
         out.push('\n');
     }
-    for skip in skipped {
-        out.push_str(&format!("- left out: `{}`: {}\n", skip.case, skip.reason));
+    for (reason, cases) in by_reason(skipped) {
+        let cases: Vec<String> = cases.iter().map(|case| format!("`{case}`")).collect();
+        out.push_str(&format!("- left out: {}: {reason}\n", cases.join(", ")));
     }
     out
+}
+
+/// The cases left out, grouped by reason in the order first met: a reason shared by several
+/// cases (a kernel without a feature, say) is said once.
+fn by_reason(skipped: &[Skipped]) -> Vec<(String, Vec<&'static str>)> {
+    let mut groups = Vec::new();
+    for skip in skipped {
+        crate::bench::group_by_reason(&mut groups, &skip.reason, skip.case);
+    }
+    groups
 }
 
 /// A table as a Markdown pipe table.
@@ -159,11 +170,12 @@ fn family_table(family: &Family, results: &[Measured]) -> Option<Table> {
         [one] => one.label(),
         _ => "",
     };
-    let baseline_median = |threads: usize| {
+    // A ratio only between rows of one unit: bytes divided by nanoseconds means nothing.
+    let baseline_median = |threads: usize, unit: Unit| {
         let name = family.baseline?;
         results
             .iter()
-            .find(|m| m.case == name && m.threads == threads)
+            .find(|m| m.case == name && m.threads == threads && m.unit == unit)
             .map(|m| m.stats().median)
     };
     let mut table = new_table();
@@ -202,7 +214,7 @@ fn family_table(family: &Family, results: &[Measured]) -> Option<Table> {
         ));
         row.push(format_cpu_list(&m.cpus));
         if baseline.is_some() {
-            row.push(match baseline_median(m.threads) {
+            row.push(match baseline_median(m.threads, m.unit) {
                 Some(base) if base > 0.0 => fmt_ratio(stats.median / base),
                 _ => String::new(),
             });
@@ -313,5 +325,66 @@ mod tests {
         let table = seed_calls_table(&[("x", 1.602888401)], ("y", 1.206212658));
         assert!(table.contains("396675743 ns (24.75%)"), "{table}");
         assert!(table.contains("1602888401 ns"));
+    }
+
+    fn measured(case: &'static str, unit: Unit, value: f64) -> Measured {
+        Measured {
+            bench: "mixed",
+            case,
+            how: String::new(),
+            threads: 1,
+            cpus: vec![0],
+            unit,
+            rounds: vec![value; 3],
+            ops: 3,
+            on_cpu: vec![1.0; 3],
+        }
+    }
+
+    static MIXED: Family = Family {
+        name: "mixed",
+        about: "timed and sized cases",
+        case_names: &["base", "timed", "sized", "sized-base"],
+        default_threads: &[1],
+        baseline: Some("base"),
+        cases: Vec::new,
+        report: |_: &[Measured]| String::new(),
+    };
+
+    #[test]
+    fn ratios_only_between_rows_of_one_unit() {
+        let results = [
+            measured("base", Unit::NsPerOp, 4.0),
+            measured("timed", Unit::NsPerOp, 8.0),
+            measured("sized", Unit::Bytes, 9000.0),
+        ];
+        let text = family(&MIXED, &results, &[]);
+        let row = |case: &str| {
+            text.lines()
+                .find(|line| line.split_whitespace().next() == Some(case))
+                .unwrap_or_else(|| panic!("no {case} row:\n{text}"))
+                .to_owned()
+        };
+        assert!(row("timed").ends_with("2.00×"), "{text}");
+        assert!(!row("sized").contains('×'), "bytes divided by ns:\n{text}");
+    }
+
+    #[test]
+    fn a_reason_shared_by_several_cases_is_said_once() {
+        let skip = |case| Skipped {
+            bench: "mixed",
+            case,
+            reason: "the kernel lacks it".to_owned(),
+        };
+        let skipped = [skip("timed"), skip("sized"), skip("sized-base")];
+        for text in [
+            family(&MIXED, &[], &skipped),
+            family_markdown(&MIXED, &[], &skipped),
+        ] {
+            assert_eq!(text.matches("the kernel lacks it").count(), 1, "{text}");
+            for case in ["timed", "sized", "sized-base"] {
+                assert!(text.contains(case), "{case} not named:\n{text}");
+            }
+        }
     }
 }

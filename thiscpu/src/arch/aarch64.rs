@@ -549,6 +549,16 @@ pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>
     head: *mut usize,
     out: *mut usize,
 ) -> Outcome<()> {
+    // `ldr Xt, [Xn, #imm]` reaches 0..=32760 in steps of 8; the assembler takes an offset below
+    // 256 that is not a multiple of 8 as `ldur`, and refuses any other with a message that
+    // names neither NEXT nor this function.
+    const {
+        assert!(
+            NEXT < 256 || (NEXT.is_multiple_of(8) && NEXT <= 32760),
+            "load_cbeq_load_store: on aarch64, NEXT (the byte offset of a node's `next` field) \
+             must be below 256, or a multiple of 8 no greater than 32760"
+        )
+    };
     // SAFETY: the caller's contract; the section follows the frame described above; the store
     // to `out` before the commit is harmless if the section aborts (the caller only reads `out`
     // after a commit). The load of `next` depends on the loaded head's address, so it is
@@ -783,7 +793,6 @@ mod tests {
     }
 
     fn register() -> bool {
-        crate::cpu::decide_fallback();
         registration::ensure_registered()
     }
 
@@ -817,7 +826,7 @@ mod tests {
 
     #[test]
     fn area_offset_follows_the_registrar() {
-        let process = registration::process();
+        let process = registration::decided().expect("decided before the tests");
         let active = area_offset().area_start();
         match process.registrar {
             Registrar::Glibc => assert_eq!(Some(active), process.glibc_rseq_offset),

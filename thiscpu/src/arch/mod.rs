@@ -24,6 +24,11 @@
 /// Emits the `struct rseq_cs` for a section at label 3 (in `__rseq_cs`) and lists it in
 /// `__rseq_cs_ptr_array` for debuggers. Arguments: the start, post-commit and abort labels.
 /// The descriptor is made of `.long` and `.quad` data, the same on every 64-bit architecture.
+///
+/// The debuggers' tables are arrays of 8-byte words, so each entry is aligned to 8: the
+/// section takes the alignment of its first entry, and nothing else in it may shift one. No
+/// code refers to them, so they carry the retain flag (`R`, `SHF_GNU_RETAIN`), or the linker's
+/// `--gc-sections` (rustc passes it) would drop them from every program.
 macro_rules! rseq_descriptor {
     ($start:literal, $post_commit:literal, $abort:literal) => {
         concat!(
@@ -41,7 +46,8 @@ macro_rules! rseq_descriptor {
             $abort,
             "f\n",
             ".popsection\n",
-            ".pushsection __rseq_cs_ptr_array, \"aw\"\n",
+            ".pushsection __rseq_cs_ptr_array, \"awR\"\n",
+            ".balign 8\n",
             ".quad 3b\n",
             ".popsection\n",
         )
@@ -53,7 +59,8 @@ macro_rules! rseq_descriptor {
 macro_rules! rseq_exit_point {
     ($start:literal, $exit:literal) => {
         concat!(
-            ".pushsection __rseq_exit_point_array, \"aw\"\n",
+            ".pushsection __rseq_exit_point_array, \"awR\"\n",
+            ".balign 8\n",
             ".quad ",
             $start,
             "f, ",
@@ -66,10 +73,12 @@ macro_rules! rseq_exit_point {
 
 #[cfg(target_arch = "x86_64")]
 #[path = "x86_64.rs"]
+#[cfg_attr(thiscpu_model, allow(dead_code))]
 mod imp;
 
 #[cfg(target_arch = "aarch64")]
 #[path = "aarch64.rs"]
+#[cfg_attr(thiscpu_model, allow(dead_code))]
 mod imp;
 
 #[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
@@ -77,9 +86,20 @@ compile_error!("thiscpu supports x86_64 and aarch64 Linux");
 
 pub(crate) use imp::*;
 
+// Under the model checker, the sections and the CPU a thread reads come from the model
+// machine; these names shadow the architecture file's.
+#[cfg(thiscpu_model)]
+pub mod model;
+#[cfg(thiscpu_model)]
+pub(crate) use model::{
+    field_at, load_add_store, load_cbeq_load_store, load_cbne_store, stack_pop, stack_push,
+};
+
 use crate::abi::Rseq;
+use crate::sync::atomic::AtomicU64;
+#[cfg_attr(thiscpu_model, allow(unused_imports))]
 use core::mem::{offset_of, size_of};
-use core::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicU32, Ordering};
 
 /// The process-wide words that inline fast paths test on every call, as indexes into one table
 /// of `u32`s. Each architecture file places the table right after its area delta, so the words
@@ -186,6 +206,8 @@ impl StackHead {
     pub(crate) const STOPPED: usize = 8;
 }
 
+// The model's atomics are larger, and its sections address the fields by name.
+#[cfg(not(thiscpu_model))]
 const _: () = {
     assert!(offset_of!(StackHead, count) == StackHead::COUNT);
     assert!(offset_of!(StackHead, stopped) == StackHead::STOPPED);
@@ -269,7 +291,7 @@ mod tests {
 
     #[test]
     fn the_node_area_is_the_active_one_once_node_id_is_usable_else_the_blank_one() {
-        let process = crate::registration::process();
+        let process = crate::registration::decided().expect("decided before the tests");
         let node_area = area_offset_of::<{ areas::NODE }>().area_start();
         if process.node_id_usable() {
             assert_eq!(node_area, area_offset().area_start());
@@ -278,7 +300,7 @@ mod tests {
             assert_eq!(node_area, blank_area_offset());
         }
         fn blank_after_getcpu() {
-            let _ = crate::getcpu();
+            let _ = crate::cpu::getcpu();
             let blank = AreaOffset(blank_area_offset() + AREA_OFFSET_FIELD as isize);
             assert_eq!(field_at::<CPU_ID>(blank), -1);
         }

@@ -543,6 +543,15 @@ pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>
     head: *mut usize,
     out: *mut usize,
 ) -> Outcome<()> {
+    // A displacement is a signed 32-bit field; the assembler refuses a larger one with a
+    // message that names neither NEXT nor this function.
+    const {
+        assert!(
+            NEXT <= i32::MAX as usize,
+            "load_cbeq_load_store: on x86_64, NEXT (the byte offset of a node's `next` field) \
+             must be at most i32::MAX"
+        )
+    };
     // SAFETY: the caller's contract; the section follows the frame described above; the store
     // to `out` before the commit is harmless if the section aborts (the caller only reads `out`
     // after a commit).
@@ -781,7 +790,7 @@ mod tests {
 
     #[test]
     fn area_offset_follows_the_registrar() {
-        let process = registration::process();
+        let process = registration::decided().expect("decided before the tests");
         let active = area_offset().area_start();
         match process.registrar {
             Registrar::Glibc => assert_eq!(Some(active), process.glibc_rseq_offset),
@@ -791,7 +800,6 @@ mod tests {
 
     #[test]
     fn fast_path_reads_the_active_area() {
-        crate::cpu::decide_fallback();
         let registered = registration::ensure_registered();
         let area = area_at(area_offset().area_start());
         for _ in 0..1000 {

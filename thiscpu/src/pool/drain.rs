@@ -222,7 +222,7 @@ impl<T> Pool<T> {
             attempts += 1;
             let Some(at) = ops::position() else { break };
             if at.index() != cpu {
-                std::thread::yield_now();
+                crate::sync::yield_now();
                 continue;
             }
             match self.pop_at(stacks, at) {

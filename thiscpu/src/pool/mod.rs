@@ -43,11 +43,11 @@ use crate::mask::CpuMask;
 use crate::ops::{self, ByCpu, StackOutcome};
 use crate::percpu::CachePadded;
 use crate::registration::{self, Registrar};
+use crate::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::{Mutex, MutexGuard};
 use crate::topology;
 use core::mem::ManuallyDrop;
-use core::sync::atomic::{AtomicU64, Ordering};
 use stacks::Stacks;
-use std::sync::{Mutex, MutexGuard};
 
 /// A list of objects behind a lock: the shared list, and each CPU's cache without rseq.
 type Locked<T> = CachePadded<Mutex<Vec<Box<T>>>>;
@@ -148,15 +148,17 @@ impl<T> Pool<T> {
         );
         let capacity = per_cpu.max(1);
         let cpus = topology::possible_cpus().max(1);
-        let caches = if registration::process().registrar == Registrar::None {
-            Caches::Locked(
-                (0..cpus)
-                    .map(|_| CachePadded(Mutex::new(Vec::new())))
-                    .collect(),
-            )
-        } else {
-            Caches::Rseq(Stacks::new(cpus, capacity))
-        };
+        // Without a decision (a signal handler that interrupted it) the pool never runs sections.
+        let caches =
+            if registration::decided().is_none_or(|process| process.registrar == Registrar::None) {
+                Caches::Locked(
+                    (0..cpus)
+                        .map(|_| CachePadded(Mutex::new(Vec::new())))
+                        .collect(),
+                )
+            } else {
+                Caches::Rseq(Stacks::new(cpus, capacity))
+            };
         Pool {
             caches,
             capacity,
@@ -338,7 +340,7 @@ impl<T> Pool<T> {
     }
 
     fn locked_index(&self, len: usize) -> usize {
-        crate::current_cpu() as usize % len
+        crate::cpu::current_cpu() as usize % len
     }
 
     #[cold]

@@ -15,8 +15,8 @@
 use super::Pool;
 use crate::ops::{self, Position, StackHead, StackOutcome};
 use crate::percpu::CachePadded;
+use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use core::mem::size_of;
-use core::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Slots per 128-byte chunk.
 const CHUNK: usize = 16;
@@ -70,7 +70,7 @@ impl Stacks {
         Stacks {
             heads: (0..cpus).map(|_| CachePadded::default()).collect(),
             chunks: (0..chunks)
-                .map(|_| CachePadded([const { AtomicUsize::new(0) }; CHUNK]))
+                .map(|_| CachePadded(core::array::from_fn(|_| AtomicUsize::new(0))))
                 .collect(),
             chunks_per_cpu,
         }

@@ -22,9 +22,16 @@ const LARGEST_MASK_BITS: usize = 1 << 16;
 
 /// A CPU affinity mask of any length, in the kernel's layout: CPU `n` is bit `n % WORD_BITS`
 /// of word `n / WORD_BITS`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 struct CpuSet {
     words: Vec<Word>,
+}
+
+/// The CPUs as a cpulist (`0-3,8`), not the kernel's words.
+impl core::fmt::Debug for CpuSet {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_tuple("CpuSet").field(&self.to_cpu_list()).finish()
+    }
 }
 
 impl CpuSet {
@@ -54,6 +61,14 @@ impl CpuSet {
             .map(|cpu| cpu as u32)
             .filter(|&cpu| self.contains(cpu))
             .collect()
+    }
+
+    /// The CPUs in the kernel's cpulist format.
+    fn to_cpu_list(&self) -> String {
+        let mut list = String::new();
+        crate::mask::write_cpu_list(&mut list, self.cpus().into_iter())
+            .expect("writing to a String does not fail");
+        list
     }
 
     fn bytes(&self) -> usize {
@@ -179,15 +194,10 @@ pub(crate) fn pin_to_beyond_mask(cpu: u32) -> io::Result<PinGuard> {
 fn pin_with_previous(cpu: u32, previous: CpuSet) -> io::Result<PinGuard> {
     CpuSet::only(cpu).apply_to(0)?;
     Ok(PinGuard {
+        cpu,
         previous: Some(previous),
         on_this_thread: PhantomData,
     })
-}
-
-/// Pins thread `tid` of this process to `cpu`, without a guard: the stress test moves its
-/// workers around with it.
-pub(crate) fn pin_thread(tid: libc::pid_t, cpu: u32) -> io::Result<()> {
-    CpuSet::only(cpu).apply_to(tid)
 }
 
 /// The calling thread pinned to one CPU by [`pin_to`]; dropping it restores the affinity the
@@ -200,9 +210,24 @@ pub(crate) fn pin_thread(tid: libc::pid_t, cpu: u32) -> io::Result<()> {
 /// let pinned = thiscpu::topology::pin_to(thiscpu::current_cpu()).unwrap();
 /// std::thread::spawn(move || drop(pinned));
 /// ```
+///
+/// Its `Debug` names the CPU and the affinity it restores, as cpulists:
+///
+/// ```
+/// use thiscpu::topology;
+///
+/// let allowed = topology::allowed_cpus().unwrap();
+/// let restores: thiscpu::CpuMask = allowed.iter().copied().collect();
+/// let pinned = topology::pin_to(allowed[0]).unwrap();
+/// assert_eq!(
+///     format!("{pinned:?}"),
+///     format!("PinGuard {{ cpu: {}, restores: \"{restores}\" }}", allowed[0])
+/// );
+/// ```
 #[must_use = "dropping the guard at once unpins the thread"]
-#[derive(Debug)]
 pub struct PinGuard {
+    /// The CPU the thread is pinned to.
+    cpu: u32,
     /// `None` once [`keep`](PinGuard::keep) gave the pin up for good.
     previous: Option<CpuSet>,
     on_this_thread: PhantomData<*const ()>,
@@ -227,6 +252,18 @@ impl PinGuard {
     }
 }
 
+impl core::fmt::Debug for PinGuard {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        let mut guard = f.debug_struct("PinGuard");
+        guard.field("cpu", &self.cpu);
+        match &self.previous {
+            Some(previous) => guard.field("restores", &previous.to_cpu_list()),
+            None => guard.field("restores", &"nothing (kept)"),
+        };
+        guard.finish()
+    }
+}
+
 impl Drop for PinGuard {
     fn drop(&mut self) {
         if let Some(previous) = self.previous.take() {
@@ -247,19 +284,6 @@ mod tests {
         assert!(!set.contains(3999) && !set.contains(4001) && !set.contains(u32::MAX));
         assert_eq!(set.cpus(), [4000]);
         assert!(set.bytes() * 8 > 4000);
-    }
-
-    #[test]
-    fn pinning_by_thread_id_moves_that_thread() {
-        let cpu = *allowed_cpus().unwrap().last().unwrap();
-        std::thread::spawn(move || {
-            // SAFETY: no precondition.
-            let tid = unsafe { libc::gettid() };
-            pin_thread(tid, cpu).unwrap();
-            assert_eq!(allowed_cpus().unwrap(), [cpu]);
-        })
-        .join()
-        .unwrap();
     }
 
     #[test]

@@ -9,8 +9,8 @@
 
 mod affinity;
 
+pub(crate) use affinity::pin_to_beyond_mask;
 pub use affinity::{PinGuard, allowed_cpus, pin_to};
-pub(crate) use affinity::{pin_thread, pin_to_beyond_mask};
 
 use std::path::Path;
 use std::sync::OnceLock;
@@ -74,6 +74,7 @@ fn configured_cpus() -> usize {
 /// ```
 /// assert!(thiscpu::current_cpu() < thiscpu::topology::possible_cpus() as u32);
 /// ```
+#[cfg(not(thiscpu_model))]
 pub fn possible_cpus() -> usize {
     static POSSIBLE: OnceLock<usize> = OnceLock::new();
     *POSSIBLE.get_or_init(|| {
@@ -81,6 +82,12 @@ pub fn possible_cpus() -> usize {
             .and_then(|cpus| cpus.last().map(|&last| last as usize + 1));
         from_sys.unwrap_or_else(configured_cpus)
     })
+}
+
+/// The model machine's CPUs, under the model checker.
+#[cfg(thiscpu_model)]
+pub fn possible_cpus() -> usize {
+    crate::arch::model::cpus()
 }
 
 /// The CPUs online right now (read afresh on every call: CPUs can be hot-plugged).

@@ -1,0 +1,370 @@
+//! A model machine for the model checker: the restartable sequences, the CPU a thread runs on
+//! and the `membarrier` fences, as loom steps, in builds with `RUSTFLAGS="--cfg thiscpu_model"`
+//! only (`arch` then takes the sections and `field_at` from here instead of the real
+//! architecture file, which still provides the rest of the contract).
+//!
+//! # The machine
+//! [`cpus`] model CPUs (2 unless a test sets another number with [`set_cpus`]). Each model
+//! thread runs on one of them: CPU 0 until it calls [`run_on`], which moves it (a migration).
+//! Threads on one CPU run at the same time in the model, where the real CPU would run them
+//! one after another; what the kernel does about that, the model does with a *generation* per
+//! CPU, a counter kept under a loom mutex that also stands for "running on that CPU":
+//! - a section starts by checking that its position's index is the thread's CPU (the real
+//!   section's comparison of `cpu_id`), then bumps its CPU's generation and keeps the value:
+//!   whatever section was in flight there has been preempted by this one;
+//! - a thread arriving on a CPU ([`run_on`]) bumps the generation of the CPU it leaves and of
+//!   the one it reaches;
+//! - a fence of CPU `c` bumps `c`'s generation, a fence of every CPU bumps them all
+//!   (`membarrier`);
+//! - each store of a section (a slot, and the commit) is made under the CPU's mutex, and only
+//!   if the generation is still the one the section started with; otherwise the section
+//!   reports that it was aborted. Its loads are plain loom loads, each a step of its own.
+//!
+//! So loom lets a section commit, or be aborted, at every point before its commit, and lets
+//! other CPUs' threads act between any two of its steps, as the kernel does. The mutex also
+//! orders what happens on one CPU one after another (a context switch is a full barrier) and a
+//! fence with the sections before and after it (membarrier's barriers on the target CPU). The
+//! loads and stores of the sections use the orderings of the aarch64 file, the weaker of the
+//! two architectures.
+//!
+//! Words that sections address are `crate::sync::atomic` atomics, reached back from the
+//! pointers the sections are given (see that module).
+//!
+//! # The process
+//! The rseq decision is not modelled: `process` (which `registration::decided` returns
+//! under the model) says that thiscpu registers every thread, and `field_at` answers the
+//! model CPU for `cpu_id` and `mm_cid`, so every model thread has a registered area and
+//! `registration` never runs. `mm_cid` is never reported usable, so by-`mm_cid` types spread
+//! by CPU. `membarrier` stands in for the system call of `fence` and always succeeds.
+
+use super::{AreaOffset, Outcome, StackHead, StackOutcome};
+use crate::abi::offset;
+use crate::registration::{Process, Registrar};
+use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use core::cell::Cell;
+use core::sync::atomic::AtomicUsize as PlainUsize;
+use loom::sync::Mutex;
+
+/// The most model CPUs a test may ask for.
+pub const MAX_CPUS: usize = 4;
+
+/// The number of model CPUs: the same for every execution of a test, so a plain atomic.
+static CPUS: PlainUsize = PlainUsize::new(2);
+
+/// One model CPU: its generation, under the lock that stands for running on it.
+struct Cpu {
+    generation: Mutex<u64>,
+}
+
+loom::lazy_static! {
+    /// The model CPUs of the current execution (made anew for each one).
+    static ref MACHINE: Vec<Cpu> = (0..MAX_CPUS).map(|_| Cpu { generation: Mutex::new(0) }).collect();
+}
+
+loom::thread_local! {
+    /// The model CPU the calling model thread runs on.
+    static HERE: Cell<u32> = Cell::new(0);
+}
+
+/// Sets the number of model CPUs (1 to [`MAX_CPUS`]): what `topology::possible_cpus` reports,
+/// so set it before making a `Sharded` or a `Pool`.
+pub fn set_cpus(count: usize) {
+    assert!(
+        (1..=MAX_CPUS).contains(&count),
+        "1 to {MAX_CPUS} model CPUs"
+    );
+    CPUS.store(count, core::sync::atomic::Ordering::Relaxed);
+}
+
+/// The number of model CPUs.
+pub fn cpus() -> usize {
+    CPUS.load(core::sync::atomic::Ordering::Relaxed)
+}
+
+/// The model CPU the calling thread runs on.
+pub fn current() -> u32 {
+    HERE.with(Cell::get)
+}
+
+/// Moves the calling thread to model CPU `cpu`: a section it starts later at a position read
+/// before aborts, and its arrival preempts whatever section runs there.
+pub fn run_on(cpu: u32) {
+    assert!((cpu as usize) < cpus(), "model CPU {cpu} does not exist");
+    bump(current());
+    HERE.with(|here| here.set(cpu));
+    bump(cpu);
+}
+
+/// Ends every section in flight on `cpu`: preemption, a signal, or a fence.
+fn bump(cpu: u32) {
+    *lock(cpu) += 1;
+}
+
+fn lock(cpu: u32) -> loom::sync::MutexGuard<'static, u64> {
+    MACHINE[cpu as usize]
+        .generation
+        .lock()
+        .expect("no model thread panics while it holds a CPU")
+}
+
+/// The `membarrier` system call of `fence`: registering succeeds, a fence of one CPU (beyond
+/// the model CPUs: none, as for an offline CPU) or of every CPU ends the sections in flight
+/// there, anything else is refused with `EINVAL`. Returns what the system call would.
+pub(crate) fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), i32> {
+    match (cmd, flags) {
+        (crate::fence::CMD_REGISTER_PRIVATE_EXPEDITED_RSEQ, 0) => Ok(()),
+        (crate::fence::CMD_PRIVATE_EXPEDITED_RSEQ, crate::fence::CMD_FLAG_CPU) => {
+            if (0..cpus() as i32).contains(&cpu) {
+                bump(cpu as u32);
+            }
+            Ok(())
+        }
+        (crate::fence::CMD_PRIVATE_EXPEDITED_RSEQ, 0) => {
+            (0..cpus() as u32).for_each(bump);
+            Ok(())
+        }
+        _ => Err(libc::EINVAL),
+    }
+}
+
+/// The process as the model shows it: thiscpu registers every thread.
+pub(crate) fn process() -> &'static Process {
+    static MODEL_PROCESS: Process = Process {
+        registrar: Registrar::Thiscpu,
+        unavailable: None,
+        kernel_feature_size: 0,
+        kernel_align: 0,
+        registered_size: 32,
+        usable_size: 20,
+        glibc_rseq_size: None,
+        glibc_rseq_offset: None,
+        fallback: crate::via::CpuSource::Syscall,
+    };
+    &MODEL_PROCESS
+}
+
+/// The area's field `FIELD`: the model CPU for `cpu_id` and `mm_cid`, the real area's field
+/// otherwise.
+pub(crate) fn field_at<const FIELD: usize>(area: AreaOffset) -> i32 {
+    if FIELD == offset::CPU_ID || FIELD == offset::MM_CID {
+        current() as i32
+    } else {
+        super::imp::field_at::<FIELD>(area)
+    }
+}
+
+/// A section in flight: the CPU it started on and that CPU's generation then.
+struct Section {
+    cpu: u32,
+    generation: u64,
+}
+
+impl Section {
+    /// Starts a section positioned at `index`: `None` (aborted) if the thread is not on that
+    /// CPU any more.
+    fn start(index: u32) -> Option<Section> {
+        let cpu = current();
+        if index != cpu {
+            return None;
+        }
+        let mut generation = lock(cpu);
+        *generation += 1;
+        Some(Section {
+            cpu,
+            generation: *generation,
+        })
+    }
+
+    /// Makes one of the section's stores, unless the section was preempted, migrated or fenced
+    /// since it started: then nothing is stored and the section is over (`false`).
+    ///
+    /// The sections store with `swap`, whose result they ignore: loom orders a plain store
+    /// only after the stores its thread has seen, so a later load could still return an older
+    /// read-modify-write of another thread (a take-over's) as the newest value, which no
+    /// hardware does (each location's stores have one order, and a read-modify-write's value
+    /// directly follows the value it read). A swap is ordered after every earlier store.
+    fn store(&self, store: impl FnOnce()) -> bool {
+        let generation = lock(self.cpu);
+        if *generation != self.generation {
+            return false;
+        }
+        store();
+        true
+    }
+}
+
+/// The atomic at `word`, a pointer from `crate::sync::atomic`'s `as_ptr`.
+///
+/// # Safety
+/// As for `AtomicU64::from_ptr`.
+unsafe fn word64<'a>(word: *mut u64) -> &'a AtomicU64 {
+    // SAFETY: forwarded contract.
+    unsafe { AtomicU64::from_ptr(word) }
+}
+
+/// See `ops::load_add_store`.
+///
+/// # Safety
+/// As for the architecture file's, with `v` from `AtomicU64::as_ptr` of `crate::sync`.
+pub(crate) unsafe fn load_add_store<const FIELD: usize>(
+    _area: AreaOffset,
+    index: u32,
+    v: *mut u64,
+    count: u64,
+) -> Outcome {
+    let Some(section) = Section::start(index) else {
+        return Outcome::Aborted;
+    };
+    // SAFETY: the caller's contract.
+    let v = unsafe { word64(v) };
+    let sum = v.load(Ordering::Relaxed).wrapping_add(count);
+    if section.store(|| {
+        v.swap(sum, Ordering::Relaxed);
+    }) {
+        Outcome::Committed(())
+    } else {
+        Outcome::Aborted
+    }
+}
+
+/// See `ops::load_cbne_store`: the commit is a store-release.
+///
+/// # Safety
+/// As for the architecture file's, with `v` from `AtomicU64::as_ptr` of `crate::sync`.
+pub(crate) unsafe fn load_cbne_store<const FIELD: usize>(
+    _area: AreaOffset,
+    index: u32,
+    v: *mut u64,
+    expect: u64,
+    newv: u64,
+) -> Outcome {
+    let Some(section) = Section::start(index) else {
+        return Outcome::Aborted;
+    };
+    // SAFETY: the caller's contract.
+    let v = unsafe { word64(v) };
+    if v.load(Ordering::Relaxed) != expect {
+        return Outcome::Mismatch;
+    }
+    if section.store(|| {
+        v.swap(newv, Ordering::Release);
+    }) {
+        Outcome::Committed(())
+    } else {
+        Outcome::Aborted
+    }
+}
+
+/// See `ops::load_cbeq_load_store`.
+///
+/// # Safety
+/// As for the architecture file's, with `head` and every node's `next` field (at byte offset
+/// `NEXT`) `crate::sync` `AtomicUsize`s, `head` from their `as_ptr`.
+pub(crate) unsafe fn load_cbeq_load_store<const FIELD: usize, const NEXT: usize>(
+    _area: AreaOffset,
+    index: u32,
+    head: *mut usize,
+    out: *mut usize,
+) -> Outcome {
+    let Some(section) = Section::start(index) else {
+        return Outcome::Aborted;
+    };
+    // SAFETY: the caller's contract.
+    let head = unsafe { AtomicUsize::from_ptr(head) };
+    let first = head.load(Ordering::Acquire);
+    if first == 0 {
+        return Outcome::Mismatch;
+    }
+    // SAFETY: a non-null head is a live node whose `next` field is at `NEXT` (contract).
+    let next =
+        unsafe { AtomicUsize::from_ptr((first + NEXT) as *mut usize) }.load(Ordering::Relaxed);
+    // SAFETY: `out` is valid for a pointer write (contract); only committed pops read it.
+    unsafe { out.write(first) };
+    if section.store(|| {
+        head.swap(next, Ordering::Relaxed);
+    }) {
+        Outcome::Committed(())
+    } else {
+        Outcome::Aborted
+    }
+}
+
+/// The `n`th slot of a stack whose slots start at `slots`.
+///
+/// # Safety
+/// `slots` came from the `as_ptr` of the first of at least `n + 1` consecutive
+/// `crate::sync` `AtomicUsize`s.
+unsafe fn slot<'a>(slots: *const usize, n: u64) -> &'a AtomicUsize {
+    // SAFETY: the caller's contract.
+    unsafe { &*slots.cast::<AtomicUsize>().add(n as usize) }
+}
+
+/// See `ops::stack_push`: `stopped` is loaded with acquire, the commit is a store-release.
+///
+/// # Safety
+/// As for the architecture file's, with the slots `crate::sync` `AtomicUsize`s.
+pub(crate) unsafe fn stack_push<const FIELD: usize>(
+    _area: AreaOffset,
+    index: u32,
+    head: *const StackHead,
+    slots: *mut usize,
+    capacity: u64,
+    item: usize,
+) -> StackOutcome {
+    let Some(section) = Section::start(index) else {
+        return StackOutcome::Aborted;
+    };
+    // SAFETY: the caller's contract: `head` is a live stack head.
+    let head = unsafe { &*head };
+    if head.stopped.load(Ordering::Acquire) != 0 {
+        return StackOutcome::Stopped;
+    }
+    let n = head.count.load(Ordering::Relaxed);
+    if n >= capacity {
+        return StackOutcome::Refused;
+    }
+    // SAFETY: `n < capacity`, and the slots hold `capacity` atomics (contract).
+    let slot = unsafe { slot(slots, n) };
+    if section.store(|| {
+        slot.swap(item, Ordering::Relaxed);
+    }) && section.store(|| {
+        head.count.swap(n + 1, Ordering::Release);
+    }) {
+        StackOutcome::Committed
+    } else {
+        StackOutcome::Aborted
+    }
+}
+
+/// See `ops::stack_pop`: `stopped` is loaded with acquire, the commit is a plain store.
+///
+/// # Safety
+/// As for [`stack_push`].
+pub(crate) unsafe fn stack_pop<const FIELD: usize>(
+    _area: AreaOffset,
+    index: u32,
+    head: *const StackHead,
+    slots: *const usize,
+) -> (StackOutcome, usize) {
+    let Some(section) = Section::start(index) else {
+        return (StackOutcome::Aborted, 0);
+    };
+    // SAFETY: the caller's contract: `head` is a live stack head.
+    let head = unsafe { &*head };
+    if head.stopped.load(Ordering::Acquire) != 0 {
+        return (StackOutcome::Stopped, 0);
+    }
+    let n = head.count.load(Ordering::Relaxed);
+    if n == 0 {
+        return (StackOutcome::Refused, 0);
+    }
+    // SAFETY: a count is at most the capacity, the number of slots (contract).
+    let item = unsafe { slot(slots, n - 1) }.load(Ordering::Relaxed);
+    if section.store(|| {
+        head.count.swap(n - 1, Ordering::Relaxed);
+    }) {
+        (StackOutcome::Committed, item)
+    } else {
+        (StackOutcome::Aborted, 0)
+    }
+}

@@ -268,6 +268,7 @@ for dir in "${kernel_dirs[@]}"; do
             /@@KERNEL / { sub(/.*@@KERNEL /, ""); kernel = $1 }
             /^@@CHECK / { checks++; if ($3 != "ok") failed++ }
             /^@@CHECK write-cpu-id-optimized ok / { enforced = 1 }
+            /^@@SKIPPED / { skipped++ }
             /^@@TESTS / { programs++; split($3, p, "="); tests += p[2]; if (p[2] + 0 == 0) { empty++; names = names " " $2 } }
             /^@@END / { split($2, c, "="); split($3, f, "="); end_checks = c[2]; end_failed = f[2]; ended = 1 }
             /^@@GUEST_EXIT=/ { exit_code = substr($0, 14) }
@@ -279,7 +280,7 @@ for dir in "${kernel_dirs[@]}"; do
                 if (failed + 0 > 0 || end_failed != 0 || exit_code != "0") { print "FAIL: " failed + 0 " of " checks " checks failed"; exit }
                 if (enforce == 1 && !enforced) { print "FAIL: no proof that the kernel enforces the optimized mode"; exit }
                 if (empty + 0 > 0) { print "FAIL: " empty " test executables ran no tests:" names; exit }
-                print "ok: " checks " checks passed, " programs + 0 " test executables ran " tests + 0 " tests, 0 with no tests"
+                print "ok: " checks " checks passed, " programs + 0 " test executables ran " tests + 0 " tests, 0 with no tests, " skipped + 0 " skipped"
             }')
         echo "--- kernels: $release ($suite), $guest: $verdict in $took s (log: ${log#"$repo/"})"
         summary+=("$(printf '%-28s %-16s %4d s  %-14s %s' "$release" "$guest" "$took" \

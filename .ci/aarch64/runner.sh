@@ -233,8 +233,8 @@ names=()
 chmod +x "$root/init" "$root/bin/busybox"
 
 (cd "$root" && find . -mindepth 1 | cpio -o -H newc --quiet >"$work/initrd.cpio")
-# The guest holds the initramfs twice while unpacking it (a batch's test executables, with
-# their debug information, weigh hundreds of MiB), and the tests need room besides.
+# The guest holds the initramfs twice while unpacking it (a batch's test executables weigh
+# over a hundred MiB even without their debug information), and the tests need room besides.
 initrd_mib=$(($(stat -c %s "$work/initrd.cpio") / 1048576 + 1))
 mem_mib=${THISCPU_VM_MEM:-$((1024 + 2 * initrd_mib))}
 

@@ -24,6 +24,14 @@ pub const ORIGINAL_FEATURE_SIZE: u32 = 20;
 /// registration instead.
 pub const OWN_AREA_CAPACITY: u32 = 64;
 
+/// `MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ` (Linux 5.10): restart the process's restartable
+/// sequences running on the CPUs targeted.
+pub const MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ: i32 = 1 << 7;
+/// `MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED_RSEQ` (Linux 5.10).
+pub const MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED_RSEQ: i32 = 1 << 8;
+/// `MEMBARRIER_CMD_FLAG_CPU`: target only the CPU in the third argument.
+pub const MEMBARRIER_CMD_FLAG_CPU: u32 = 1;
+
 /// `struct rseq`: the per-thread area the kernel keeps up to date.
 ///
 /// Size and alignment: 32 bytes, 32-byte aligned, as the original ABI requires. `node_id` and

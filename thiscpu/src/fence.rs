@@ -42,11 +42,12 @@ use core::mem::MaybeUninit;
 use std::ffi::CStr;
 
 /// `MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ` (Linux 5.10).
-pub const CMD_PRIVATE_EXPEDITED_RSEQ: i32 = 1 << 7;
+pub const CMD_PRIVATE_EXPEDITED_RSEQ: i32 = crate::abi::MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ;
 /// `MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED_RSEQ` (Linux 5.10).
-pub const CMD_REGISTER_PRIVATE_EXPEDITED_RSEQ: i32 = 1 << 8;
+pub const CMD_REGISTER_PRIVATE_EXPEDITED_RSEQ: i32 =
+    crate::abi::MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED_RSEQ;
 /// `MEMBARRIER_CMD_FLAG_CPU`: target only the CPU in the third argument.
-pub const CMD_FLAG_CPU: u32 = 1;
+pub const CMD_FLAG_CPU: u32 = crate::abi::MEMBARRIER_CMD_FLAG_CPU;
 
 /// Why cross-CPU fences cannot be used in this process: the errno of the refused call.
 ///

@@ -446,34 +446,8 @@ impl FromIterator<u32> for CpuMask {
 /// ```
 impl core::fmt::Display for CpuMask {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        write_cpu_list(f, self.iter())
+        topology::write_cpu_list(f, self.iter())
     }
-}
-
-/// Writes increasing CPU ids in the kernel's cpulist format, ranges folded: `0-3,8`.
-pub(crate) fn write_cpu_list(
-    f: &mut impl core::fmt::Write,
-    cpus: impl Iterator<Item = u32>,
-) -> core::fmt::Result {
-    let mut cpus = cpus.peekable();
-    let mut first = true;
-    while let Some(start) = cpus.next() {
-        let mut end = start;
-        while cpus.peek() == Some(&(end + 1)) {
-            end += 1;
-            cpus.next();
-        }
-        if !first {
-            f.write_str(",")?;
-        }
-        first = false;
-        if start == end {
-            write!(f, "{start}")?;
-        } else {
-            write!(f, "{start}-{end}")?;
-        }
-    }
-    Ok(())
 }
 
 /// The members as a quoted cpulist (as [`Display`](core::fmt::Display) writes them), and the

@@ -246,10 +246,24 @@ pub(crate) fn mm_cid_usable() -> bool {
 #[inline]
 pub(crate) fn decided() -> Option<&'static Process> {
     #[cfg(thiscpu_model)]
-    return Some(crate::arch::model::process());
+    return Some(&MODEL_PROCESS);
     #[cfg(not(thiscpu_model))]
     PROCESS.get_or_decide(&decided_once::Threads, decide)
 }
+
+/// The process as the model checker's machine shows it: thiscpu registers every thread.
+#[cfg(thiscpu_model)]
+static MODEL_PROCESS: Process = Process {
+    registrar: Registrar::Thiscpu,
+    unavailable: None,
+    kernel_feature_size: 0,
+    kernel_align: 0,
+    registered_size: 32,
+    usable_size: 20,
+    glibc_rseq_size: None,
+    glibc_rseq_offset: None,
+    fallback: CpuSource::Syscall,
+};
 
 /// Whether the process decided that nobody uses rseq: the callers' slow paths then skip the
 /// registration check. False while undecided.

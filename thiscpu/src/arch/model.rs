@@ -38,8 +38,7 @@
 //! by CPU. `membarrier` stands in for the system call of `fence` and always succeeds.
 
 use super::{AreaOffset, Outcome, StackHead, StackOutcome};
-use crate::abi::offset;
-use crate::registration::{Process, Registrar};
+use crate::abi::{self, offset};
 use crate::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use core::cell::Cell;
 use core::sync::atomic::AtomicUsize as PlainUsize;
@@ -112,35 +111,19 @@ fn lock(cpu: u32) -> loom::sync::MutexGuard<'static, u64> {
 /// there, anything else is refused with `EINVAL`. Returns what the system call would.
 pub(crate) fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), i32> {
     match (cmd, flags) {
-        (crate::fence::CMD_REGISTER_PRIVATE_EXPEDITED_RSEQ, 0) => Ok(()),
-        (crate::fence::CMD_PRIVATE_EXPEDITED_RSEQ, crate::fence::CMD_FLAG_CPU) => {
+        (abi::MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED_RSEQ, 0) => Ok(()),
+        (abi::MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ, abi::MEMBARRIER_CMD_FLAG_CPU) => {
             if (0..cpus() as i32).contains(&cpu) {
                 bump(cpu as u32);
             }
             Ok(())
         }
-        (crate::fence::CMD_PRIVATE_EXPEDITED_RSEQ, 0) => {
+        (abi::MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ, 0) => {
             (0..cpus() as u32).for_each(bump);
             Ok(())
         }
         _ => Err(libc::EINVAL),
     }
-}
-
-/// The process as the model shows it: thiscpu registers every thread.
-pub(crate) fn process() -> &'static Process {
-    static MODEL_PROCESS: Process = Process {
-        registrar: Registrar::Thiscpu,
-        unavailable: None,
-        kernel_feature_size: 0,
-        kernel_align: 0,
-        registered_size: 32,
-        usable_size: 20,
-        glibc_rseq_size: None,
-        glibc_rseq_offset: None,
-        fallback: crate::via::CpuSource::Syscall,
-    };
-    &MODEL_PROCESS
 }
 
 /// The area's field `FIELD`: the model CPU for `cpu_id` and `mm_cid`, the real area's field

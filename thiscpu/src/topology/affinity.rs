@@ -66,7 +66,7 @@ impl CpuSet {
     /// The CPUs in the kernel's cpulist format.
     fn to_cpu_list(&self) -> String {
         let mut list = String::new();
-        crate::mask::write_cpu_list(&mut list, self.cpus().into_iter())
+        super::write_cpu_list(&mut list, self.cpus().into_iter())
             .expect("writing to a String does not fail");
         list
     }

@@ -242,6 +242,32 @@ pub(crate) fn prepare() {
     let _ = node_table();
 }
 
+/// Writes increasing CPU ids in the kernel's cpulist format, ranges folded: `0-3,8`.
+pub(crate) fn write_cpu_list(
+    f: &mut impl core::fmt::Write,
+    cpus: impl Iterator<Item = u32>,
+) -> core::fmt::Result {
+    let mut cpus = cpus.peekable();
+    let mut first = true;
+    while let Some(start) = cpus.next() {
+        let mut end = start;
+        while cpus.peek() == Some(&(end + 1)) {
+            end += 1;
+            cpus.next();
+        }
+        if !first {
+            f.write_str(",")?;
+        }
+        first = false;
+        if start == end {
+            write!(f, "{start}")?;
+        } else {
+            write!(f, "{start}-{end}")?;
+        }
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

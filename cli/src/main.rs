@@ -24,6 +24,32 @@ fn where_am_i() -> Result<(), Error> {
     Ok(())
 }
 
+/// `thiscpu report`: a recorded report printed again, and/or a README's blocks refreshed.
+fn report_command(
+    file: Option<&std::path::Path>,
+    readme: Option<&std::path::Path>,
+    check: bool,
+) -> Result<(), Error> {
+    if let Some(file) = file {
+        println!("{}", report::replay::Replay::read(file)?.text());
+    }
+    if let Some(readme) = readme {
+        let refreshed = report::readme::refresh(readme, check)?;
+        let state = match (refreshed.changed, check) {
+            (false, _) => "current",
+            (true, false) => "rewritten",
+            (true, true) => unreachable!("a check that finds a change fails"),
+        };
+        eprintln!(
+            "{}: {} bench block{} {state}",
+            readme.display(),
+            refreshed.blocks,
+            if refreshed.blocks == 1 { "" } else { "s" }
+        );
+    }
+    Ok(())
+}
+
 fn main() {
     // Die quietly on a closed pipe (`thiscpu info | head -1`) like other Unix tools, instead
     // of failing a write.
@@ -51,6 +77,11 @@ fn main() {
             threshold,
             export_markdown,
         }) => report::compare::run(&before, &after, threshold, export_markdown.as_deref()),
+        Some(Command::Report {
+            file,
+            readme,
+            check,
+        }) => report_command(file.as_deref(), readme.as_deref(), check),
         Some(Command::Stress(options)) => stress::run(options),
     };
     if let Err(error) = outcome {

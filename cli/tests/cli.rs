@@ -134,6 +134,41 @@ fn quick_bench_json_matches_the_schema_and_lists_every_case() {
     let comparison = succeed(&["compare", json, json]);
     assert!(comparison.contains("current_cpu"), "{comparison}");
     assert!(!comparison.contains("only in"), "{comparison}");
+
+    // Read back, the report prints what the run printed.
+    let replayed = succeed(&["report", json]);
+    let printed_table = |text: &str| -> Vec<String> {
+        let start = text.find("getcpu — ").expect("the getcpu table");
+        text[start..].lines().take(14).map(str::to_owned).collect()
+    };
+    assert_eq!(printed_table(&replayed), printed_table(&stdout));
+
+    // A Markdown file quoting it is filled in, then found current, then found stale.
+    let markdown = dir.join("quotes.md");
+    std::fs::write(
+        &markdown,
+        "# Runs\n<!-- bench-run getcpu.json -->\n<!-- end bench -->\ntext\n\
+         <!-- bench-family getcpu.json getcpu -->\nold table\n<!-- end bench -->\n",
+    )
+    .unwrap();
+    let markdown = markdown.to_str().unwrap();
+    succeed(&["report", "--readme", markdown]);
+    let quoted = std::fs::read_to_string(markdown).unwrap();
+    assert!(!quoted.contains("old table"), "{quoted}");
+    assert!(quoted.contains("Recorded in [`getcpu.json`]"), "{quoted}");
+    assert!(
+        quoted.contains("by `thiscpu bench --quick --json"),
+        "{quoted}"
+    );
+    assert!(
+        quoted.contains(&printed_table(&stdout).join("\n")),
+        "{quoted}"
+    );
+    succeed(&["report", "--readme", markdown, "--check"]);
+    std::fs::write(markdown, quoted.replace("current_cpu", "current-cpu")).unwrap();
+    let stale = thiscpu(&["report", "--readme", markdown, "--check"]);
+    assert_eq!(stale.status.code(), Some(1), "{}", text(&stale.stderr));
+    assert!(text(&stale.stderr).contains("differ from the reports"));
 }
 
 #[test]
@@ -268,6 +303,7 @@ fn bad_input_is_one_line_and_exit_status_2() {
     let under_file = a_file.join("charts");
     let missing = dir.join("missing.json");
     let no_dir = dir.join("no/such/dir/out.json");
+    let older_report = data("before.json");
 
     let cases: Vec<Vec<&str>> = vec![
         vec!["frobnicate"],
@@ -299,6 +335,12 @@ fn bad_input_is_one_line_and_exit_status_2() {
             wrong_shape.to_str().unwrap(),
         ],
         vec!["compare", not_json.to_str().unwrap()],
+        vec!["report"],
+        vec!["report", "--check", missing.to_str().unwrap()],
+        vec!["report", missing.to_str().unwrap()],
+        vec!["report", not_json.to_str().unwrap()],
+        vec!["report", "--readme", missing.to_str().unwrap()],
+        vec!["report", &older_report],
     ];
     for args in cases {
         let output = thiscpu(&args);

@@ -28,6 +28,13 @@ impl Unit {
         }
     }
 
+    /// The unit a report's label names, for reading reports back.
+    pub fn from_label(label: &str) -> Option<Unit> {
+        [Unit::NsPerOp, Unit::BytesPerCounter, Unit::Bytes]
+            .into_iter()
+            .find(|unit| unit.label() == label)
+    }
+
     /// Whether a smaller number is an improvement.
     pub fn lower_is_better(self) -> bool {
         matches!(self, Unit::NsPerOp | Unit::BytesPerCounter | Unit::Bytes)

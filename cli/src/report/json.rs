@@ -45,6 +45,9 @@ pub struct Run {
     pub cpus: Vec<u32>,
     /// When the report was written, in seconds since the Unix epoch.
     pub unix_time: u64,
+    /// The command line that made the report, program name first (absent in older reports).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub command: Vec<String>,
 }
 
 /// One (bench, case, threads) result.
@@ -88,6 +91,9 @@ pub struct ResultRow {
     /// below 1 on a busy machine.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub on_cpu: Option<f64>,
+    /// That share in every round, in round order (extra; absent in older reports).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub on_cpu_rounds: Vec<f64>,
 }
 
 impl ResultRow {
@@ -134,6 +140,7 @@ impl Report {
                 quick: info.quick,
                 cpus: info.cpus.clone(),
                 unix_time,
+                command: std::env::args().collect(),
             }),
             results: measured.iter().map(row).collect(),
             skipped: skipped
@@ -173,6 +180,7 @@ fn row(m: &Measured) -> ResultRow {
         cpus: m.cpus.clone(),
         ops: Some(m.ops),
         on_cpu: (!m.on_cpu.is_empty()).then(|| Stats::of(&m.on_cpu).median),
+        on_cpu_rounds: m.on_cpu.clone(),
     }
 }
 

@@ -4,5 +4,7 @@
 pub mod compare;
 pub mod json;
 pub mod output;
+pub mod readme;
+pub mod replay;
 pub mod svg;
 pub mod table;

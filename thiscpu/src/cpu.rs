@@ -11,6 +11,8 @@ use crate::topology;
 use crate::via::{self, CpuNode, CpuSource};
 
 /// What answers thiscpu's questions in this process and thread, and what the kernel offers.
+///
+/// With the `serde` feature: `Serialize` and `Deserialize`.
 #[derive(Clone, Copy, Debug)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]

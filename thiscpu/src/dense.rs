@@ -65,6 +65,8 @@ static SLOTS_IN_USE: AtomicUsize = AtomicUsize::new(0);
 static BYTES_IN_USE: AtomicUsize = AtomicUsize::new(0);
 
 /// What the dense allocator holds right now.
+///
+/// With the `serde` feature: `Serialize` and `Deserialize`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]

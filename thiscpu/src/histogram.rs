@@ -341,6 +341,8 @@ impl core::fmt::Debug for Histogram {
 
 /// One bucket of a [`HistogramSnapshot`]: how many observations fell at or below `le` and above
 /// the previous bucket's bound (not cumulative).
+///
+/// With the `serde` feature: `Serialize` and `Deserialize`.
 #[derive(Clone, Copy, Debug, PartialEq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]
@@ -353,6 +355,8 @@ pub struct Bucket {
 }
 
 /// A histogram's contents at one time: buckets, count, sum, minimum and maximum.
+///
+/// With the `serde` feature: `Serialize` and `Deserialize`.
 #[derive(Clone, Debug, PartialEq)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[non_exhaustive]

@@ -584,6 +584,8 @@ impl HistogramFn for MetricsHistogram {
 }
 
 /// Which kind of metric a [`Description`] is about.
+///
+/// With the `serde` feature: `Serialize` and `Deserialize`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
@@ -688,6 +690,7 @@ impl Snapshot {
 /// "descriptions": [{"kind", "name", "unit", "text"}]}`. The `metrics` crate's key types have
 /// no serde support, so there is no `Deserialize`.
 #[cfg(feature = "serde")]
+#[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
 impl serde::Serialize for Snapshot {
     fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeStruct;

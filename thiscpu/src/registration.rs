@@ -19,6 +19,8 @@ use std::cell::Cell;
 use std::ffi::CStr;
 
 /// Who registered the rseq areas that thiscpu reads.
+///
+/// With the `serde` feature: `Serialize` and `Deserialize`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
@@ -72,6 +74,8 @@ impl core::fmt::Display for Registrar {
 ///     println!("rseq in {} mode", mode.name());
 /// }
 /// ```
+///
+/// With the `serde` feature: `Serialize` and `Deserialize`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]
@@ -128,6 +132,8 @@ impl core::fmt::Display for RseqMode {
 ///     "the rseq system call was refused: Operation not permitted"
 /// );
 /// ```
+///
+/// With the `serde` feature: `Serialize` and `Deserialize`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]

@@ -12,6 +12,8 @@ use crate::arch;
 use core::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 /// A CPU and the NUMA node it belongs to, read together.
+///
+/// With the `serde` feature: `Serialize` and `Deserialize`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 pub struct CpuNode {
@@ -22,6 +24,8 @@ pub struct CpuNode {
 }
 
 /// The mechanism that answers "which CPU am I on".
+///
+/// With the `serde` feature: `Serialize` and `Deserialize`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[cfg_attr(feature = "serde", derive(serde::Serialize, serde::Deserialize))]
 #[cfg_attr(feature = "serde", serde(rename_all = "snake_case"))]

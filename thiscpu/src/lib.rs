@@ -174,6 +174,17 @@ pub use registration::{Registrar, RseqMode, Unavailable};
 pub use sharded::{ShardGuard, Sharded};
 pub use via::{CpuNode, CpuSource};
 
+// The README's Rust snippets, compiled and run as doctests when every feature they use is on
+// (CI's features step), so that the front page cannot drift from the API.
+#[cfg(all(
+    doctest,
+    feature = "metrics-layer",
+    feature = "prometheus-client",
+    feature = "serde"
+))]
+#[doc = include_str!("../../README.md")]
+struct ReadmeSnippets;
+
 #[cfg(test)]
 mod crate_docs {
     /// The crate's `[features]` table, as `(name, enables)` lines, from its manifest.

@@ -52,6 +52,7 @@
 mod hash;
 mod instrument;
 mod series;
+mod set_map;
 
 pub use instrument::{
     BoundCounter, BoundUpDownCounter, PerCpuCounter, PerCpuInstrumentBuilder, PerCpuMeterExt,

@@ -5,14 +5,10 @@
 //! Values are `u64` words that wrap: an `i64` up-down counter stores its two's complement, and
 //! the wrapped sum read back as `i64` is the exact total.
 
-use crate::hash::Seeded;
+use crate::set_map::{Attributes, SetMap};
 use opentelemetry::KeyValue;
-use std::collections::HashMap;
 use std::sync::{Arc, OnceLock, RwLock};
 use thiscpu::Sharded;
-
-/// An attribute set as the maps hold it: shared between the registry and every shard.
-type Attributes = Arc<[KeyValue]>;
 
 /// One series: its attribute set in canonical order (sorted by key, each key once), and the
 /// per-CPU counter of its bound handles, made by the first `bind`.
@@ -27,7 +23,7 @@ struct Series {
 #[derive(Debug, Default)]
 struct Registry {
     series: Vec<Arc<Series>>,
-    ids: HashMap<Attributes, u32, Seeded>,
+    ids: SetMap,
     /// Non-empty sets admitted under the limit.
     admitted: usize,
     overflow: Option<u32>,
@@ -44,7 +40,7 @@ struct Resolved {
 /// One CPU's share: the sets it has met (in the orders they were given), and a slot per series.
 #[derive(Debug, Default)]
 struct Shard {
-    ids: HashMap<Attributes, u32, Seeded>,
+    ids: SetMap,
     counts: Vec<u64>,
 }
 
@@ -97,7 +93,7 @@ impl Store {
         let counted = self
             .shards
             .with_current(|shard| match shard.ids.get(attributes) {
-                Some(&id) => {
+                Some((_, id)) => {
                     // Cached ids always have their slot (`add_to` made it).
                     shard.add_to(id, value);
                     true
@@ -136,7 +132,7 @@ impl Store {
     fn resolve(&self, attributes: &[KeyValue]) -> Resolved {
         {
             let registry = self.registry.read().unwrap_or_else(|p| p.into_inner());
-            if let Some((key, &id)) = registry.ids.get_key_value(attributes) {
+            if let Some((key, id)) = registry.ids.get(attributes) {
                 return Resolved {
                     id,
                     key: Some(key.clone()),
@@ -146,14 +142,14 @@ impl Store {
         let sorted = canonical(attributes);
         let mut registry = self.registry.write().unwrap_or_else(|p| p.into_inner());
         let registry = &mut *registry;
-        if let Some((key, &id)) = registry.ids.get_key_value(attributes) {
+        if let Some((key, id)) = registry.ids.get(attributes) {
             return Resolved {
                 id,
                 key: Some(key.clone()),
             };
         }
-        let id = match registry.ids.get(sorted.as_slice()) {
-            Some(&id) => id,
+        let id = match registry.ids.get(&sorted) {
+            Some((_, id)) => id,
             None if sorted.is_empty() || registry.admitted < self.limit => {
                 let id = registry.series.len() as u32;
                 let attributes: Attributes = Arc::from(sorted);
@@ -187,7 +183,7 @@ impl Store {
         };
         // The set as given becomes a key of its own, so the next lookup of this order (on any
         // CPU) is one probe, as the SDK does.
-        let key: Attributes = match registry.ids.get_key_value(attributes) {
+        let key: Attributes = match registry.ids.get(attributes) {
             Some((key, _)) => key.clone(),
             None => {
                 let key: Attributes = Arc::from(attributes);

@@ -128,7 +128,8 @@ mod tests {
     fn different_strings_hash_differently_and_equal_ones_alike() {
         let seeded = Seeded::default();
         assert_eq!(seeded.hash_one("route"), seeded.hash_one("route"));
-        assert_ne!(seeded.hash_one("a"), seeded.hash_one("a\0"));
+        // Reads of 4 to 7 bytes overlap: only the length tells these apart.
+        assert_ne!(seeded.hash_one("abab"), seeded.hash_one("ababab"));
         assert_ne!(seeded.hash_one("value1"), seeded.hash_one("value2"));
         assert_ne!(seeded.hash_one("attribute1"), seeded.hash_one("attribute2"));
         let long = "a string longer than sixteen bytes";

@@ -17,7 +17,8 @@
 //! `memory/...`: bytes per series per CPU of a per-CPU counter once 20 counters of 1,000 series
 //! each (the workload's attribute sets) were added to from every CPU the round uses: the growth
 //! of the resident set (`Rss` of `/proc/self/smaps_rollup`) and of the address space
-//! (`VmSize`), divided by series x CPUs. The shared registry of the series is included.
+//! (`VmSize`), divided by series x CPUs. The shared registry of the series is included; the
+//! report separates it from the part on each CPU when two CPU counts were measured.
 
 use super::model::{Case, Family, Measured, Unit, Workload, median_of};
 use crate::report::table::{fmt_num, fmt_ratio, verdict};
@@ -513,25 +514,32 @@ fn report(results: &[Measured]) -> String {
         "≥ 5×",
     );
     let mut out = String::new();
-    if let (Some(resident), Some(size)) = (
-        results
-            .iter()
-            .filter(|m| m.case == "memory/resident")
-            .map(|m| m.stats().median)
-            .next_back(),
-        results
-            .iter()
-            .filter(|m| m.case == "memory/address-space")
-            .map(|m| m.stats().median)
-            .next_back(),
-    ) {
-        out.push_str(&format!(
-            "\nmemory per series per CPU (most CPUs measured): {} B resident, {} B address \
-             space\n",
-            fmt_num(resident),
-            fmt_num(size)
-        ));
+    for (case, what) in [
+        ("memory/resident", "resident"),
+        ("memory/address-space", "address space"),
+    ] {
+        // Each figure is (shared + n x per CPU) / n per series with n CPUs: two CPU counts
+        // separate the series' shared part from its part on each CPU.
+        let fewest = results.iter().filter(|m| m.case == case).min_by_key(|m| m.threads);
+        let most = results.iter().filter(|m| m.case == case).max_by_key(|m| m.threads);
+        if let (Some(a), Some(b)) = (fewest, most)
+            && b.threads > a.threads
+        {
+            let (n1, m1) = (a.threads as f64, a.stats().median);
+            let (n2, m2) = (b.threads as f64, b.stats().median);
+            let per_cpu = (n2 * m2 - n1 * m1) / (n2 - n1);
+            let shared = n1 * m1 - n1 * per_cpu;
+            out.push_str(&format!(
+                "\nmemory per series, {what}: {} B on each CPU that adds to it, {} B shared \
+                 (from {} and {} CPUs)",
+                fmt_num(per_cpu),
+                fmt_num(shared),
+                a.threads,
+                b.threads
+            ));
+        }
     }
+    out.push('\n');
     if !lines.is_empty() {
         out.push_str("\ntargets (ratios of medians):\n");
         out.push_str(&lines.join("\n"));

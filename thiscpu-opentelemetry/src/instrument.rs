@@ -242,7 +242,19 @@ impl PerCpuUpDownCounter {
         }
     }
 
-    /// This counter as OpenTelemetry's [`UpDownCounter<i64>`].
+    /// This counter as OpenTelemetry's [`UpDownCounter<i64>`]: its `add` and `bind` are this
+    /// counter's.
+    ///
+    /// ```
+    /// use thiscpu_opentelemetry::PerCpuMeterExt;
+    /// use thiscpu_opentelemetry::opentelemetry::{KeyValue, global, metrics::UpDownCounter};
+    ///
+    /// let per_cpu = global::meter("my-service").percpu_i64_up_down_counter("queued").build();
+    /// let queued: UpDownCounter<i64> = per_cpu.up_down_counter();
+    /// queued.add(5, &[KeyValue::new("queue", "mail")]);
+    /// queued.bind(&[KeyValue::new("queue", "mail")]).add(-7);
+    /// assert_eq!(per_cpu.totals(), vec![(vec![KeyValue::new("queue", "mail")], -2)]);
+    /// ```
     pub fn up_down_counter(&self) -> UpDownCounter<i64> {
         UpDownCounter::new(Arc::new(Instrument(self.store.clone())))
     }

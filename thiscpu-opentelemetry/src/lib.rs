@@ -43,6 +43,12 @@
 //! `possible CPUs x (fence + 8 bytes x series)`, plus one read of every bound handle's per-CPU
 //! words.
 //!
+//! # Signal handlers
+//! Unbound adds take the current CPU's map ([`thiscpu::Sharded`]); a signal handler that
+//! interrupts an add and adds on the same thread finds that map held by its own thread, and
+//! panics. Do not make unbound adds from signal handlers; a bound handle's add (one
+//! [`thiscpu::Counter::add`]) may be made there.
+//!
 //! # What is not here
 //! Histograms: the SDK offers no public way to hand it pre-aggregated buckets (its metric
 //! producer API was removed in 0.26), so a per-CPU histogram cannot be exported through it

@@ -264,4 +264,23 @@ mod tests {
         );
         assert_eq!(found[3], (vec![], 10));
     }
+
+    /// As the SDK's bound instruments: a handle bound at the limit counts in the overflow
+    /// series for its life; one bound to an admitted set counts in that set's series.
+    #[test]
+    fn bound_handles_at_the_limit_count_in_the_overflow_series() {
+        let store = Store::new(1);
+        let admitted = store.bound(&[KeyValue::new("v", 0)]);
+        let overflowed = store.bound(&[KeyValue::new("v", 1)]);
+        admitted.add(2);
+        overflowed.add(5);
+        store.add(1, &[KeyValue::new("v", 0)]);
+        assert_eq!(
+            totals(&store),
+            vec![
+                (vec![KeyValue::new("v", 0)], 3),
+                (vec![KeyValue::new("otel.metric.overflow", true)], 5),
+            ]
+        );
+    }
 }

@@ -22,7 +22,9 @@
 //!   add is one per-CPU increment.
 //! - [`PerCpuCounter::counter`] hands out a real [`opentelemetry::metrics::Counter<u64>`], so
 //!   code written against OpenTelemetry's types changes one line; its `bind` (the API's
-//!   `experimental_metrics_bound_instruments`) gives the per-CPU bound handle.
+//!   `experimental_metrics_bound_instruments`, turned on by this crate) gives the per-CPU bound
+//!   handle. With that feature on, the SDK's own instruments have a `bind` too, which drops
+//!   every add unless `opentelemetry_sdk`'s feature of the same name is on as well.
 //!
 //! # Export
 //! Each instrument registers an observable instrument of the same name, unit and description

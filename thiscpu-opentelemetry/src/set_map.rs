@@ -8,7 +8,7 @@
 use crate::hash::Seeded;
 use opentelemetry::{KeyValue, Value};
 use std::collections::HashMap;
-use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
+use std::hash::{BuildHasher, BuildHasherDefault, Hash, Hasher};
 use std::sync::Arc;
 
 /// An attribute set as the maps hold it: shared between the registry and every shard.
@@ -32,7 +32,7 @@ impl SetMap {
     /// The id of `attributes` (in this order), and the key it is held under.
     #[inline]
     pub(crate) fn get(&self, attributes: &[KeyValue]) -> Option<(&Attributes, u32)> {
-        let hash = self.seed.hash_one(attributes);
+        let hash = self.hash(attributes);
         match self.by_hash.get(&hash)? {
             Entries::One(key, id) => same_set(key, attributes).then_some((key, *id)),
             Entries::Many(entries) => entries
@@ -42,9 +42,30 @@ impl SetMap {
         }
     }
 
+    /// The hash of a set, consistent with [`same_set`]: the bytes of each key and string value
+    /// (the string hasher folds their lengths in), other values as their bits. Shorter than
+    /// `KeyValue`'s own `Hash`, which adds the slice's length and a terminator per string.
+    #[inline]
+    fn hash(&self, attributes: &[KeyValue]) -> u64 {
+        let mut hasher = self.seed.build_hasher();
+        for kv in attributes {
+            hasher.write(kv.key.as_str().as_bytes());
+            match &kv.value {
+                Value::String(s) => hasher.write(s.as_str().as_bytes()),
+                Value::I64(n) => hasher.write_u64(*n as u64),
+                Value::F64(f) => hasher.write_u64(f.to_bits()),
+                Value::Bool(b) => hasher.write_u8(u8::from(*b) | 2),
+                // Arrays (rare in attributes) by `KeyValue`'s own hash, which their equality
+                // matches.
+                _ => kv.hash(&mut hasher),
+            }
+        }
+        hasher.finish()
+    }
+
     /// Maps `key` to `id`; the caller has checked that `key` is absent.
     pub(crate) fn insert(&mut self, key: Attributes, id: u32) {
-        let hash = self.seed.hash_one(&*key);
+        let hash = self.hash(&key);
         match self.by_hash.remove(&hash) {
             None => {
                 self.by_hash.insert(hash, Entries::One(key, id));
@@ -137,7 +158,7 @@ mod tests {
     #[test]
     fn the_stress_workload_sets_spread_over_buckets() {
         let values: Vec<String> = (1..=10).map(|v| format!("value{v}")).collect();
-        let seed = Seeded::default();
+        let map = SetMap::default();
         let mut buckets = std::collections::HashSet::new();
         for i in 0..1000 {
             let set = [
@@ -145,7 +166,7 @@ mod tests {
                 KeyValue::new("attribute2", values[i / 10 % 10].clone()),
                 KeyValue::new("attribute3", values[i / 100 % 10].clone()),
             ];
-            buckets.insert(seed.hash_one(&set[..]) & 1023);
+            buckets.insert(map.hash(&set) & 1023);
         }
         // 1,000 balls in 1,024 bins: about 632 bins used on average.
         assert!(buckets.len() > 550, "{} buckets used", buckets.len());

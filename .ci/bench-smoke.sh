@@ -28,8 +28,11 @@ machine = bench["machine"]
 for key in ("cpu_model", "kernel", "glibc", "cpus_possible", "cpus_online", "rseq"):
     assert key in machine, f"machine.{key} missing"
 families = {r["bench"] for r in bench["results"]}
-for family in ("getcpu", "counter", "metrics", "bpf", "mask", "pool", "memory", "sharded"):
+for family in ("getcpu", "counter", "metrics", "bpf", "mask", "pool", "memory", "sharded", "otel"):
     assert family in families, f"bench family {family} produced no result"
+otel = {r["case"] for r in bench["results"] if r["bench"] == "otel"}
+for case in ("unbound/sdk", "unbound/thiscpu", "bound/sdk", "bound/thiscpu", "memory/resident"):
+    assert case in otel, f"otel/{case} produced no result"
 # rseq-mode compares the kernel's two rseq modes where it offers both (Linux 7.1+), and says
 # why it cannot elsewhere.
 left_out = {s["bench"] for s in bench.get("skipped", [])}

@@ -1,0 +1,342 @@
+//! The instruments users hold: how they are built from a meter, their adds, their bound
+//! handles, and the OpenTelemetry instrument types they hand out.
+
+use crate::DEFAULT_CARDINALITY_LIMIT;
+use crate::series::Store;
+use opentelemetry::KeyValue;
+use opentelemetry::metrics::{
+    AsyncInstrument, BoundSyncInstrument, Counter, Meter, ObservableCounter,
+    ObservableUpDownCounter, SyncInstrument, UpDownCounter,
+};
+use std::borrow::Cow;
+use std::marker::PhantomData;
+use std::sync::Arc;
+
+/// Makes per-CPU instruments from an OpenTelemetry [`Meter`].
+///
+/// ```
+/// use thiscpu_opentelemetry::PerCpuMeterExt;
+/// use thiscpu_opentelemetry::opentelemetry::{KeyValue, global};
+///
+/// let meter = global::meter("my-service");
+/// let requests = meter.percpu_u64_counter("requests").with_unit("1").build();
+/// requests.add(1, &[KeyValue::new("route", "/")]);
+/// let in_flight = meter.percpu_i64_up_down_counter("in_flight").build();
+/// in_flight.add(1, &[]);
+/// in_flight.add(-1, &[]);
+/// ```
+pub trait PerCpuMeterExt {
+    /// A monotonic per-CPU counter of `u64`, exported as an observable counter named `name`.
+    fn percpu_u64_counter(
+        &self,
+        name: impl Into<Cow<'static, str>>,
+    ) -> PerCpuInstrumentBuilder<'_, PerCpuCounter>;
+
+    /// A per-CPU up-down counter of `i64`, exported as an observable up-down counter.
+    fn percpu_i64_up_down_counter(
+        &self,
+        name: impl Into<Cow<'static, str>>,
+    ) -> PerCpuInstrumentBuilder<'_, PerCpuUpDownCounter>;
+}
+
+impl PerCpuMeterExt for Meter {
+    fn percpu_u64_counter(
+        &self,
+        name: impl Into<Cow<'static, str>>,
+    ) -> PerCpuInstrumentBuilder<'_, PerCpuCounter> {
+        PerCpuInstrumentBuilder::new(self, name.into())
+    }
+
+    fn percpu_i64_up_down_counter(
+        &self,
+        name: impl Into<Cow<'static, str>>,
+    ) -> PerCpuInstrumentBuilder<'_, PerCpuUpDownCounter> {
+        PerCpuInstrumentBuilder::new(self, name.into())
+    }
+}
+
+/// Configures a per-CPU instrument: what the SDK's builders take, and the cardinality limit.
+#[derive(Debug)]
+#[must_use = "an instrument builder does nothing until `build` is called"]
+pub struct PerCpuInstrumentBuilder<'a, I> {
+    meter: &'a Meter,
+    name: Cow<'static, str>,
+    description: Option<Cow<'static, str>>,
+    unit: Option<Cow<'static, str>>,
+    cardinality_limit: usize,
+    instrument: PhantomData<I>,
+}
+
+impl<'a, I> PerCpuInstrumentBuilder<'a, I> {
+    fn new(meter: &'a Meter, name: Cow<'static, str>) -> Self {
+        PerCpuInstrumentBuilder {
+            meter,
+            name,
+            description: None,
+            unit: None,
+            cardinality_limit: DEFAULT_CARDINALITY_LIMIT,
+            instrument: PhantomData,
+        }
+    }
+
+    /// The instrument's description.
+    pub fn with_description(mut self, description: impl Into<Cow<'static, str>>) -> Self {
+        self.description = Some(description.into());
+        self
+    }
+
+    /// The instrument's unit (case sensitive, as in the SDK).
+    pub fn with_unit(mut self, unit: impl Into<Cow<'static, str>>) -> Self {
+        self.unit = Some(unit.into());
+        self
+    }
+
+    /// The number of distinct non-empty attribute sets kept before further sets are counted
+    /// in the `otel.metric.overflow=true` series ([`DEFAULT_CARDINALITY_LIMIT`] unless set).
+    pub fn with_cardinality_limit(mut self, limit: usize) -> Self {
+        self.cardinality_limit = limit;
+        self
+    }
+}
+
+impl PerCpuInstrumentBuilder<'_, PerCpuCounter> {
+    /// Makes the counter and registers its observable counter with the meter.
+    pub fn build(self) -> PerCpuCounter {
+        let store = Arc::new(Store::new(self.cardinality_limit));
+        let observed = store.clone();
+        let mut builder = self.meter.u64_observable_counter(self.name).with_callback(
+            move |observer: &dyn AsyncInstrument<u64>| {
+                observed.collect(|attributes, total| observer.observe(total, attributes))
+            },
+        );
+        if let Some(description) = self.description {
+            builder = builder.with_description(description);
+        }
+        if let Some(unit) = self.unit {
+            builder = builder.with_unit(unit);
+        }
+        PerCpuCounter {
+            store,
+            _observable: builder.build(),
+        }
+    }
+}
+
+impl PerCpuInstrumentBuilder<'_, PerCpuUpDownCounter> {
+    /// Makes the up-down counter and registers its observable up-down counter with the meter.
+    pub fn build(self) -> PerCpuUpDownCounter {
+        let store = Arc::new(Store::new(self.cardinality_limit));
+        let observed = store.clone();
+        let mut builder = self
+            .meter
+            .i64_observable_up_down_counter(self.name)
+            .with_callback(move |observer: &dyn AsyncInstrument<i64>| {
+                // The wrapped sum of two's complements is the exact total.
+                observed.collect(|attributes, total| observer.observe(total as i64, attributes))
+            });
+        if let Some(description) = self.description {
+            builder = builder.with_description(description);
+        }
+        if let Some(unit) = self.unit {
+            builder = builder.with_unit(unit);
+        }
+        PerCpuUpDownCounter {
+            store,
+            _observable: builder.build(),
+        }
+    }
+}
+
+/// A monotonic per-CPU counter. Cloning it shares the counts.
+///
+/// ```
+/// use thiscpu_opentelemetry::PerCpuMeterExt;
+/// use thiscpu_opentelemetry::opentelemetry::{KeyValue, global};
+///
+/// let requests = global::meter("my-service").percpu_u64_counter("requests").build();
+/// let ok = requests.bind(&[KeyValue::new("status", 200)]);
+/// std::thread::scope(|s| {
+///     s.spawn(|| (0..1000).for_each(|_| ok.inc()));
+///     s.spawn(|| (0..1000).for_each(|_| requests.add(1, &[KeyValue::new("status", 500)])));
+/// });
+/// let totals = requests.totals();
+/// assert!(totals.contains(&(vec![KeyValue::new("status", 200)], 1000)));
+/// assert!(totals.contains(&(vec![KeyValue::new("status", 500)], 1000)));
+/// ```
+#[derive(Clone, Debug)]
+pub struct PerCpuCounter {
+    store: Arc<Store>,
+    _observable: ObservableCounter<u64>,
+}
+
+impl PerCpuCounter {
+    /// Adds `value` to the series of `attributes` on the current CPU.
+    #[inline]
+    pub fn add(&self, value: u64, attributes: &[KeyValue]) {
+        self.store.add(value, attributes);
+    }
+
+    /// A handle whose adds go to the series of `attributes`, one per-CPU increment each (to the
+    /// overflow series if the limit is reached, as the SDK's bound instruments).
+    pub fn bind(&self, attributes: &[KeyValue]) -> BoundCounter {
+        BoundCounter {
+            counter: self.store.bound(attributes),
+        }
+    }
+
+    /// This counter as OpenTelemetry's [`Counter<u64>`]: its `add` and `bind` are this
+    /// counter's.
+    ///
+    /// ```
+    /// use thiscpu_opentelemetry::PerCpuMeterExt;
+    /// use thiscpu_opentelemetry::opentelemetry::{KeyValue, global, metrics::Counter};
+    ///
+    /// let per_cpu = global::meter("my-service").percpu_u64_counter("requests").build();
+    /// let requests: Counter<u64> = per_cpu.counter();
+    /// requests.add(2, &[KeyValue::new("route", "/")]);
+    /// requests.bind(&[KeyValue::new("route", "/")]).add(3);
+    /// assert_eq!(per_cpu.totals(), vec![(vec![KeyValue::new("route", "/")], 5)]);
+    /// ```
+    pub fn counter(&self) -> Counter<u64> {
+        Counter::new(Arc::new(Instrument(self.store.clone())))
+    }
+
+    /// Each series' attributes (sorted by key) and total over every CPU, in the order the series
+    /// were first seen: what the next collection reports, read without a meter provider.
+    pub fn totals(&self) -> Vec<(Vec<KeyValue>, u64)> {
+        let mut totals = Vec::with_capacity(self.store.series_count());
+        self.store
+            .collect(|attributes, total| totals.push((attributes.to_vec(), total)));
+        totals
+    }
+}
+
+/// A per-CPU up-down counter of `i64`. Cloning it shares the counts.
+///
+/// ```
+/// use thiscpu_opentelemetry::PerCpuMeterExt;
+/// use thiscpu_opentelemetry::opentelemetry::global;
+///
+/// let in_flight = global::meter("my-service").percpu_i64_up_down_counter("in_flight").build();
+/// in_flight.add(3, &[]);
+/// in_flight.bind(&[]).add(-1);
+/// assert_eq!(in_flight.totals(), vec![(vec![], 2)]);
+/// ```
+#[derive(Clone, Debug)]
+pub struct PerCpuUpDownCounter {
+    store: Arc<Store>,
+    _observable: ObservableUpDownCounter<i64>,
+}
+
+impl PerCpuUpDownCounter {
+    /// Adds `value` (negative to subtract) to the series of `attributes` on the current CPU.
+    #[inline]
+    pub fn add(&self, value: i64, attributes: &[KeyValue]) {
+        self.store.add(value as u64, attributes);
+    }
+
+    /// A handle whose adds go to the series of `attributes`, one per-CPU add each.
+    pub fn bind(&self, attributes: &[KeyValue]) -> BoundUpDownCounter {
+        BoundUpDownCounter {
+            counter: self.store.bound(attributes),
+        }
+    }
+
+    /// This counter as OpenTelemetry's [`UpDownCounter<i64>`]: its `add` and `bind` are this
+    /// counter's.
+    ///
+    /// ```
+    /// use thiscpu_opentelemetry::PerCpuMeterExt;
+    /// use thiscpu_opentelemetry::opentelemetry::{KeyValue, global, metrics::UpDownCounter};
+    ///
+    /// let per_cpu = global::meter("my-service").percpu_i64_up_down_counter("queued").build();
+    /// let queued: UpDownCounter<i64> = per_cpu.up_down_counter();
+    /// queued.add(5, &[KeyValue::new("queue", "mail")]);
+    /// queued.bind(&[KeyValue::new("queue", "mail")]).add(-7);
+    /// assert_eq!(per_cpu.totals(), vec![(vec![KeyValue::new("queue", "mail")], -2)]);
+    /// ```
+    pub fn up_down_counter(&self) -> UpDownCounter<i64> {
+        UpDownCounter::new(Arc::new(Instrument(self.store.clone())))
+    }
+
+    /// Each series' attributes (sorted by key) and total over every CPU.
+    pub fn totals(&self) -> Vec<(Vec<KeyValue>, i64)> {
+        let mut totals = Vec::with_capacity(self.store.series_count());
+        self.store
+            .collect(|attributes, total| totals.push((attributes.to_vec(), total as i64)));
+        totals
+    }
+}
+
+/// A [`PerCpuCounter`] bound to one attribute set: [`add`](BoundCounter::add) is one
+/// [`thiscpu::Counter::add`]. Cloning it shares the series.
+#[derive(Clone, Debug)]
+pub struct BoundCounter {
+    counter: Arc<thiscpu::Counter>,
+}
+
+impl BoundCounter {
+    /// Adds `value` on the current CPU.
+    #[inline]
+    pub fn add(&self, value: u64) {
+        self.counter.add(value);
+    }
+
+    /// Adds one on the current CPU.
+    #[inline]
+    pub fn inc(&self) {
+        self.counter.inc();
+    }
+}
+
+/// A [`PerCpuUpDownCounter`] bound to one attribute set.
+#[derive(Clone, Debug)]
+pub struct BoundUpDownCounter {
+    counter: Arc<thiscpu::Counter>,
+}
+
+impl BoundUpDownCounter {
+    /// Adds `value` (negative to subtract) on the current CPU.
+    #[inline]
+    pub fn add(&self, value: i64) {
+        self.counter.add(value as u64);
+    }
+}
+
+/// A store behind OpenTelemetry's instrument types.
+struct Instrument(Arc<Store>);
+
+/// A bound handle behind OpenTelemetry's bound instrument types.
+struct Bound(Arc<thiscpu::Counter>);
+
+impl SyncInstrument<u64> for Instrument {
+    fn measure(&self, value: u64, attributes: &[KeyValue]) {
+        self.0.add(value, attributes);
+    }
+
+    fn bind(&self, attributes: &[KeyValue]) -> Box<dyn BoundSyncInstrument<u64> + Send + Sync> {
+        Box::new(Bound(self.0.bound(attributes)))
+    }
+}
+
+impl SyncInstrument<i64> for Instrument {
+    fn measure(&self, value: i64, attributes: &[KeyValue]) {
+        self.0.add(value as u64, attributes);
+    }
+
+    fn bind(&self, attributes: &[KeyValue]) -> Box<dyn BoundSyncInstrument<i64> + Send + Sync> {
+        Box::new(Bound(self.0.bound(attributes)))
+    }
+}
+
+impl BoundSyncInstrument<u64> for Bound {
+    fn measure(&self, value: u64) {
+        self.0.add(value);
+    }
+}
+
+impl BoundSyncInstrument<i64> for Bound {
+    fn measure(&self, value: i64) {
+        self.0.add(value as u64);
+    }
+}

@@ -1,0 +1,286 @@
+//! The series of one instrument: which attribute sets it has seen (a registry shared by all
+//! CPUs, visited only the first time a CPU meets a set), and their counts, one slot per series
+//! in each CPU's shard, plus a per-CPU counter for the series that were bound.
+//!
+//! Values are `u64` words that wrap: an `i64` up-down counter stores its two's complement, and
+//! the wrapped sum read back as `i64` is the exact total.
+
+use crate::set_map::{Attributes, SetMap};
+use opentelemetry::KeyValue;
+use std::sync::{Arc, OnceLock, RwLock};
+use thiscpu::Sharded;
+
+/// One series: its attribute set in canonical order (sorted by key, each key once), and the
+/// per-CPU counter of its bound handles, made by the first `bind`.
+#[derive(Debug)]
+struct Series {
+    attributes: Attributes,
+    bound: OnceLock<Arc<thiscpu::Counter>>,
+}
+
+/// Every series, by id (its index), and every attribute set seen, in the order given and in
+/// canonical order, mapped to its series' id.
+#[derive(Debug, Default)]
+struct Registry {
+    series: Vec<Arc<Series>>,
+    ids: SetMap,
+    /// Non-empty sets admitted under the limit.
+    admitted: usize,
+    overflow: Option<u32>,
+}
+
+/// What a CPU needs to count an attribute set without the registry: its id, and the key to
+/// cache it under (the set as given); no key for a set sent to the overflow series, which is
+/// never cached so that sets beyond the limit cannot grow the shards.
+struct Resolved {
+    id: u32,
+    key: Option<Attributes>,
+}
+
+/// One CPU's share: the sets it has met (in the orders they were given), and a slot per series.
+#[derive(Debug, Default)]
+struct Shard {
+    ids: SetMap,
+    counts: Vec<u64>,
+}
+
+impl Shard {
+    #[inline]
+    fn add_to(&mut self, id: u32, value: u64) {
+        let id = id as usize;
+        if id >= self.counts.len() {
+            self.counts.resize(id + 1, 0);
+        }
+        self.counts[id] = self.counts[id].wrapping_add(value);
+    }
+}
+
+/// The series of one instrument and their per-CPU counts.
+#[derive(Debug)]
+pub(crate) struct Store {
+    shards: Sharded<Shard>,
+    registry: RwLock<Registry>,
+    limit: usize,
+}
+
+/// The attribute of the series that counts sets beyond the cardinality limit, as the SDK names
+/// it.
+fn overflow_attributes() -> Attributes {
+    Arc::from([KeyValue::new("otel.metric.overflow", true)])
+}
+
+/// The set in canonical order: sorted by key, each key once (its first occurrence: a stable sort
+/// keeps repeated keys in the order given).
+fn canonical(attributes: &[KeyValue]) -> Vec<KeyValue> {
+    let mut sorted = attributes.to_vec();
+    sorted.sort_by(|a, b| a.key.cmp(&b.key));
+    sorted.dedup_by(|later, first| later.key == first.key);
+    sorted
+}
+
+impl Store {
+    pub(crate) fn new(limit: usize) -> Store {
+        Store {
+            shards: Sharded::new(|_| Shard::default()),
+            registry: RwLock::new(Registry::default()),
+            limit,
+        }
+    }
+
+    /// Adds `value` to the series of `attributes` on the current CPU.
+    #[inline]
+    pub(crate) fn add(&self, value: u64, attributes: &[KeyValue]) {
+        let counted = self
+            .shards
+            .with_current(|shard| match shard.ids.get(attributes) {
+                Some((_, id)) => {
+                    // Cached ids always have their slot (`add_to` made it).
+                    shard.add_to(id, value);
+                    true
+                }
+                None => false,
+            });
+        if !counted {
+            self.add_first(value, attributes);
+        }
+    }
+
+    /// The add of a set this CPU has not met: resolve it in the registry (outside the shard, so
+    /// that no shard is held while waiting for the registry's lock), then count it.
+    #[cold]
+    fn add_first(&self, value: u64, attributes: &[KeyValue]) {
+        let resolved = self.resolve(attributes);
+        self.shards.with_current(|shard| {
+            if let Some(key) = resolved.key {
+                shard.ids.insert(key, resolved.id);
+            }
+            shard.add_to(resolved.id, value);
+        });
+    }
+
+    /// The per-CPU counter of the series of `attributes`, made on first use.
+    pub(crate) fn bound(&self, attributes: &[KeyValue]) -> Arc<thiscpu::Counter> {
+        let id = self.resolve(attributes).id;
+        let registry = self.registry.read().unwrap_or_else(|p| p.into_inner());
+        let series = &registry.series[id as usize];
+        series
+            .bound
+            .get_or_init(|| Arc::new(thiscpu::Counter::new()))
+            .clone()
+    }
+
+    fn resolve(&self, attributes: &[KeyValue]) -> Resolved {
+        {
+            let registry = self.registry.read().unwrap_or_else(|p| p.into_inner());
+            if let Some((key, id)) = registry.ids.get(attributes) {
+                return Resolved {
+                    id,
+                    key: Some(key.clone()),
+                };
+            }
+        }
+        let sorted = canonical(attributes);
+        let mut registry = self.registry.write().unwrap_or_else(|p| p.into_inner());
+        let registry = &mut *registry;
+        if let Some((key, id)) = registry.ids.get(attributes) {
+            return Resolved {
+                id,
+                key: Some(key.clone()),
+            };
+        }
+        let id = match registry.ids.get(&sorted) {
+            Some((_, id)) => id,
+            None if sorted.is_empty() || registry.admitted < self.limit => {
+                let id = registry.series.len() as u32;
+                let attributes: Attributes = Arc::from(sorted);
+                registry.series.push(Arc::new(Series {
+                    attributes: attributes.clone(),
+                    bound: OnceLock::new(),
+                }));
+                registry.ids.insert(attributes.clone(), id);
+                if !attributes.is_empty() {
+                    registry.admitted += 1;
+                }
+                id
+            }
+            None => {
+                let id = match registry.overflow {
+                    Some(id) => id,
+                    None => {
+                        let id = registry.series.len() as u32;
+                        let attributes = overflow_attributes();
+                        registry.series.push(Arc::new(Series {
+                            attributes: attributes.clone(),
+                            bound: OnceLock::new(),
+                        }));
+                        registry.ids.insert(attributes, id);
+                        registry.overflow = Some(id);
+                        id
+                    }
+                };
+                return Resolved { id, key: None };
+            }
+        };
+        // The set as given becomes a key of its own, so the next lookup of this order (on any
+        // CPU) is one probe, as the SDK does.
+        let key: Attributes = match registry.ids.get(attributes) {
+            Some((key, _)) => key.clone(),
+            None => {
+                let key: Attributes = Arc::from(attributes);
+                registry.ids.insert(key.clone(), id);
+                key
+            }
+        };
+        Resolved { id, key: Some(key) }
+    }
+
+    /// Calls `observe` with each series' attributes and total (wrapping sum) over every CPU and
+    /// its bound handles. Series made while this runs may be left to the next collection;
+    /// every slot only grows, so totals never go backwards from one collection to the next.
+    pub(crate) fn collect(&self, mut observe: impl FnMut(&[KeyValue], u64)) {
+        let series: Vec<Arc<Series>> = self
+            .registry
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .series
+            .clone();
+        let mut totals = vec![0u64; series.len()];
+        self.shards.for_each(|_, shard| {
+            for (total, count) in totals.iter_mut().zip(&shard.counts) {
+                *total = total.wrapping_add(*count);
+            }
+        });
+        for (series, total) in series.iter().zip(totals) {
+            let bound = series.bound.get().map_or(0, |counter| counter.sum());
+            observe(&series.attributes, total.wrapping_add(bound));
+        }
+    }
+
+    /// The number of series (the set with no attribute and the overflow series included).
+    pub(crate) fn series_count(&self) -> usize {
+        self.registry
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .series
+            .len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn totals(store: &Store) -> Vec<(Vec<KeyValue>, u64)> {
+        let mut out = Vec::new();
+        store.collect(|attributes, total| out.push((attributes.to_vec(), total)));
+        out
+    }
+
+    #[test]
+    fn order_and_repeated_keys_name_one_series() {
+        let store = Store::new(10);
+        let a = KeyValue::new("a", 1);
+        let b = KeyValue::new("b", "x");
+        store.add(1, &[a.clone(), b.clone()]);
+        store.add(2, &[b.clone(), a.clone()]);
+        store.add(4, &[a.clone(), b.clone(), KeyValue::new("a", 2)]);
+        assert_eq!(totals(&store), vec![(vec![a, b], 7)]);
+    }
+
+    #[test]
+    fn sets_beyond_the_limit_go_to_the_overflow_series() {
+        let store = Store::new(2);
+        for v in 0..5 {
+            store.add(1, &[KeyValue::new("v", v)]);
+        }
+        store.add(10, &[]);
+        let found = totals(&store);
+        assert_eq!(found.len(), 4, "{found:?}");
+        assert_eq!(found[0], (vec![KeyValue::new("v", 0)], 1));
+        assert_eq!(found[1], (vec![KeyValue::new("v", 1)], 1));
+        assert_eq!(
+            found[2],
+            (vec![KeyValue::new("otel.metric.overflow", true)], 3)
+        );
+        assert_eq!(found[3], (vec![], 10));
+    }
+
+    /// As the SDK's bound instruments: a handle bound at the limit counts in the overflow
+    /// series for its life; one bound to an admitted set counts in that set's series.
+    #[test]
+    fn bound_handles_at_the_limit_count_in_the_overflow_series() {
+        let store = Store::new(1);
+        let admitted = store.bound(&[KeyValue::new("v", 0)]);
+        let overflowed = store.bound(&[KeyValue::new("v", 1)]);
+        admitted.add(2);
+        overflowed.add(5);
+        store.add(1, &[KeyValue::new("v", 0)]);
+        assert_eq!(
+            totals(&store),
+            vec![
+                (vec![KeyValue::new("v", 0)], 3),
+                (vec![KeyValue::new("otel.metric.overflow", true)], 5),
+            ]
+        );
+    }
+}

@@ -67,7 +67,10 @@ fn new_lock() -> Arc<RwLock<Pair>> {
     let lock = Arc::new(RwLock::new(Pair {
         words: UnsafeCell::new([0, 0]),
     }));
-    assert!(lock.uses_rseq(), "the model registers every thread and fences");
+    assert!(
+        lock.uses_rseq(),
+        "the model registers every thread and fences"
+    );
     lock
 }
 

@@ -156,19 +156,55 @@ impl Subject for EpochCell<Value> {
     }
 }
 
-fn subject(kind: &str) -> Arc<dyn Subject> {
+/// `make` called with a new structure of `kind`, monomorphized: the reads are inlined into
+/// each workload's loop, as a program's would be.
+fn with_subject<R>(kind: &str, make: impl Maker<R>) -> R {
     match kind {
-        "std" => Arc::new(std::sync::RwLock::new([0; 4])),
-        "parking_lot" => Arc::new(parking_lot::RwLock::new([0; 4])),
-        "sharded_lock" => Arc::new(ShardedLock::new([0; 4])),
-        "arc_swap" => Arc::new(ArcSwap::from_pointee([0; 4])),
-        "thiscpu" => Arc::new(thiscpu::RwLock::new([0; 4])),
-        _ => Arc::new(EpochCell::new([0; 4])),
+        "std" => make.make(std::sync::RwLock::new([0; 4])),
+        "parking_lot" => make.make(parking_lot::RwLock::new([0; 4])),
+        "sharded_lock" => make.make(ShardedLock::new([0; 4])),
+        "arc_swap" => make.make(ArcSwap::from_pointee([0; 4])),
+        "thiscpu" => make.make(thiscpu::RwLock::new([0; 4])),
+        _ => make.make(EpochCell::new([0; 4])),
+    }
+}
+
+/// A workload maker, generic over the structure.
+trait Maker<R> {
+    fn make<S: Subject>(self, subject: S) -> R;
+}
+
+struct MixMaker {
+    every: u64,
+}
+
+impl Maker<Box<dyn Workload>> for MixMaker {
+    fn make<S: Subject>(self, subject: S) -> Box<dyn Workload> {
+        Box::new(Mix {
+            subject,
+            every: self.every,
+            reads: (0..1024).map(|_| CachePadded(AtomicU64::new(0))).collect(),
+        })
+    }
+}
+
+struct WritesMaker {
+    readers: usize,
+}
+
+impl Maker<Box<dyn Workload>> for WritesMaker {
+    fn make<S: Subject>(self, subject: S) -> Box<dyn Workload> {
+        Box::new(Writes {
+            subject: Arc::new(subject),
+            readers: self.readers,
+            background: Mutex::new(None),
+            written: AtomicU64::new(1),
+        })
     }
 }
 
 /// Checks after a round that the value is whole: the fold of four equal words is 0.
-fn verify_whole(subject: &dyn Subject) -> Result<(), String> {
+fn verify_whole<S: Subject>(subject: &S) -> Result<(), String> {
     match subject.read() {
         0 => Ok(()),
         other => Err(format!(
@@ -178,16 +214,16 @@ fn verify_whole(subject: &dyn Subject) -> Result<(), String> {
 }
 
 /// Reads, with a write every `every` reads of each worker (0: never).
-struct Mix {
-    subject: Arc<dyn Subject>,
+struct Mix<S> {
+    subject: S,
     every: u64,
     /// Each worker's reads so far, on its own cache lines.
     reads: Box<[CachePadded<AtomicU64>]>,
 }
 
-impl Workload for Mix {
+impl<S: Subject> Workload for Mix<S> {
     fn run(&self, worker: usize, ops: u64) {
-        let subject = &*self.subject;
+        let subject = black_box(&self.subject);
         if self.every == 0 {
             for _ in 0..ops {
                 black_box(subject.read());
@@ -208,7 +244,7 @@ impl Workload for Mix {
     }
 
     fn verify(&self, _ops: u64) -> Result<(), String> {
-        verify_whole(&*self.subject)
+        verify_whole(&self.subject)
     }
 }
 
@@ -228,14 +264,14 @@ impl Background {
 }
 
 /// Writes only, with `readers` reader threads in the background during each round.
-struct Writes {
-    subject: Arc<dyn Subject>,
+struct Writes<S> {
+    subject: Arc<S>,
     readers: usize,
     background: Mutex<Option<Background>>,
     written: AtomicU64,
 }
 
-impl Workload for Writes {
+impl<S: Subject> Workload for Writes<S> {
     fn prepare(&self, _threads: usize) {
         let mut background = self.background.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(running) = background.take() {
@@ -281,52 +317,42 @@ impl Workload for Writes {
 }
 
 fn cases() -> Vec<Case> {
-    let workers = 1024;
-    let others = crate::bench::runner::worker_cpus().len().saturating_sub(1).max(1);
+    let others = crate::bench::runner::worker_cpus()
+        .len()
+        .saturating_sub(1)
+        .max(1);
+    let name_of = |case: String| {
+        CASES
+            .iter()
+            .copied()
+            .find(|listed| **listed == case)
+            .expect("listed")
+    };
     let mut cases = Vec::new();
     for &(mix, every) in MIXES {
         for &kind in KINDS {
-            let name = CASES
-                .iter()
-                .copied()
-                .find(|case| *case == format!("{mix}/{kind}"))
-                .expect("listed");
             let how = match every {
                 0 => format!("{kind}: read lock + read 4 words + unlock"),
                 n => format!("{kind}: reads, and a write every {n} reads per thread"),
             };
-            cases.push(Case::new(
-                name,
+            cases.push(Case {
+                name: name_of(format!("{mix}/{kind}")),
                 how,
-                Unit::NsPerOp,
-                Mix {
-                    subject: subject(kind),
-                    every,
-                    reads: (0..workers)
-                        .map(|_| CachePadded(AtomicU64::new(0)))
-                        .collect(),
-                },
-            ));
+                unit: Unit::NsPerOp,
+                workload: Ok(with_subject(kind, MixMaker { every })),
+            });
         }
     }
     for (prefix, readers) in [("write", 0), ("write-under-readers", others)] {
         for &kind in KINDS {
-            let name = CASES
-                .iter()
-                .copied()
-                .find(|case| *case == format!("{prefix}/{kind}"))
-                .expect("listed");
-            cases.push(Case::new(
-                name,
-                format!("{kind}: write lock + write 4 words + unlock, {readers} reader threads"),
-                Unit::NsPerOp,
-                Writes {
-                    subject: subject(kind),
-                    readers,
-                    background: Mutex::new(None),
-                    written: AtomicU64::new(1),
-                },
-            ));
+            cases.push(Case {
+                name: name_of(format!("{prefix}/{kind}")),
+                how: format!(
+                    "{kind}: write lock + write 4 words + unlock, {readers} reader threads"
+                ),
+                unit: Unit::NsPerOp,
+                workload: Ok(with_subject(kind, WritesMaker { readers })),
+            });
         }
     }
     cases

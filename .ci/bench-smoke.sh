@@ -28,7 +28,7 @@ machine = bench["machine"]
 for key in ("cpu_model", "kernel", "glibc", "cpus_possible", "cpus_online", "rseq"):
     assert key in machine, f"machine.{key} missing"
 families = {r["bench"] for r in bench["results"]}
-for family in ("getcpu", "counter", "metrics", "bpf", "mask", "pool", "memory", "sharded"):
+for family in ("getcpu", "counter", "metrics", "bpf", "mask", "pool", "memory", "sharded", "rwlock"):
     assert family in families, f"bench family {family} produced no result"
 # rseq-mode compares the kernel's two rseq modes where it offers both (Linux 7.1+), and says
 # why it cannot elsewhere.
@@ -41,6 +41,7 @@ for r in bench["results"]:
     for key in ("bench", "case", "threads", "unit", "median", "min", "max", "rounds"):
         assert key in r, f"{r.get('bench')}/{r.get('case')}: {key} missing"
     assert r["min"] <= r["median"] <= r["max"], r
+assert info["read_mostly"]["mode"] in ("rseq", "atomic"), info["read_mostly"]
 svgs = [f for f in os.listdir(os.path.join(out, "svg")) if f.endswith(".svg")]
 assert svgs, "no SVG chart written"
 assert stress["exact"] is True and stress["lost"] == 0, f"stress was not exact: {stress}"

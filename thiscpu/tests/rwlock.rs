@@ -546,3 +546,30 @@ fn without_rseq_or_membarrier_the_atomic_mode_is_exact() {
         common::refuse_syscall_program(libc::SYS_membarrier, libc::EPERM),
     );
 }
+
+/// With delays inside every section (`--cfg thiscpu_inject`), so that preemption and
+/// migration abort the readers' counts often: still whole values, and counts that balance.
+#[cfg(thiscpu_inject)]
+#[test]
+fn with_delays_inside_the_sections_the_counts_stay_exact() {
+    for point in 0..thiscpu::ops::inject::POINTS {
+        thiscpu::ops::inject::set_delay(point, 2000);
+    }
+    let aborts = thiscpu::ops::aborts();
+    let lock = RwLock::new([0u64; WORDS]);
+    storm(&lock, 3, 300, Duration::from_secs(2));
+    let cell = EpochCell::new(Poisoned::new(0));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            (0..20_000).for_each(|_| {
+                cell.load().check();
+            })
+        });
+        (1..100).for_each(|value| cell.store(Poisoned::new(value)));
+    });
+    assert_eq!(cell.readers_inside(), 0);
+    for point in 0..thiscpu::ops::inject::POINTS {
+        thiscpu::ops::inject::set_delay(point, 0);
+    }
+    eprintln!("{} aborts retried", thiscpu::ops::aborts() - aborts);
+}

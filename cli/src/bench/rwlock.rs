@@ -234,7 +234,7 @@ impl<S: Subject> Workload for Mix<S> {
         let mut done = count.load(Ordering::Relaxed);
         for _ in 0..ops {
             done += 1;
-            if done % self.every == 0 {
+            if done.is_multiple_of(self.every) {
                 subject.write(done);
             } else {
                 black_box(subject.read());

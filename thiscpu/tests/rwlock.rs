@@ -1,7 +1,7 @@
 //! `RwLock` and `EpochCell`: readers never see a value half written (or freed), a writer gets
 //! through a stream of readers, readers that move between CPUs, `fork` with the lock held,
-//! signal handlers, a thousand threads, and the atomic mode without rseq or `membarrier`
-//! (child processes).
+//! signal handlers, a thousand threads, the atomic mode without rseq or `membarrier` (child
+//! processes), and a reader without rseq while `membarrier` is refused after construction.
 
 mod common;
 
@@ -572,4 +572,96 @@ fn with_delays_inside_the_sections_the_counts_stay_exact() {
         thiscpu::ops::inject::set_delay(point, 0);
     }
     eprintln!("{} aborts retried", thiscpu::ops::aborts() - aborts);
+}
+
+/// glibc's `RSEQ_SIG`, the signature its registration used.
+#[cfg(target_arch = "x86_64")]
+const GLIBC_RSEQ_SIG: u32 = 0x5305_3053;
+#[cfg(target_arch = "aarch64")]
+const GLIBC_RSEQ_SIG: u32 = 0xd428_bc00;
+
+/// Takes the calling thread's rseq away where glibc registered it: unregisters glibc's area,
+/// as a thread made by a raw `clone` would lack it.
+fn unregister_glibcs_area() {
+    let offset = common::glibc_symbol::<isize>(c"__rseq_offset").expect("glibc's rseq");
+    let area = common::thread_pointer().wrapping_add_signed(offset);
+    let size = common::glibc_symbol::<u32>(c"__rseq_size").unwrap_or(32);
+    let unregistered = [32, size].into_iter().any(|len| {
+        // SAFETY: unregisters glibc's area of this thread (the kernel checks the address,
+        // length and signature); glibc reads `cpu_id` as unregistered (-1) afterwards.
+        unsafe { libc::syscall(libc::SYS_rseq, area, len, 1, GLIBC_RSEQ_SIG) == 0 }
+    });
+    assert!(
+        unregistered,
+        "rseq unregistration: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// Installs `program` on every thread of the process (`SECCOMP_FILTER_FLAG_TSYNC`).
+fn install_on_every_thread(program: &[libc::sock_filter]) {
+    let fprog = libc::sock_fprog {
+        len: program.len() as u16,
+        filter: program.as_ptr().cast_mut(),
+    };
+    // SAFETY: prctl with integer arguments.
+    let no_new_privs = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+    assert_eq!(no_new_privs, 0, "{}", std::io::Error::last_os_error());
+    // SAFETY: seccomp reads the program through `fprog`, which outlives the call; the kernel
+    // copies it.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_seccomp,
+            libc::SECCOMP_SET_MODE_FILTER,
+            libc::SECCOMP_FILTER_FLAG_TSYNC,
+            &raw const fprog,
+        )
+    };
+    assert_eq!(ret, 0, "seccomp: {}", std::io::Error::last_os_error());
+}
+
+/// In a child process where glibc registered rseq: a lock made with rseq and `membarrier`, a
+/// reader thread whose rseq is then taken away (it counts atomically in the spare row), and a
+/// seccomp filter refusing `membarrier` installed afterwards on every thread (writers fence by
+/// visiting every CPU): values whole, counts balanced.
+#[test]
+fn a_reader_without_rseq_and_membarrier_refused_later() {
+    let name = "a_reader_without_rseq_and_membarrier_refused_later";
+    let glibc = thiscpu::source().registrar == thiscpu::Registrar::Glibc;
+    if std::env::var_os(CHILD).is_none() {
+        if glibc && thiscpu::fence::available() {
+            run_child(name, &[(CHILD, "1")]);
+        }
+        return;
+    }
+    let lock = RwLock::new([0u64; WORDS]);
+    assert!(lock.uses_rseq(), "{lock:?}");
+    let done = AtomicBool::new(false);
+    let unregistered = Barrier::new(2);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            unregister_glibcs_area();
+            assert!(thiscpu::ops::position().is_none(), "the thread kept rseq");
+            unregistered.wait();
+            while !done.load(Ordering::Relaxed) {
+                consistent(&read_all(&lock.read())).unwrap();
+            }
+        });
+        unregistered.wait();
+        install_on_every_thread(&common::refuse_syscall_program(
+            libc::SYS_membarrier,
+            libc::EPERM,
+        ));
+        assert!(
+            thiscpu::fence::fence_all().is_err(),
+            "membarrier still allowed"
+        );
+        for value in 1..=50 {
+            write_all(&mut lock.write(), value);
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    assert_eq!(consistent(&lock.read()).unwrap(), 50);
+    assert_eq!(lock.readers_inside(), 0);
+    assert!(lock.try_write().is_some());
 }

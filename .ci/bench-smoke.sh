@@ -28,7 +28,7 @@ machine = bench["machine"]
 for key in ("cpu_model", "kernel", "glibc", "cpus_possible", "cpus_online", "rseq"):
     assert key in machine, f"machine.{key} missing"
 families = {r["bench"] for r in bench["results"]}
-for family in ("getcpu", "counter", "metrics", "bpf", "mask", "pool", "memory", "sharded", "otel"):
+for family in ("getcpu", "counter", "metrics", "bpf", "mask", "pool", "memory", "sharded", "rwlock", "otel"):
     assert family in families, f"bench family {family} produced no result"
 otel = {r["case"] for r in bench["results"] if r["bench"] == "otel"}
 for case in ("unbound/sdk", "unbound/thiscpu", "bound/sdk", "bound/thiscpu", "memory/resident"):
@@ -44,6 +44,7 @@ for r in bench["results"]:
     for key in ("bench", "case", "threads", "unit", "median", "min", "max", "rounds"):
         assert key in r, f"{r.get('bench')}/{r.get('case')}: {key} missing"
     assert r["min"] <= r["median"] <= r["max"], r
+assert info["read_mostly"]["mode"] in ("rseq", "atomic"), info["read_mostly"]
 svgs = [f for f in os.listdir(os.path.join(out, "svg")) if f.endswith(".svg")]
 assert svgs, "no SVG chart written"
 assert stress["exact"] is True and stress["lost"] == 0, f"stress was not exact: {stress}"

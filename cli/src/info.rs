@@ -28,6 +28,18 @@ pub struct Info {
     pub cpus: Cpus,
     /// Where the calling thread runs now.
     pub now: Now,
+    /// How `thiscpu::RwLock` and `EpochCell` made here count their readers.
+    pub read_mostly: ReadMostly,
+}
+
+/// The mode a new `thiscpu::RwLock` (and `EpochCell`) takes in this process.
+#[derive(Debug, Serialize)]
+pub struct ReadMostly {
+    /// `rseq` (readers count with restartable sequences, writers fence with `membarrier`) or
+    /// `atomic` (`SeqCst` atomic adds and fences).
+    pub mode: &'static str,
+    /// Bytes of per-CPU reader counts per lock.
+    pub counts_bytes: usize,
 }
 
 /// The machine, without the facts `info` gives in their own sections.
@@ -222,6 +234,13 @@ pub fn gather() -> Info {
             node: here.node,
             mm_cid: thiscpu::mm_cid(),
         },
+        read_mostly: {
+            let lock = thiscpu::RwLock::new(());
+            ReadMostly {
+                mode: if lock.uses_rseq() { "rseq" } else { "atomic" },
+                counts_bytes: lock.counts_bytes(),
+            }
+        },
     }
 }
 
@@ -361,6 +380,18 @@ pub fn render(info: &Info) -> String {
         format!(
             "current_cpu() from {}; without rseq: {}",
             info.chosen.name, info.fallback.name
+        ),
+    ));
+    lines.push((
+        "RwLock",
+        format!(
+            "readers count {} · {} bytes of counts per lock (RwLock, EpochCell)",
+            if info.read_mostly.mode == "rseq" {
+                "with rseq, writers fence with membarrier"
+            } else {
+                "with SeqCst atomics (no rseq or no membarrier)"
+            },
+            info.read_mostly.counts_bytes
         ),
     ));
     lines.push((

@@ -49,6 +49,10 @@
 //! - [`Sharded`]: one value of any type per CPU (a map, a histogram, a free list), taken on the
 //!   current CPU by a restartable sequence and released with one store; readers visit every
 //!   shard.
+//! - [`RwLock`] and [`EpochCell`]: a reader-writer lock and an `ArcSwap`-like cell for
+//!   read-mostly data, whose readers count themselves per CPU with restartable sequences (no
+//!   atomic instruction, no shared cache line written) and whose writers fence with
+//!   `membarrier`.
 //! - [`CpuMask`]: a set of CPUs whose `set` skips the atomic write when the bit already holds.
 //! - [`fence`]: `membarrier`-based fences that let one thread take over another CPU's data.
 //! - [`ops`]: the raw restartable operations (add, compare-and-store, list pop and push) for
@@ -130,6 +134,8 @@ mod decided_once;
 #[allow(unsafe_code)]
 pub mod dense;
 #[allow(unsafe_code)]
+mod epoch;
+#[allow(unsafe_code)]
 pub mod fence;
 #[allow(unsafe_code)]
 pub mod histogram;
@@ -140,6 +146,8 @@ pub mod mask;
 pub mod metrics;
 #[allow(unsafe_code)]
 pub mod ops;
+#[allow(unsafe_code)]
+mod park;
 mod percpu;
 #[allow(unsafe_code)]
 pub mod pool;
@@ -147,9 +155,13 @@ pub mod pool;
 #[cfg_attr(docsrs, doc(cfg(feature = "prometheus-client")))]
 pub mod prometheus;
 #[allow(unsafe_code)]
+mod reader_counts;
+#[allow(unsafe_code)]
 // The model checker stands in for the decision (`arch::model`).
 #[cfg_attr(thiscpu_model, allow(dead_code))]
 mod registration;
+#[allow(unsafe_code)]
+mod rwlock;
 #[allow(unsafe_code)]
 mod sharded;
 #[allow(unsafe_code)]
@@ -165,12 +177,14 @@ pub use arch::model;
 
 pub use counter::{Adder, Counter};
 pub use cpu::{Source, current_cpu, current_node, getcpu, mm_cid, source};
+pub use epoch::{EpochCell, EpochGuard};
 pub use histogram::Histogram;
 pub use mask::CpuMask;
 pub use ops::{ByCpu, ByMmCid, Spread};
 pub use percpu::{CachePadded, PerCpu};
 pub use pool::{Pool, Pooled};
 pub use registration::{Registrar, RseqMode, Unavailable};
+pub use rwlock::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 pub use sharded::{ShardGuard, Sharded};
 pub use via::{CpuNode, CpuSource};
 

@@ -33,6 +33,14 @@ fn object_pool_loses_and_shares_no_buffer() {
     object_pool::main();
 }
 
+#[path = "../examples/read_mostly.rs"]
+mod read_mostly;
+
+#[test]
+fn read_mostly_reads_whole_values_across_reloads() {
+    read_mostly::main();
+}
+
 #[path = "../examples/per_cpu_histogram.rs"]
 mod per_cpu_histogram;
 

@@ -55,7 +55,7 @@ macro_rules! families {
 }
 
 families![
-    getcpu, counter, metrics, bpf, memory, mask, pool, sharded, rseq_mode, otel
+    getcpu, counter, metrics, bpf, memory, mask, pool, sharded, rwlock, rseq_mode, otel
 ];
 
 /// The text of `thiscpu bench --list`: every family and case, and why a case is left out here.

@@ -1,0 +1,504 @@
+//! `rwlock`: read-mostly data. A read lock + read + unlock of `thiscpu::RwLock`, and a pin +
+//! read + unpin of `thiscpu::EpochCell`, against `std::sync::RwLock`, `parking_lot::RwLock`,
+//! `crossbeam_utils::sync::ShardedLock` and an `arc_swap::ArcSwap` load.
+//!
+//! - `read/KIND`: reads only (ns per read, per thread);
+//! - `w1k/KIND`, `w10k/KIND`, `w100k/KIND`: each worker also writes once every 1,000, 10,000
+//!   or 100,000 of its reads (ns per operation, writes included);
+//! - `write/KIND`: a write lock + write + unlock (a `store` of a new `Arc` for the cells), no
+//!   readers;
+//! - `write-under-readers/KIND`: the same while a reader thread (one per other allowed CPU)
+//!   reads in a loop.
+//!
+//! The value is four words that every write sets to one number; after each round every
+//! structure must hold four equal words, or the run fails.
+
+use super::model::{Case, Family, Measured, Unit, Workload, median_of as median};
+use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
+use arc_swap::ArcSwap;
+use crossbeam_utils::sync::ShardedLock;
+use std::hint::black_box;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use thiscpu::{CachePadded, EpochCell};
+
+const CASES: &[&str] = &[
+    "read/std",
+    "read/parking_lot",
+    "read/sharded_lock",
+    "read/arc_swap",
+    "read/thiscpu",
+    "read/epoch",
+    "w1k/std",
+    "w1k/parking_lot",
+    "w1k/sharded_lock",
+    "w1k/arc_swap",
+    "w1k/thiscpu",
+    "w1k/epoch",
+    "w10k/std",
+    "w10k/parking_lot",
+    "w10k/sharded_lock",
+    "w10k/arc_swap",
+    "w10k/thiscpu",
+    "w10k/epoch",
+    "w100k/std",
+    "w100k/parking_lot",
+    "w100k/sharded_lock",
+    "w100k/arc_swap",
+    "w100k/thiscpu",
+    "w100k/epoch",
+    "write/std",
+    "write/parking_lot",
+    "write/sharded_lock",
+    "write/arc_swap",
+    "write/thiscpu",
+    "write/epoch",
+    "write-under-readers/std",
+    "write-under-readers/parking_lot",
+    "write-under-readers/sharded_lock",
+    "write-under-readers/arc_swap",
+    "write-under-readers/thiscpu",
+    "write-under-readers/epoch",
+];
+
+/// The competitors, in table order.
+const KINDS: &[&str] = &[
+    "std",
+    "parking_lot",
+    "sharded_lock",
+    "arc_swap",
+    "thiscpu",
+    "epoch",
+];
+
+/// Read mixes: the case prefix and reads per write (0: none).
+const MIXES: &[(&str, u64)] = &[("read", 0), ("w1k", 1000), ("w10k", 10_000), ("w100k", 100_000)];
+
+/// The family.
+pub static FAMILY: Family = Family {
+    name: "rwlock",
+    about: "read lock + unlock of read-mostly data (ns per read, per thread), read-only and \
+            with a write every 1,000 / 10,000 / 100,000 reads; write latency alone and under \
+            readers",
+    case_names: CASES,
+    default_threads: &[1, 2],
+    baseline: Some("read/parking_lot"),
+    cases,
+    report,
+};
+
+type Value = [u64; 4];
+
+/// A structure holding a `Value`.
+trait Subject: Send + Sync + 'static {
+    /// One read: lock (or pin), read the value, unlock.
+    fn read(&self) -> u64;
+    /// One write: lock, set every word to `n`, unlock (or swap in a new value).
+    fn write(&self, n: u64);
+}
+
+#[inline(always)]
+fn fold(value: &Value) -> u64 {
+    black_box(value).iter().fold(0, |sum, &word| sum ^ word)
+}
+
+impl Subject for std::sync::RwLock<Value> {
+    fn read(&self) -> u64 {
+        fold(&self.read().unwrap_or_else(|p| p.into_inner()))
+    }
+    fn write(&self, n: u64) {
+        *self.write().unwrap_or_else(|p| p.into_inner()) = [n; 4];
+    }
+}
+
+impl Subject for parking_lot::RwLock<Value> {
+    fn read(&self) -> u64 {
+        fold(&self.read())
+    }
+    fn write(&self, n: u64) {
+        *self.write() = [n; 4];
+    }
+}
+
+impl Subject for ShardedLock<Value> {
+    fn read(&self) -> u64 {
+        fold(&self.read().unwrap_or_else(|p| p.into_inner()))
+    }
+    fn write(&self, n: u64) {
+        *self.write().unwrap_or_else(|p| p.into_inner()) = [n; 4];
+    }
+}
+
+impl Subject for ArcSwap<Value> {
+    fn read(&self) -> u64 {
+        fold(&self.load())
+    }
+    fn write(&self, n: u64) {
+        self.store(Arc::new([n; 4]));
+    }
+}
+
+impl Subject for thiscpu::RwLock<Value> {
+    fn read(&self) -> u64 {
+        fold(&self.read())
+    }
+    fn write(&self, n: u64) {
+        *self.write() = [n; 4];
+    }
+}
+
+impl Subject for EpochCell<Value> {
+    fn read(&self) -> u64 {
+        fold(&self.load())
+    }
+    fn write(&self, n: u64) {
+        self.store([n; 4]);
+    }
+}
+
+/// `make` called with a new structure of `kind`, monomorphized: the reads are inlined into
+/// each workload's loop, as a program's would be.
+fn with_subject<R>(kind: &str, make: impl Maker<R>) -> R {
+    match kind {
+        "std" => make.make(std::sync::RwLock::new([0; 4])),
+        "parking_lot" => make.make(parking_lot::RwLock::new([0; 4])),
+        "sharded_lock" => make.make(ShardedLock::new([0; 4])),
+        "arc_swap" => make.make(ArcSwap::from_pointee([0; 4])),
+        "thiscpu" => make.make(thiscpu::RwLock::new([0; 4])),
+        _ => make.make(EpochCell::new([0; 4])),
+    }
+}
+
+/// A workload maker, generic over the structure.
+trait Maker<R> {
+    fn make<S: Subject>(self, subject: S) -> R;
+}
+
+struct MixMaker {
+    every: u64,
+}
+
+impl Maker<Box<dyn Workload>> for MixMaker {
+    fn make<S: Subject>(self, subject: S) -> Box<dyn Workload> {
+        Box::new(Mix {
+            subject,
+            every: self.every,
+            reads: (0..1024).map(|_| CachePadded(AtomicU64::new(0))).collect(),
+        })
+    }
+}
+
+struct WritesMaker {
+    readers: usize,
+}
+
+impl Maker<Box<dyn Workload>> for WritesMaker {
+    fn make<S: Subject>(self, subject: S) -> Box<dyn Workload> {
+        Box::new(Writes {
+            subject: Arc::new(subject),
+            readers: self.readers,
+            background: Mutex::new(None),
+            written: AtomicU64::new(1),
+        })
+    }
+}
+
+/// Checks after a round that the value is whole: the fold of four equal words is 0.
+fn verify_whole<S: Subject>(subject: &S) -> Result<(), String> {
+    match subject.read() {
+        0 => Ok(()),
+        other => Err(format!(
+            "a value written by halves: its words' xor is {other:#x}, not 0"
+        )),
+    }
+}
+
+/// Reads, with a write every `every` reads of each worker (0: never).
+struct Mix<S> {
+    subject: S,
+    every: u64,
+    /// Each worker's reads so far, on its own cache lines.
+    reads: Box<[CachePadded<AtomicU64>]>,
+}
+
+impl<S: Subject> Workload for Mix<S> {
+    fn run(&self, worker: usize, ops: u64) {
+        let subject = black_box(&self.subject);
+        if self.every == 0 {
+            for _ in 0..ops {
+                black_box(subject.read());
+            }
+            return;
+        }
+        let count = &self.reads[worker % self.reads.len()];
+        let mut done = count.load(Ordering::Relaxed);
+        for _ in 0..ops {
+            done += 1;
+            if done.is_multiple_of(self.every) {
+                subject.write(done);
+            } else {
+                black_box(subject.read());
+            }
+        }
+        count.store(done, Ordering::Relaxed);
+    }
+
+    fn verify(&self, _ops: u64) -> Result<(), String> {
+        verify_whole(&self.subject)
+    }
+}
+
+/// Readers running in the background of a writer case, stopped by `stop`.
+struct Background {
+    stop: Arc<AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Background {
+    fn end(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        for thread in self.threads {
+            let _ = thread.join();
+        }
+    }
+}
+
+/// Writes only, with `readers` reader threads in the background during each round.
+struct Writes<S> {
+    subject: Arc<S>,
+    readers: usize,
+    background: Mutex<Option<Background>>,
+    written: AtomicU64,
+}
+
+impl<S: Subject> Workload for Writes<S> {
+    fn prepare(&self, _threads: usize) {
+        let mut background = self.background.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(running) = background.take() {
+            running.end();
+        }
+        if self.readers == 0 {
+            return;
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let threads = (0..self.readers)
+            .filter_map(|_| {
+                let (stop, subject) = (stop.clone(), self.subject.clone());
+                std::thread::Builder::new()
+                    .spawn(move || {
+                        while !stop.load(Ordering::Relaxed) {
+                            black_box(subject.read());
+                        }
+                    })
+                    .ok()
+            })
+            .collect();
+        *background = Some(Background { stop, threads });
+    }
+
+    fn run(&self, _worker: usize, ops: u64) {
+        for _ in 0..ops {
+            let n = self.written.fetch_add(1, Ordering::Relaxed);
+            self.subject.write(n);
+        }
+    }
+
+    fn verify(&self, _ops: u64) -> Result<(), String> {
+        if let Some(running) = self
+            .background
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            running.end();
+        }
+        verify_whole(&*self.subject)
+    }
+}
+
+fn cases() -> Vec<Case> {
+    let others = crate::bench::runner::worker_cpus()
+        .len()
+        .saturating_sub(1)
+        .max(1);
+    let name_of = |case: String| {
+        CASES
+            .iter()
+            .copied()
+            .find(|listed| **listed == case)
+            .expect("listed")
+    };
+    let mut cases = Vec::new();
+    for &(mix, every) in MIXES {
+        for &kind in KINDS {
+            let how = match every {
+                0 => format!("{kind}: read lock + read 4 words + unlock"),
+                n => format!("{kind}: reads, and a write every {n} reads per thread"),
+            };
+            cases.push(Case {
+                name: name_of(format!("{mix}/{kind}")),
+                how,
+                unit: Unit::NsPerOp,
+                workload: Ok(with_subject(kind, MixMaker { every })),
+            });
+        }
+    }
+    for (prefix, readers) in [("write", 0), ("write-under-readers", others)] {
+        for &kind in KINDS {
+            cases.push(Case {
+                name: name_of(format!("{prefix}/{kind}")),
+                how: format!(
+                    "{kind}: write lock + write 4 words + unlock, {readers} reader threads"
+                ),
+                unit: Unit::NsPerOp,
+                workload: Ok(with_subject(kind, WritesMaker { readers })),
+            });
+        }
+    }
+    cases
+}
+
+/// One write per how many reads makes `kind` cost as much as thiscpu's lock (or the epoch, for
+/// `arc_swap`), from the read-only and write-alone medians: `None` when one of them wins at
+/// every ratio.
+fn break_even(results: &[Measured], kind: &str, ours: &str, threads: usize) -> Option<f64> {
+    let r_theirs = median(results, &format!("read/{kind}"), threads)?;
+    let r_ours = median(results, &format!("read/{ours}"), threads)?;
+    let w_theirs = median(results, &format!("write/{kind}"), 1)?;
+    let w_ours = median(results, &format!("write/{ours}"), 1)?;
+    // Per operation at write fraction f: (1 - f) r + f w; equal where
+    // f = (r_theirs - r_ours) / ((w_ours - w_theirs) + (r_theirs - r_ours)).
+    let read_gain = r_theirs - r_ours;
+    let write_loss = w_ours - w_theirs;
+    if read_gain <= 0.0 || write_loss <= 0.0 {
+        return None;
+    }
+    let f = read_gain / (write_loss + read_gain);
+    Some(1.0 / f)
+}
+
+/// The tables: ns per operation for each mix, write latencies, break-even ratios, targets.
+fn report(results: &[Measured]) -> String {
+    let mut threads: Vec<usize> = results.iter().map(|m| m.threads).collect();
+    threads.sort_unstable();
+    threads.dedup();
+    if threads.is_empty() {
+        return String::new();
+    }
+    let mut out = String::new();
+    for &(mix, _) in MIXES {
+        let mut table = new_table();
+        let mut header = vec!["threads".to_owned()];
+        header.extend(KINDS.iter().map(|kind| format!("{kind} ns")));
+        header.push("parking_lot ÷ thiscpu".to_owned());
+        header.push("sharded_lock ÷ thiscpu".to_owned());
+        header.push("arc_swap ÷ epoch".to_owned());
+        table.set_header(header);
+        for &n in &threads {
+            let at = |kind: &str| median(results, &format!("{mix}/{kind}"), n);
+            let ratio = |theirs: &str, ours: &str| match (at(theirs), at(ours)) {
+                (Some(theirs), Some(ours)) if ours > 0.0 => fmt_ratio(theirs / ours),
+                _ => "–".to_owned(),
+            };
+            let mut row = vec![n.to_string()];
+            row.extend(KINDS.iter().map(|kind| at(kind).map_or("–".to_owned(), fmt_num)));
+            row.push(ratio("parking_lot", "thiscpu"));
+            row.push(ratio("sharded_lock", "thiscpu"));
+            row.push(ratio("arc_swap", "epoch"));
+            table.add_row(row);
+        }
+        align_right(&mut table, &(0..KINDS.len() + 4).collect::<Vec<_>>());
+        let what = match mix {
+            "read" => "reads only".to_owned(),
+            other => format!("a write every {} reads", &other[1..]),
+        };
+        out.push_str(&format!(
+            "\n{what} (medians over rounds, ns per operation per thread):\n"
+        ));
+        out.push_str(&render(&table));
+    }
+
+    let mut table = new_table();
+    let mut header = vec!["writers".to_owned()];
+    header.extend(KINDS.iter().map(|kind| format!("{kind} ns")));
+    table.set_header(header);
+    for prefix in ["write", "write-under-readers"] {
+        for &n in &threads {
+            let mut row = vec![format!("{n}{}", if prefix == "write" { "" } else { " + readers" })];
+            row.extend(KINDS.iter().map(|kind| {
+                median(results, &format!("{prefix}/{kind}"), n).map_or("–".to_owned(), fmt_num)
+            }));
+            table.add_row(row);
+        }
+    }
+    align_right(&mut table, &(0..=KINDS.len()).collect::<Vec<_>>());
+    out.push_str("\nwrite lock + write + unlock (medians, ns per write):\n");
+    out.push_str(&render(&table));
+
+    out.push_str(
+        "\nbreak-even: thiscpu wins while there is less than one write per this many reads \
+         (from the read-only and single-writer medians):\n",
+    );
+    for &n in &threads {
+        let mut line = format!("  {n} thread{}:", if n == 1 { "" } else { "s" });
+        for (kind, ours) in [
+            ("std", "thiscpu"),
+            ("parking_lot", "thiscpu"),
+            ("sharded_lock", "thiscpu"),
+            ("arc_swap", "epoch"),
+        ] {
+            let even = break_even(results, kind, ours, n)
+                .map_or("–".to_owned(), |reads| fmt_num(reads.ceil()));
+            line.push_str(&format!(" {ours} vs {kind} {even};"));
+        }
+        out.push_str(line.trim_end_matches(';'));
+        out.push('\n');
+    }
+
+    out.push_str("\ntargets (medians):\n");
+    let read = |kind: &str, n: usize| median(results, &format!("read/{kind}"), n);
+    if let Some(ns) = read("thiscpu", 1) {
+        out.push_str(&format!(
+            "  read lock + unlock, 1 thread: {} ns (target ≤ 3.0): {}\n",
+            fmt_num(ns),
+            verdict(ns <= 3.0)
+        ));
+    }
+    if let Some(ns) = read("thiscpu", 2) {
+        out.push_str(&format!(
+            "  read lock + unlock, 2 threads: {} ns per thread (target ≤ 3.5): {}\n",
+            fmt_num(ns),
+            verdict(ns <= 3.5)
+        ));
+        for (kind, target) in [("sharded_lock", 3.0), ("parking_lot", 10.0)] {
+            if let Some(theirs) = read(kind, 2) {
+                let r = theirs / ns;
+                out.push_str(&format!(
+                    "  2 threads: thiscpu {} faster than {kind} (target ≥ {target}×): {}\n",
+                    fmt_ratio(r),
+                    verdict(r >= target)
+                ));
+            }
+        }
+    }
+    for &n in &threads {
+        if let (Some(theirs), Some(ours)) = (read("arc_swap", n), read("epoch", n)) {
+            let r = theirs / ours;
+            out.push_str(&format!(
+                "  {n} thread{}: epoch pin + unpin {} faster than an ArcSwap load (target ≥ \
+                 5×): {}\n",
+                if n == 1 { "" } else { "s" },
+                fmt_ratio(r),
+                verdict(r >= 5.0)
+            ));
+        }
+    }
+    if let Some(ns) = median(results, "write/thiscpu", 1) {
+        out.push_str(&format!(
+            "  uncontended write: {} µs (target ≤ 10): {}\n",
+            fmt_num(ns / 1000.0),
+            verdict(ns <= 10_000.0)
+        ));
+    }
+    out.trim_end().to_owned()
+}

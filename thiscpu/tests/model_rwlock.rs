@@ -1,0 +1,250 @@
+//! Model checks of the reader counts under `RwLock` and `EpochCell`, over their interleavings,
+//! with loom: the real code runs on the model machine of `thiscpu::model`, where each reader's
+//! count is a section that commits or is aborted at every step before its commit, and the
+//! writer's `membarrier` ends the sections in flight.
+//!
+//! Built only with the model's configuration:
+//! `RUSTFLAGS="--cfg thiscpu_model" CARGO_TARGET_DIR=target/model cargo test -p thiscpu
+//! --release --test model_rwlock -- --nocapture`. `LOOM_MAX_PREEMPTIONS` bounds the search
+//! (default here: 3).
+
+#![cfg(thiscpu_model)]
+
+use loom::cell::UnsafeCell;
+use loom::sync::Arc;
+use loom::thread;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use thiscpu::{EpochCell, RwLock, model};
+
+fn explore(name: &str, body: impl Fn() + Send + Sync + 'static) {
+    let runs = std::sync::Arc::new(AtomicUsize::new(0));
+    let counted = runs.clone();
+    let mut builder = loom::model::Builder::new();
+    if builder.preemption_bound.is_none() {
+        builder.preemption_bound = Some(3);
+    }
+    let started = std::time::Instant::now();
+    builder.check(move || {
+        counted.fetch_add(1, Ordering::Relaxed);
+        body();
+    });
+    eprintln!(
+        "{name}: {} interleavings explored in {:.1?} (preemption bound {:?})",
+        runs.load(Ordering::Relaxed),
+        started.elapsed(),
+        builder.preemption_bound
+    );
+}
+
+/// Two words a writer sets one after the other: loom reports a reader's access that is not
+/// ordered with a writer's (a reader inside while the writer writes), and the reader checks
+/// that both words agree.
+struct Pair {
+    words: UnsafeCell<[u64; 2]>,
+}
+
+// SAFETY: the lock under test is what orders the accesses; loom checks that it does.
+unsafe impl Sync for Pair {}
+
+impl Pair {
+    fn read(&self) -> [u64; 2] {
+        // SAFETY: the caller holds a read lock, which the model checks.
+        self.words.with(|words| unsafe { *words })
+    }
+
+    fn write(&self, value: u64) {
+        self.words.with_mut(|words| {
+            // SAFETY: the caller holds the write lock, which the model checks.
+            unsafe {
+                (*words)[0] = value;
+                (*words)[1] = value;
+            }
+        });
+    }
+}
+
+fn new_lock() -> Arc<RwLock<Pair>> {
+    let lock = Arc::new(RwLock::new(Pair {
+        words: UnsafeCell::new([0, 0]),
+    }));
+    assert!(
+        lock.uses_rseq(),
+        "the model registers every thread and fences"
+    );
+    lock
+}
+
+/// A reader on CPU 0 and a writer on CPU 1: the reader sees the value before or after the
+/// write, whole, and never at the same time as the writer writes.
+#[test]
+fn a_reader_and_a_writer_never_overlap() {
+    explore("a reader and a writer", || {
+        let lock = new_lock();
+        let reader = {
+            let lock = lock.clone();
+            thread::spawn(move || {
+                model::run_on(0);
+                if let Some(guard) = lock.try_read() {
+                    let [a, b] = guard.read();
+                    assert_eq!(a, b, "a half-written value");
+                }
+            })
+        };
+        model::run_on(1);
+        lock.write().write(1);
+        reader.join().unwrap();
+        assert_eq!(lock.read().read(), [1, 1]);
+    });
+}
+
+/// A reader that enters on CPU 0 and leaves on CPU 1 while a writer on CPU 1 takes the lock:
+/// the writer must count the reader until it has left, even though its exit lands on another
+/// CPU's word than its entry.
+#[test]
+fn a_reader_that_migrates_is_waited_for() {
+    explore("a reader that migrates", || {
+        let lock = new_lock();
+        let reader = {
+            let lock = lock.clone();
+            thread::spawn(move || {
+                model::run_on(0);
+                if let Some(guard) = lock.try_read() {
+                    model::run_on(1);
+                    let [a, b] = guard.read();
+                    assert_eq!(a, b, "a half-written value");
+                }
+            })
+        };
+        model::run_on(1);
+        if let Some(guard) = lock.try_write() {
+            guard.write(1);
+        }
+        reader.join().unwrap();
+    });
+}
+
+/// A blocking reader and a blocking writer: both finish, and the reader sees the value whole.
+#[test]
+fn a_blocked_reader_and_a_waiting_writer_both_finish() {
+    explore("a blocked reader and a waiting writer", || {
+        let lock = new_lock();
+        let reader = {
+            let lock = lock.clone();
+            thread::spawn(move || {
+                model::run_on(0);
+                let [a, b] = lock.read().read();
+                assert_eq!(a, b, "a half-written value");
+            })
+        };
+        model::run_on(1);
+        lock.write().write(1);
+        reader.join().unwrap();
+    });
+}
+
+/// A value that records its drop in its cell: loom reports a reader's access that is not
+/// ordered before the drop (a value dropped under a pinned reader).
+struct Tracked {
+    value: UnsafeCell<u64>,
+}
+
+// SAFETY: as for `Pair`: the cell under test orders the accesses.
+unsafe impl Sync for Tracked {}
+// SAFETY: as above.
+unsafe impl Send for Tracked {}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        self.value.with_mut(|value| {
+            // SAFETY: the value is being dropped, which the model checks no reader overlaps.
+            unsafe { *value = u64::MAX };
+        });
+    }
+}
+
+/// A reader pins on CPU 0 (and leaves on CPU 1 or stays) while a writer swaps the value and
+/// drops the old one: the reader never reads a dropped value.
+#[test]
+fn an_epoch_reader_never_sees_its_value_dropped() {
+    explore("an epoch reader and a swap", || {
+        let cell = Arc::new(EpochCell::new(Tracked {
+            value: UnsafeCell::new(1),
+        }));
+        let reader = {
+            let cell = cell.clone();
+            thread::spawn(move || {
+                model::run_on(0);
+                let guard = cell.load();
+                model::run_on(1);
+                // SAFETY: the reader is pinned, which the model checks.
+                let value = guard.value.with(|value| unsafe { *value });
+                assert_ne!(value, u64::MAX, "a dropped value");
+            })
+        };
+        model::run_on(1);
+        cell.store(Tracked {
+            value: UnsafeCell::new(2),
+        });
+        reader.join().unwrap();
+    });
+}
+
+/// Two readers, one of which enters on CPU 1 and leaves on CPU 0, and a writer: the exits the
+/// writer counts must never stand for the entry of a reader that holds on.
+#[test]
+fn two_readers_one_migrating_and_a_writer() {
+    explore("two readers, one migrating, and a writer", || {
+        let lock = new_lock();
+        let readers: Vec<_> = [(1, Some(0)), (0, None)]
+            .into_iter()
+            .map(|(enter, leave)| {
+                let lock = lock.clone();
+                thread::spawn(move || {
+                    model::run_on(enter);
+                    if let Some(guard) = lock.try_read() {
+                        if let Some(cpu) = leave {
+                            model::run_on(cpu);
+                        }
+                        let [a, b] = guard.read();
+                        assert_eq!(a, b, "a half-written value");
+                    }
+                })
+            })
+            .collect();
+        model::run_on(1);
+        if let Some(guard) = lock.try_write() {
+            guard.write(1);
+        }
+        for reader in readers {
+            reader.join().unwrap();
+        }
+    });
+}
+
+/// A reader that loads the phase, then pins late, across two swaps: the second writer must
+/// wait for it in whichever phase it counted itself.
+#[test]
+fn an_epoch_reader_across_two_swaps() {
+    explore("an epoch reader across two swaps", || {
+        let cell = Arc::new(EpochCell::new(Tracked {
+            value: UnsafeCell::new(1),
+        }));
+        let reader = {
+            let cell = cell.clone();
+            thread::spawn(move || {
+                model::run_on(0);
+                let guard = cell.load();
+                // SAFETY: the reader is pinned, which the model checks.
+                let value = guard.value.with(|value| unsafe { *value });
+                assert_ne!(value, u64::MAX, "a dropped value");
+            })
+        };
+        model::run_on(1);
+        for value in [2, 3] {
+            cell.store(Tracked {
+                value: UnsafeCell::new(value),
+            });
+        }
+        reader.join().unwrap();
+    });
+}

@@ -1,0 +1,667 @@
+//! `RwLock` and `EpochCell`: readers never see a value half written (or freed), a writer gets
+//! through a stream of readers, readers that move between CPUs, `fork` with the lock held,
+//! signal handlers, a thousand threads, the atomic mode without rseq or `membarrier` (child
+//! processes), and a reader without rseq while `membarrier` is refused after construction.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier, OnceLock};
+use std::time::{Duration, Instant};
+use thiscpu::{EpochCell, RwLock};
+
+/// Words that a writer sets one by one to the same number: a reader that sees two different
+/// numbers saw a write half done.
+const WORDS: usize = 16;
+
+fn consistent(words: &[u64; WORDS]) -> Result<u64, String> {
+    let first = words[0];
+    if words.iter().all(|&word| word == first) {
+        Ok(first)
+    } else {
+        Err(format!("a half-written value: {words:?}"))
+    }
+}
+
+/// Writes `value` into each word, with volatile stores one after the other, so that the
+/// compiler neither merges them nor moves them out of the lock.
+fn write_all(words: &mut [u64; WORDS], value: u64) {
+    for word in words.iter_mut() {
+        // SAFETY: `word` is a valid, exclusive reference.
+        unsafe { core::ptr::write_volatile(word, value) };
+        // Slow enough for a reader that got in to see the write half done.
+        for _ in 0..20 {
+            core::hint::spin_loop();
+        }
+    }
+}
+
+fn read_all(words: &[u64; WORDS]) -> [u64; WORDS] {
+    // SAFETY: each element is a valid reference to a `u64`.
+    core::array::from_fn(|i| unsafe { core::ptr::read_volatile(&words[i]) })
+}
+
+/// `readers` threads read `lock` until `writes` writes are done (or `limit` passes), checking
+/// every read; returns the reads made.
+fn storm(lock: &RwLock<[u64; WORDS]>, readers: usize, writes: u64, limit: Duration) -> u64 {
+    let done = AtomicBool::new(false);
+    let reads = AtomicU64::new(0);
+    let written = std::thread::scope(|s| {
+        for _ in 0..readers {
+            s.spawn(|| {
+                let mut last = 0;
+                let mut mine = 0;
+                while !done.load(Ordering::Relaxed) {
+                    let guard = lock.read();
+                    let seen = consistent(&read_all(&guard)).unwrap();
+                    drop(guard);
+                    assert!(seen >= last, "went back from {last} to {seen}");
+                    last = seen;
+                    mine += 1;
+                    // Moments without readers, which a writer needs when readers ignore it.
+                    for _ in 0..200 {
+                        core::hint::spin_loop();
+                    }
+                }
+                reads.fetch_add(mine, Ordering::Relaxed);
+            });
+        }
+        let start = Instant::now();
+        let mut written = 0;
+        while written < writes && start.elapsed() < limit {
+            written += 1;
+            write_all(&mut lock.write(), written);
+        }
+        done.store(true, Ordering::Relaxed);
+        written
+    });
+    assert_eq!(consistent(&lock.read()).unwrap(), written);
+    assert_eq!(lock.readers_inside(), 0);
+    reads.load(Ordering::Relaxed)
+}
+
+#[test]
+fn readers_never_see_a_half_written_value() {
+    let lock = RwLock::new([0u64; WORDS]);
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()) + 1;
+    let reads = storm(&lock, threads, 2000, Duration::from_secs(3));
+    eprintln!("{reads} reads checked, mode {lock:?}");
+    assert!(reads > 0);
+}
+
+/// Readers that each hold the lock for a while, always at least one of them inside: a writer
+/// that waited for a moment without readers would never get in.
+#[test]
+fn a_writer_gets_through_a_stream_of_overlapping_readers() {
+    let lock = RwLock::new([0u64; WORDS]);
+    let stop = AtomicBool::new(false);
+    let gave_up = AtomicBool::new(false);
+    let limit = Duration::from_secs(10);
+    std::thread::scope(|s| {
+        for _ in 0..3 {
+            s.spawn(|| {
+                let start = Instant::now();
+                while !stop.load(Ordering::Relaxed) {
+                    if start.elapsed() > limit {
+                        gave_up.store(true, Ordering::Relaxed);
+                        break;
+                    }
+                    let guard = lock.read();
+                    // Hold on while the next reader comes in.
+                    let until = Instant::now() + Duration::from_micros(200);
+                    while Instant::now() < until {
+                        core::hint::spin_loop();
+                    }
+                    consistent(&read_all(&guard)).unwrap();
+                }
+            });
+        }
+        for value in 1..=20 {
+            write_all(&mut lock.write(), value);
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    assert!(
+        !gave_up.load(Ordering::Relaxed),
+        "the writer got through only once the readers stopped"
+    );
+    assert_eq!(consistent(&lock.read()).unwrap(), 20);
+}
+
+#[test]
+fn a_reader_may_leave_on_another_cpu_than_it_entered() {
+    let _serial = common::serial();
+    let cpus = common::allowed_cpus();
+    let lock = Arc::new(RwLock::new(0u64));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let _restore = common::AffinityGuard::new();
+            for round in 0..200 {
+                common::pin(cpus[round % cpus.len()]);
+                let guard = lock.read();
+                common::pin(cpus[(round + 1) % cpus.len()]);
+                assert!(lock.try_write().is_none(), "a writer got in past a reader");
+                drop(guard);
+            }
+        });
+    });
+    assert_eq!(lock.readers_inside(), 0);
+    *lock.try_write().expect("every reader left") = 1;
+    assert_eq!(*lock.read(), 1);
+}
+
+/// A pinned reader keeps the value it loaded alive; the value's drop poisons it.
+#[derive(Debug)]
+struct Poisoned {
+    words: [AtomicU64; WORDS],
+}
+
+const POISON: u64 = u64::MAX;
+
+impl Poisoned {
+    fn new(value: u64) -> Self {
+        Poisoned {
+            words: core::array::from_fn(|_| AtomicU64::new(value)),
+        }
+    }
+
+    fn check(&self) -> u64 {
+        let words: [u64; WORDS] = core::array::from_fn(|i| self.words[i].load(Ordering::Relaxed));
+        let value = consistent(&words).unwrap();
+        assert_ne!(value, POISON, "a reader saw a value that was dropped");
+        value
+    }
+}
+
+impl Drop for Poisoned {
+    fn drop(&mut self) {
+        for word in &self.words {
+            word.store(POISON, Ordering::Relaxed);
+        }
+    }
+}
+
+#[test]
+fn epoch_readers_never_see_a_value_dropped_under_them() {
+    let cell = EpochCell::new(Poisoned::new(0));
+    let done = AtomicBool::new(false);
+    let reads = AtomicU64::new(0);
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()) + 1;
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                let mut mine = 0;
+                while !done.load(Ordering::Relaxed) {
+                    let guard = cell.load();
+                    guard.check();
+                    // Long enough for a writer to swap and drop meanwhile, if it did not wait.
+                    for _ in 0..50 {
+                        core::hint::spin_loop();
+                    }
+                    guard.check();
+                    mine += 1;
+                }
+                reads.fetch_add(mine, Ordering::Relaxed);
+            });
+        }
+        let start = Instant::now();
+        let mut value = 0;
+        while value < 2000 && start.elapsed() < Duration::from_secs(3) {
+            value += 1;
+            cell.store(Poisoned::new(value));
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    assert_eq!(cell.readers_inside(), 0);
+    eprintln!(
+        "{} epoch reads checked, {cell:?}",
+        reads.load(Ordering::Relaxed)
+    );
+    let full = cell.load_full();
+    cell.store(Poisoned::new(1));
+    assert_ne!(full.check(), 1, "load_full's Arc keeps the old value");
+}
+
+/// Runs `child` in a forked child and returns its exit status (0 when it returned normally,
+/// 1 if it panicked).
+fn in_forked_child(child: impl FnOnce()) -> i32 {
+    // SAFETY: the child only runs `child`, which touches the lock and allocates (glibc's
+    // allocator is usable after fork), and leaves with `_exit`.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        let ok = std::panic::catch_unwind(std::panic::AssertUnwindSafe(child)).is_ok();
+        // SAFETY: ends the child without running the parent's exit handlers.
+        unsafe { libc::_exit(i32::from(!ok)) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child just forked, writing its status into a local.
+    let waited = unsafe { libc::waitpid(pid, &raw mut status, 0) };
+    assert_eq!(waited, pid);
+    assert!(libc::WIFEXITED(status), "the child died: {status:#x}");
+    libc::WEXITSTATUS(status)
+}
+
+#[test]
+fn fork_while_this_thread_reads_or_writes() {
+    let lock = RwLock::new(1u64);
+    let mut reading = Some(lock.read());
+    let status = in_forked_child(|| {
+        assert_eq!(lock.readers_inside(), 1);
+        assert!(
+            lock.try_write().is_none(),
+            "a writer got in past the forked reader"
+        );
+        drop(reading.take());
+        *lock.try_write().expect("the forked reader left") = 2;
+        assert_eq!(*lock.read(), 2);
+    });
+    assert_eq!(status, 0, "the child with a read lock failed");
+    drop(reading);
+    assert_eq!(*lock.read(), 1, "the child wrote the parent's copy");
+    let mut writing = Some(lock.write());
+    let status = in_forked_child(|| {
+        assert!(
+            lock.try_read().is_none(),
+            "a reader got past the forked writer"
+        );
+        drop(writing.take());
+        assert_eq!(*lock.read(), 1);
+        *lock.write() = 3;
+    });
+    assert_eq!(status, 0, "the child with a write lock failed");
+    drop(writing);
+    assert_eq!(*lock.read(), 1);
+}
+
+#[test]
+fn fork_while_another_thread_reads() {
+    let lock = RwLock::new(1u64);
+    let (held, release) = (Barrier::new(2), Barrier::new(2));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let _guard = lock.read();
+            held.wait();
+            release.wait();
+        });
+        held.wait();
+        let status = in_forked_child(|| {
+            // The other thread is gone, its read lock held for ever.
+            assert_eq!(*lock.read(), 1);
+            assert!(
+                lock.try_write().is_none(),
+                "a writer got in past a vanished reader"
+            );
+        });
+        release.wait();
+        assert_eq!(status, 0, "the forked child failed");
+    });
+    *lock.try_write().unwrap() = 3;
+}
+
+static SIGNAL_LOCK: OnceLock<RwLock<[u64; WORDS]>> = OnceLock::new();
+static SIGNAL_CELL: OnceLock<EpochCell<Poisoned>> = OnceLock::new();
+static HANDLED: AtomicUsize = AtomicUsize::new(0);
+static HANDLER_FAILED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn read_in_handler(_: libc::c_int) {
+    let (Some(lock), Some(cell)) = (SIGNAL_LOCK.get(), SIGNAL_CELL.get()) else {
+        return;
+    };
+    // Only `try_read`: the interrupted thread may be the writer.
+    if let Some(guard) = lock.try_read() {
+        let words = read_all(&guard);
+        if words.iter().any(|&word| word != words[0]) {
+            HANDLER_FAILED.store(true, Ordering::Relaxed);
+        }
+    }
+    let pinned = cell.load();
+    let first = pinned.words[0].load(Ordering::Relaxed);
+    if first == POISON
+        || pinned
+            .words
+            .iter()
+            .any(|w| w.load(Ordering::Relaxed) != first)
+    {
+        HANDLER_FAILED.store(true, Ordering::Relaxed);
+    }
+    drop(pinned);
+    HANDLED.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Signal handlers read the lock and the cell while their threads are inside a read section
+/// (or a section's count), write, or swap: every handler's read is whole, and the counts end
+/// balanced.
+/// In a child process, so that a lost count, which leaves a writer waiting for ever, fails the
+/// test within its time limit instead of hanging it.
+#[test]
+fn signal_handlers_read_in_the_middle_of_everything() {
+    let name = "signal_handlers_read_in_the_middle_of_everything";
+    if std::env::var_os(CHILD).is_none() {
+        run_child(name, &[(CHILD, "1")]);
+        return;
+    }
+    let lock = SIGNAL_LOCK.get_or_init(|| RwLock::new([0; WORDS]));
+    let cell = SIGNAL_CELL.get_or_init(|| EpochCell::new(Poisoned::new(0)));
+    // SAFETY: an all-zero sigaction is a valid value to fill in.
+    let mut action: libc::sigaction = unsafe { std::mem::zeroed() };
+    action.sa_sigaction = read_in_handler as extern "C" fn(libc::c_int) as libc::sighandler_t;
+    action.sa_flags = libc::SA_RESTART;
+    // SAFETY: installs a handler that only makes async-signal-safe calls (atomics and
+    // restartable sequences) on statics initialized above.
+    let installed = unsafe { libc::sigaction(libc::SIGUSR2, &action, core::ptr::null_mut()) };
+    assert_eq!(installed, 0);
+    let done = AtomicBool::new(false);
+    let tids: Vec<AtomicU64> = (0..3).map(|_| AtomicU64::new(0)).collect();
+    std::thread::scope(|s| {
+        let tids = &tids;
+        let done = &done;
+        s.spawn(move || {
+            tids[0].store(common::gettid() as u64, Ordering::Relaxed);
+            while !done.load(Ordering::Relaxed) {
+                consistent(&read_all(&lock.read())).unwrap();
+                cell.load().check();
+            }
+        });
+        s.spawn(move || {
+            tids[1].store(common::gettid() as u64, Ordering::Relaxed);
+            let mut value = 0;
+            while !done.load(Ordering::Relaxed) {
+                value += 1;
+                write_all(&mut lock.write(), value);
+            }
+        });
+        s.spawn(move || {
+            tids[2].store(common::gettid() as u64, Ordering::Relaxed);
+            let mut value = 0;
+            while !done.load(Ordering::Relaxed) {
+                value += 1;
+                cell.store(Poisoned::new(value));
+            }
+        });
+        while tids.iter().any(|tid| tid.load(Ordering::Relaxed) == 0) {
+            std::thread::yield_now();
+        }
+        let start = Instant::now();
+        let mut sent = 0;
+        while sent < 20_000 && start.elapsed() < Duration::from_secs(3) {
+            for tid in tids {
+                // SAFETY: signals a thread of this process that is still running (the
+                // threads run until `done`).
+                unsafe {
+                    libc::syscall(
+                        libc::SYS_tgkill,
+                        libc::getpid(),
+                        tid.load(Ordering::Relaxed) as libc::pid_t,
+                        libc::SIGUSR2,
+                    )
+                };
+            }
+            sent += 1;
+            std::thread::yield_now();
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    assert!(
+        !HANDLER_FAILED.load(Ordering::Relaxed),
+        "a handler saw a torn or freed value"
+    );
+    assert!(HANDLED.load(Ordering::Relaxed) > 0);
+    assert_eq!(lock.readers_inside(), 0);
+    assert_eq!(cell.readers_inside(), 0);
+    assert!(lock.try_write().is_some());
+    eprintln!("{} handlers ran", HANDLED.load(Ordering::Relaxed));
+}
+
+#[test]
+fn a_thousand_threads_read_while_a_writer_writes() {
+    let lock = RwLock::new([0u64; WORDS]);
+    let cell = EpochCell::new(Poisoned::new(0));
+    let start = Barrier::new(1001);
+    let done = AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..1000)
+            .map(|_| {
+                std::thread::Builder::new()
+                    .stack_size(64 * 1024)
+                    .spawn_scoped(s, || {
+                        start.wait();
+                        for _ in 0..50 {
+                            consistent(&read_all(&lock.read())).unwrap();
+                            cell.load().check();
+                        }
+                    })
+                    .expect("spawn a reader")
+            })
+            .collect();
+        s.spawn(|| {
+            let mut value = 0;
+            while !done.load(Ordering::Relaxed) {
+                value += 1;
+                write_all(&mut lock.write(), value);
+                cell.store(Poisoned::new(value));
+            }
+        });
+        start.wait();
+        for handle in handles {
+            handle.join().unwrap();
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    assert_eq!(lock.readers_inside(), 0);
+    assert_eq!(cell.readers_inside(), 0);
+}
+
+/// What the lock must decide here, worked out without thiscpu: rseq unless turned off or
+/// refused, and `membarrier` unless turned off or refused.
+fn expect_rseq() -> bool {
+    let rseq = match common::expected_registrar_from_env().as_deref() {
+        Some("none") => false,
+        Some(_) => true,
+        None => thiscpu::source().registrar != thiscpu::Registrar::None,
+    };
+    rseq && std::env::var("THISCPU_MEMBARRIER").as_deref() != Ok("off")
+        && thiscpu::fence::available()
+}
+
+#[test]
+fn the_mode_follows_rseq_and_membarrier() {
+    let lock = RwLock::new([0u64; WORDS]);
+    let cell = EpochCell::new(0u8);
+    assert_eq!(lock.uses_rseq(), expect_rseq(), "{lock:?}");
+    assert_eq!(cell.uses_rseq(), lock.uses_rseq());
+    let mode = if lock.uses_rseq() { "rseq" } else { "atomic" };
+    assert!(format!("{lock:?}").contains(mode));
+    assert!(format!("{cell:?}").contains(mode));
+    assert_eq!(
+        lock.counts_bytes(),
+        128 * (thiscpu::topology::possible_cpus() + 1)
+    );
+}
+
+/// Runs the test `name` of this binary again, alone, with `env` set; fails unless it passes
+/// within 30 seconds.
+fn run_child(name: &str, env: &[(&str, &str)]) {
+    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+    command
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .env_remove("THISCPU_EXPECT_REGISTRAR")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    let mut child = command.spawn().expect("run the test binary again");
+    let began = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if began.elapsed() > Duration::from_secs(30) {
+            let _ = child.kill();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let output = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let Some(status) = status else {
+        panic!("{name} hung\n{stdout}\n{stderr}");
+    };
+    assert!(status.success(), "{name}: {status}\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("1 passed"),
+        "{name} did not run:\n{stdout}\n{stderr}"
+    );
+}
+
+const CHILD: &str = "THISCPU_RWLOCK_TEST_CHILD";
+
+/// The atomic mode, in child processes: without rseq, without `membarrier`, and with
+/// `membarrier` refused by a seccomp filter.
+#[test]
+fn without_rseq_or_membarrier_the_atomic_mode_is_exact() {
+    if std::env::var_os(CHILD).is_some() || std::env::var_os(common::SECCOMP_CHILD).is_some() {
+        let lock = RwLock::new([0u64; WORDS]);
+        assert!(!lock.uses_rseq(), "{lock:?}");
+        storm(&lock, 3, 500, Duration::from_secs(2));
+        let cell = EpochCell::new(Poisoned::new(0));
+        assert!(!cell.uses_rseq(), "{cell:?}");
+        std::thread::scope(|s| {
+            s.spawn(|| {
+                (0..10_000).for_each(|_| {
+                    cell.load().check();
+                })
+            });
+            (1..100).for_each(|value| cell.store(Poisoned::new(value)));
+        });
+        return;
+    }
+    let name = "without_rseq_or_membarrier_the_atomic_mode_is_exact";
+    run_child(name, &[(CHILD, "1"), ("THISCPU_RSEQ", "off")]);
+    run_child(name, &[(CHILD, "1"), ("THISCPU_MEMBARRIER", "off")]);
+    common::rerun_under_seccomp(
+        name,
+        common::refuse_syscall_program(libc::SYS_membarrier, libc::EPERM),
+    );
+}
+
+/// With delays inside every section (`--cfg thiscpu_inject`), so that preemption and
+/// migration abort the readers' counts often: still whole values, and counts that balance.
+#[cfg(thiscpu_inject)]
+#[test]
+fn with_delays_inside_the_sections_the_counts_stay_exact() {
+    for point in 0..thiscpu::ops::inject::POINTS {
+        thiscpu::ops::inject::set_delay(point, 2000);
+    }
+    let aborts = thiscpu::ops::aborts();
+    let lock = RwLock::new([0u64; WORDS]);
+    storm(&lock, 3, 300, Duration::from_secs(2));
+    let cell = EpochCell::new(Poisoned::new(0));
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            (0..20_000).for_each(|_| {
+                cell.load().check();
+            })
+        });
+        (1..100).for_each(|value| cell.store(Poisoned::new(value)));
+    });
+    assert_eq!(cell.readers_inside(), 0);
+    for point in 0..thiscpu::ops::inject::POINTS {
+        thiscpu::ops::inject::set_delay(point, 0);
+    }
+    eprintln!("{} aborts retried", thiscpu::ops::aborts() - aborts);
+}
+
+/// glibc's `RSEQ_SIG`, the signature its registration used.
+#[cfg(target_arch = "x86_64")]
+const GLIBC_RSEQ_SIG: u32 = 0x5305_3053;
+#[cfg(target_arch = "aarch64")]
+const GLIBC_RSEQ_SIG: u32 = 0xd428_bc00;
+
+/// Takes the calling thread's rseq away where glibc registered it: unregisters glibc's area,
+/// as a thread made by a raw `clone` would lack it.
+fn unregister_glibcs_area() {
+    let offset = common::glibc_symbol::<isize>(c"__rseq_offset").expect("glibc's rseq");
+    let area = common::thread_pointer().wrapping_add_signed(offset);
+    let size = common::glibc_symbol::<u32>(c"__rseq_size").unwrap_or(32);
+    let unregistered = [32, size].into_iter().any(|len| {
+        // SAFETY: unregisters glibc's area of this thread (the kernel checks the address,
+        // length and signature); glibc reads `cpu_id` as unregistered (-1) afterwards.
+        unsafe { libc::syscall(libc::SYS_rseq, area, len, 1, GLIBC_RSEQ_SIG) == 0 }
+    });
+    assert!(
+        unregistered,
+        "rseq unregistration: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// Installs `program` on every thread of the process (`SECCOMP_FILTER_FLAG_TSYNC`).
+fn install_on_every_thread(program: &[libc::sock_filter]) {
+    let fprog = libc::sock_fprog {
+        len: program.len() as u16,
+        filter: program.as_ptr().cast_mut(),
+    };
+    // SAFETY: prctl with integer arguments.
+    let no_new_privs = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+    assert_eq!(no_new_privs, 0, "{}", std::io::Error::last_os_error());
+    // SAFETY: seccomp reads the program through `fprog`, which outlives the call; the kernel
+    // copies it.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_seccomp,
+            libc::SECCOMP_SET_MODE_FILTER,
+            libc::SECCOMP_FILTER_FLAG_TSYNC,
+            &raw const fprog,
+        )
+    };
+    assert_eq!(ret, 0, "seccomp: {}", std::io::Error::last_os_error());
+}
+
+/// In a child process where glibc registered rseq: a lock made with rseq and `membarrier`, a
+/// reader thread whose rseq is then taken away (it counts atomically in the spare row), and a
+/// seccomp filter refusing `membarrier` installed afterwards on every thread (writers fence by
+/// visiting every CPU): values whole, counts balanced.
+#[test]
+fn a_reader_without_rseq_and_membarrier_refused_later() {
+    let name = "a_reader_without_rseq_and_membarrier_refused_later";
+    let glibc = thiscpu::source().registrar == thiscpu::Registrar::Glibc;
+    if std::env::var_os(CHILD).is_none() {
+        if glibc && thiscpu::fence::available() {
+            run_child(name, &[(CHILD, "1")]);
+        }
+        return;
+    }
+    let lock = RwLock::new([0u64; WORDS]);
+    assert!(lock.uses_rseq(), "{lock:?}");
+    let done = AtomicBool::new(false);
+    let unregistered = Barrier::new(2);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            unregister_glibcs_area();
+            assert!(thiscpu::ops::position().is_none(), "the thread kept rseq");
+            unregistered.wait();
+            while !done.load(Ordering::Relaxed) {
+                consistent(&read_all(&lock.read())).unwrap();
+            }
+        });
+        unregistered.wait();
+        install_on_every_thread(&common::refuse_syscall_program(
+            libc::SYS_membarrier,
+            libc::EPERM,
+        ));
+        assert!(
+            thiscpu::fence::fence_all().is_err(),
+            "membarrier still allowed"
+        );
+        for value in 1..=50 {
+            write_all(&mut lock.write(), value);
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    assert_eq!(consistent(&lock.read()).unwrap(), 50);
+    assert_eq!(lock.readers_inside(), 0);
+    assert!(lock.try_write().is_some());
+}

@@ -35,7 +35,7 @@ pub struct Info {
 pub struct MachineInfo {
     /// `model name` from `/proc/cpuinfo`.
     pub cpu_model: String,
-    /// `x86_64`, `aarch64`.
+    /// `x86_64`, `aarch64`, `riscv64`.
     pub arch: String,
     /// The kernel release.
     pub kernel: String,

@@ -282,6 +282,8 @@ fn single_stepped_operations_finish_in_bounded_steps() {
 const RSEQ_SIG: u32 = 0x5305_3053;
 #[cfg(target_arch = "aarch64")]
 const RSEQ_SIG: u32 = u32::from_le(0xd428_bc00);
+#[cfg(target_arch = "riscv64")]
+const RSEQ_SIG: u32 = 0xf140_1073;
 
 // Start and end of the sections, defined by the linker (the names are C identifiers).
 unsafe extern "C" {

@@ -137,9 +137,10 @@ class Arch:
                     or (m in ("sub", "subq") and ops.endswith(",%rsp"))
                     or (m in ("mov", "movq") and ops == "%rsp,%rbp"))
         if self.name == "riscv64":
-            return ((m == "addi" and ops.startswith("sp,sp,-"))
+            # objdump prints `addi` with a negative immediate as `add`.
+            return ((m in ("addi", "add") and ops.startswith("sp,sp,-"))
                     or (m == "sd" and ops.endswith("(sp)") and ops.split(",")[0] in ("ra", "s0"))
-                    or (m == "addi" and ops.startswith("s0,sp,")))
+                    or (m in ("addi", "add") and ops.startswith("s0,sp,")))
         return (m in ("paciasp", "pacibsp", "bti")
                 or (m == "stp" and "sp" in ops)
                 or (m == "mov" and ops == "x29,sp")
@@ -151,7 +152,7 @@ class Arch:
             return (m in ("pop", "popq", "leave", "leaveq")
                     or (m in ("add", "addq") and ops.endswith(",%rsp")))
         if self.name == "riscv64":
-            return ((m == "addi" and ops.startswith("sp,sp,") and "-" not in ops)
+            return ((m in ("addi", "add") and re.match(r"^sp,sp,[0-9]", ops) is not None)
                     or (m == "ld" and ops.endswith("(sp)") and ops.split(",")[0] in ("ra", "s0")))
         return (m in ("autiasp", "autibsp")
                 or (m == "ldp" and "sp" in ops)

@@ -27,9 +27,11 @@
 //!
 //! The fast path of `current_cpu` is therefore the own offset (2 instructions), the delta word
 //! (2), `add`, `add` of `tp` (riscv has no register-plus-register addressing) and the `lw` of
-//! `cpu_id`: 7 instructions and the sign test, where the kernel's `raw_smp_processor_id`
-//! needs 1 (a load from `tp`, which holds the task in the kernel). The 6 extra ones buy an area
-//! that works in a shared object and follows glibc's registration.
+//! `cpu_id`, then a `sext.w` that LLVM adds (it cannot know that the 32-bit output of an
+//! `asm!` is sign-extended already, as `lw` leaves it): 8 instructions and the sign test, where
+//! the kernel's `raw_smp_processor_id` needs 1 (a load from `tp`, which holds the task in the
+//! kernel). The 6 extra ones buy an area that works in a shared object and follows glibc's
+//! registration.
 //!
 //! # The CPU's own id instruction
 //! There is none: `mhartid` is the hardware thread's id, not Linux's CPU number, and only

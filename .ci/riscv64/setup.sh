@@ -17,7 +17,11 @@
 #                dynamic loader with trixie's libraries (`--library-path`, so the programs the
 #                compiler starts, the linker and build scripts, keep the machine's own);
 #     guest/busybox   the riscv64 shell the test VMs boot (the kernels come from
-#                .ci/kernels/setup.sh).
+#                .ci/kernels/setup.sh);
+#     sysroot/lib   trixie's riscv64 glibc (2.41) and libgcc_s, the shared libraries the
+#                programs run with in the guests (the runner's THISCPU_RISCV64_SYSROOT): they
+#                link against Debian 12's cross glibc (2.36), whose riscv64 build does not
+#                register rseq; 2.41's does, so the tests meet glibc's registration too.
 #
 # Idempotent: every step whose output exists is skipped, so a second run takes well under a
 # second. The tool directory is $THISCPU_RISCV64_TOOLS, by default target/riscv64-tools in the
@@ -205,6 +209,28 @@ if [ ! -x "$tools/guest/busybox" ]; then
     cp "$busybox" "$tools/guest.tmp/busybox"
     rm -rf "$tools/guest.tmp/x" "$tools/debs"
     mv "$tools/guest.tmp" "$tools/guest"
+fi
+
+# --- 5. Guest libraries -------------------------------------------------------------------
+if [ ! -e "$tools/sysroot/lib/libc.so.6" ]; then
+    private_apt
+    log "guest libraries: libc6:riscv64 and libgcc-s1:riscv64 from $suite into $tools/sysroot"
+    rm -rf "$tools/sysroot" "$tools/sysroot.tmp"
+    mkdir -p "$tools/sysroot.tmp/x" "$tools/sysroot.tmp/lib"
+    for deb in $(download libc6:riscv64 libgcc-s1:riscv64); do
+        dpkg -x "$deb" "$tools/sysroot.tmp/x"
+    done
+    # One flat directory, as the runner looks libraries up by file name (the dynamic loader
+    # among them). The gconv modules stay out: nothing the tests run converts charsets.
+    # The loader is both in lib/ and usr/lib/: the first copy of a name is kept.
+    find "$tools/sysroot.tmp/x" \( -type f -o -type l \) -name '*.so*' ! -path '*/gconv/*' |
+        while read -r lib; do
+            [ -e "$tools/sysroot.tmp/lib/${lib##*/}" ] || cp -L "$lib" "$tools/sysroot.tmp/lib/"
+        done
+    rm -rf "$tools/sysroot.tmp/x" "$tools/debs"
+    [ -e "$tools/sysroot.tmp/lib/ld-linux-riscv64-lp64d.so.1" ] ||
+        { log "libc6:riscv64 holds no ld-linux-riscv64-lp64d.so.1"; exit 1; }
+    mv "$tools/sysroot.tmp" "$tools/sysroot"
 fi
 
 printf '%s\n' "$tools"

@@ -36,8 +36,8 @@
 //! # The CPU's own id instruction
 //! There is none: `mhartid` is the hardware thread's id, not Linux's CPU number, and only
 //! machine mode reads it; `time` and `cycle` carry no CPU id. Both native reads of the contract
-//! are `None`, so the fallback for a thread without rseq is the system call (riscv's vDSO has
-//! no `getcpu`).
+//! are `None`, so the fallback for a thread without rseq is the vDSO's `getcpu` (which enters
+//! the kernel on riscv) or the system call.
 //!
 //! # Memory ordering (RVWMO)
 //! - The store that arms a section and the loads of `cpu_id`/`mm_cid` are plain, as on the

@@ -6,13 +6,13 @@
 //!
 //! Reviewed against the kernel's riscv64 rseq support: `arch/riscv/Kconfig` (`select
 //! HAVE_RSEQ`), `arch/riscv/kernel/signal.c` (`rseq_signal_deliver` in `handle_signal`, after
-//! the system call restart is settled), `arch/riscv/kernel/entry.S` and `kernel/entry/common.c`
-//! (the return to user mode that runs `rseq_handle_notify_resume`), `kernel/rseq.c` (the
-//! descriptor checks, and the signature as the 32-bit word at `abort_ip - 4`, read with a data
-//! load), `include/uapi/linux/rseq.h` (the layouts), and the selftests' riscv headers
-//! `tools/testing/selftests/rseq/rseq-riscv.h` and `rseq-riscv-bits.h` (the signature, an abort
-//! handler aligned to 4 behind its `.long` signature, fences for acquire and release), as does
-//! librseq's `include/rseq/arch/riscv.h`. The kernel's riscv64 rseq is little-endian only.
+//! the system call restart is settled), `kernel/rseq.c` (the descriptor checks, and the
+//! signature as the 32-bit word at `abort_ip - 4`, read with `get_user`),
+//! `include/uapi/linux/rseq.h` (the layouts), and the selftests' riscv header
+//! `tools/testing/selftests/rseq/rseq-riscv.h` with its `rseq-riscv-bits.h` (the signature, an
+//! abort handler aligned to 4 behind its `.long` signature, `fence`s for acquire and release),
+//! as does librseq's `include/rseq/arch/riscv.h`. The selftests support little-endian riscv
+//! only, as this file does.
 //!
 //! # Where the active area is
 //! As on aarch64: the own area's offset from the thread pointer by the initial-exec sequence

@@ -161,7 +161,9 @@ fetch() {
     for candidate in "linux-binary-unsigned-$abi" "linux-image-$abi-unsigned" \
         "linux-binary-$abi" "$image"; do
         # A name that other packages only mention has no record, and `show` still succeeds.
-        if apt-cache "${options[@]}" show "$candidate" 2>/dev/null | grep -q '^Package:'; then
+        # (grep reads all of it: with -q, apt-cache could die of SIGPIPE and fail the pipe.)
+        if apt-cache "${options[@]}" show "$candidate" 2>/dev/null | grep '^Package:' >/dev/null
+        then
             package=$candidate
             break
         fi

@@ -20,8 +20,8 @@ Then it disassembles `thiscpu_probe_counter_inc` (`Counter::inc()` alone) and fi
 path from its entry to `ret` that calls nothing, whichever way each conditional branch goes:
 the increment when rseq is registered. It fails when there is no such path, or when that path
 holds an atomic read-modify-write (an x86 `lock` prefix or `xchg` with memory; an arm64
-load/store-exclusive, LSE atomic or compare-and-swap): the point of the restartable sequence
-is to need none.
+load/store-exclusive, LSE atomic or compare-and-swap; a riscv `amo*`, `lr` or `sc`): the point
+of the restartable sequence is to need none.
 
 Last it disassembles `thiscpu_probe_adder_loop` (increments through one `Counter::adder()`)
 and finds its innermost loop that calls nothing (the smallest span from a backward branch's
@@ -48,7 +48,7 @@ ADDER_LOOP_SYMBOL = "thiscpu_probe_adder_loop"
 # The CPU read before the section, the comparison inside it, and the load of the word.
 MAX_LOOP_READS = 3
 # x86_64: the own area's offset (a constant the linker substitutes), the delta word, the load of
-# cpu_id and its sign test. aarch64 passes its own limit.
+# cpu_id and its sign test. aarch64 and riscv64 pass their own limits.
 MAX_INSNS = 4
 
 # objdump (AT&T syntax on x86_64) prints "  15ad0:\tmov    0x467a9(%rip),%rcx  # comment".
@@ -68,6 +68,11 @@ class Insn:
         return f"{self.address:x}: {self.text}"
 
 
+# riscv64 mnemonics as objdump prints them (with its aliases: `ret`, `j`, `jr`, `beqz`...).
+RISCV_COND_BRANCHES = {"beq", "bne", "blt", "bge", "bltu", "bgeu", "beqz", "bnez", "bltz",
+                       "bgez", "blez", "bgtz", "bgt", "ble", "bgtu", "bleu"}
+
+
 class Arch:
     """Instruction classes for one architecture, by mnemonic."""
 
@@ -80,11 +85,16 @@ class Arch:
     def is_call(self, insn):
         if self.name == "x86_64":
             return insn.mnemonic in ("call", "callq", "syscall", "int", "sysenter")
+        if self.name == "riscv64":
+            # `jal`/`jalr` without a link register of `zero` (those print as `j`/`jr`).
+            return insn.mnemonic in ("jal", "jalr", "call", "ecall")
         return insn.mnemonic in ("bl", "blr", "blraa", "blrab", "svc")
 
     def is_jump(self, insn):
         if self.name == "x86_64":
             return insn.mnemonic in ("jmp", "jmpq")
+        if self.name == "riscv64":
+            return insn.mnemonic in ("j", "jr", "tail")
         return insn.mnemonic in ("b", "br", "braa", "brab")
 
     def is_atomic_rmw(self, insn):
@@ -93,6 +103,8 @@ class Arch:
         if self.name == "x86_64":
             locked = re.match(r"^(\S+\s+)*lock\b", insn.text) is not None
             return locked or (m.startswith("xchg") and "(" in insn.operands)
+        if self.name == "riscv64":
+            return re.match(r"^(amo|lr\.|sc\.|lr$|sc$)", m) is not None
         return re.match(r"^(ld[a]?xr|ld[a]?xp|st[l]?xr|st[l]?xp|cas|swp|ld(add|clr|eor|set|smax"
                         r"|smin|umax|umin)|st(add|clr|eor|set|smax|smin|umax|umin))", m) is not None
 
@@ -106,12 +118,16 @@ class Arch:
             memory = [n for n, operand in enumerate(operands) if "(" in operand]
             # AT&T order: a `mov` whose only memory operand is the last one is a store.
             return not (m.startswith("mov") and memory == [len(operands) - 1])
+        if self.name == "riscv64":
+            return re.match(r"^(c\.)?(l[bhwd]u?|fl[hwdq]|lr)(sp)?(\.|$)", m) is not None
         return m.startswith("ld")
 
     def is_cond_branch(self, insn):
         m = insn.mnemonic
         if self.name == "x86_64":
             return m.startswith("j") and m not in ("jmp", "jmpq")
+        if self.name == "riscv64":
+            return m in RISCV_COND_BRANCHES
         return m.startswith("b.") or m in ("cbz", "cbnz", "tbz", "tbnz")
 
     def is_prologue(self, insn):
@@ -120,6 +136,11 @@ class Arch:
             return (m in ("endbr64", "push", "pushq")
                     or (m in ("sub", "subq") and ops.endswith(",%rsp"))
                     or (m in ("mov", "movq") and ops == "%rsp,%rbp"))
+        if self.name == "riscv64":
+            # objdump prints `addi` with a negative immediate as `add`.
+            return ((m in ("addi", "add") and ops.startswith("sp,sp,-"))
+                    or (m == "sd" and ops.endswith("(sp)") and ops.split(",")[0] in ("ra", "s0"))
+                    or (m in ("addi", "add") and ops.startswith("s0,sp,")))
         return (m in ("paciasp", "pacibsp", "bti")
                 or (m == "stp" and "sp" in ops)
                 or (m == "mov" and ops == "x29,sp")
@@ -130,6 +151,9 @@ class Arch:
         if self.name == "x86_64":
             return (m in ("pop", "popq", "leave", "leaveq")
                     or (m in ("add", "addq") and ops.endswith(",%rsp")))
+        if self.name == "riscv64":
+            return ((m in ("addi", "add") and re.match(r"^sp,sp,[0-9]", ops) is not None)
+                    or (m == "ld" and ops.endswith("(sp)") and ops.split(",")[0] in ("ra", "s0")))
         return (m in ("autiasp", "autibsp")
                 or (m == "ldp" and "sp" in ops)
                 or (m == "add" and ops.startswith("sp,sp")))
@@ -171,6 +195,8 @@ def disassemble(binary, symbol):
         arch = Arch("x86_64")
     elif "aarch64" in fmt:
         arch = Arch("aarch64")
+    elif "riscv" in fmt:
+        arch = Arch("riscv64")
     else:
         sys.exit(f"check_fast_path: unsupported file format {fmt!r} in {binary}")
     lines, insns, inside = [], [], False

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# Cargo runner for aarch64-unknown-linux-gnu: runs binaries on a real arm64 Linux kernel in
-# qemu-system-aarch64 (TCG), so that rseq is the kernel's and not qemu-user's (which answers
-# the rseq syscall with ENOSYS).
+# Cargo runner for aarch64-unknown-linux-gnu, and for riscv64gc-unknown-linux-gnu with
+# THISCPU_VM_ARCH=riscv64: runs binaries on a real arm64 (riscv64) Linux kernel in
+# qemu-system-aarch64 (qemu-system-riscv64) under TCG, so that rseq is the kernel's and not
+# qemu-user's (which answers the rseq syscall with ENOSYS).
 #
 #   CARGO_TARGET_AARCH64_UNKNOWN_LINUX_GNU_RUNNER=/path/to/.ci/aarch64/runner.sh
 #   runner.sh BINARY [ARGS...]     one binary, from the current directory
 #   runner.sh --batch MANIFEST     several binaries, one after the other, in one boot
 #
-# A manifest has one line per binary: the directory it runs from, the binary and its
-# arguments, separated by tabs. Booting is what a run costs most under TCG, so a batch boots
-# once for all of them.
+# A manifest has one line per binary: the directory it runs from, optionally variables for
+# that run alone (NAME=VALUE fields), the binary and its arguments, separated by tabs. Booting
+# is what a run costs most under TCG, so a batch boots once for all of them.
 #
-# Builds an initramfs holding busybox, the binaries, and the aarch64 glibc libraries they need;
+# Builds an initramfs holding busybox, the binaries, and the target's glibc libraries they need;
 # its /init mounts proc/sys/dev/tmp, runs each binary with its arguments and the RUST_*,
 # GLIBC_TUNABLES, THISCPU_* and cargo's CARGO_* variables of this environment, prints a marker
 # line with each exit code and powers off. The guest's output is relayed (without the
@@ -33,7 +34,9 @@
 # THISCPU_AARCH64_TOOLS (where setup.sh put the kernel and busybox), THISCPU_VM_KERNEL (another
 # arm64 kernel image to boot instead of setup.sh's), THISCPU_AARCH64_SYSROOT
 # (where the shared libraries come from, default /usr/aarch64-linux-gnu; its lib/ may also
-# hold a program's own shared objects).
+# hold a program's own shared objects). For riscv64: THISCPU_RISCV64_TOOLS (where
+# .ci/riscv64/setup.sh put busybox), THISCPU_VM_KERNEL (required: the riscv64 kernels come
+# from .ci/kernels/setup.sh), THISCPU_RISCV64_SYSROOT (default /usr/riscv64-linux-gnu).
 set -euo pipefail
 
 usage() {
@@ -62,15 +65,38 @@ else
 fi
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
-tools=${THISCPU_AARCH64_TOOLS:-$repo/target/aarch64-tools}
+# What differs between the targets: the cross binutils' prefix, the tool directory and the
+# sysroot, the dynamic loader, and how qemu boots the kernel and which console it prints on.
+case ${THISCPU_VM_ARCH:-aarch64} in
+aarch64)
+    cross=aarch64-linux-gnu
+    tools=${THISCPU_AARCH64_TOOLS:-$repo/target/aarch64-tools}
+    sysroot=${THISCPU_AARCH64_SYSROOT:-/usr/aarch64-linux-gnu}
+    loader=/lib/ld-linux-aarch64.so.1
+    qemu=(qemu-system-aarch64 -M virt -cpu max,pauth-impdef=on)
+    console=ttyAMA0
+    ;;
+riscv64)
+    cross=riscv64-linux-gnu
+    tools=${THISCPU_RISCV64_TOOLS:-$repo/target/riscv64-tools}
+    sysroot=${THISCPU_RISCV64_SYSROOT:-/usr/riscv64-linux-gnu}
+    loader=/lib/ld-linux-riscv64-lp64d.so.1
+    # OpenSBI (qemu-system-data's) starts the kernel image in supervisor mode.
+    qemu=(qemu-system-riscv64 -M virt -cpu rv64 -bios default)
+    console=ttyS0
+    ;;
+*)
+    echo "runner: THISCPU_VM_ARCH must be aarch64 or riscv64" >&2
+    exit 2
+    ;;
+esac
 kernel=${THISCPU_VM_KERNEL:-$tools/guest/vmlinuz}
 busybox=$tools/guest/busybox
-sysroot=${THISCPU_AARCH64_SYSROOT:-/usr/aarch64-linux-gnu}
 timeout_s=$((${THISCPU_VM_TIMEOUT:-300} * ${#runs[@]}))
 marker=THISCPU_GUEST_EXIT
 
 for f in "$kernel" "$busybox"; do
-    [ -e "$f" ] || { echo "runner: $f missing; run .ci/aarch64/setup.sh" >&2; exit 2; }
+    [ -e "$f" ] || { echo "runner: $f missing; run .ci/${THISCPU_VM_ARCH:-aarch64}/setup.sh" >&2; exit 2; }
 done
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/thiscpu-vm.XXXXXX")
@@ -81,16 +107,16 @@ cp "$busybox" "$root/bin/busybox"
 
 # Shared libraries: the DT_NEEDED entries of every executable copied in, followed
 # recursively, plus libgcc_s (glibc loads it with dlopen for unwinding), all from the cross
-# sysroot into /lib, where the program interpreter /lib/ld-linux-aarch64.so.1 also lands.
+# sysroot into /lib, where the program interpreter (e.g. /lib/ld-linux-aarch64.so.1) also lands.
 needed() {
-    aarch64-linux-gnu-readelf -d "$1" 2>/dev/null |
+    "$cross-readelf" -d "$1" 2>/dev/null |
         sed -n 's/.*(NEEDED).*Shared library: \[\(.*\)\]/\1/p'
 }
 add_libs() {
     local interp lib queue more
-    interp=$(aarch64-linux-gnu-readelf -l "$1" 2>/dev/null |
+    interp=$("$cross-readelf" -l "$1" 2>/dev/null |
         sed -n 's/.*Requesting program interpreter: \(.*\)\]/\1/p')
-    queue=("$(basename "${interp:-/lib/ld-linux-aarch64.so.1}")" libgcc_s.so.1)
+    queue=("$(basename "${interp:-$loader}")" libgcc_s.so.1)
     mapfile -t more < <(needed "$1")
     queue+=("${more[@]}")
     while [ ${#queue[@]} -gt 0 ]; do
@@ -117,7 +143,7 @@ add_file() {
     # guest's memory, which the kernel must unpack it into. Files that are not ELF stay as
     # they are.
     if [ "$(head -c 4 "$root$1" | od -An -tx1 | tr -d ' ')" = 7f454c46 ]; then
-        aarch64-linux-gnu-objcopy --strip-debug "$root$1"
+        "$cross-objcopy" --strip-debug "$root$1"
     fi
     add_libs "$1"
 }
@@ -210,9 +236,21 @@ names=()
         fi
         index=$((index + 1))
         dir=$(add_workdir "${fields[0]}")
-        program=$(add_program "${fields[1]}")
-        name=$program
-        for arg in "${fields[@]:2}"; do
+        # The run's own variables, up to the binary.
+        first=1
+        assignments=()
+        while [ "$first" -lt $((${#fields[@]} - 1)) ] &&
+            [[ ${fields[$first]} =~ ^[A-Za-z_][A-Za-z0-9_]*= ]]; do
+            assignments+=("${fields[$first]}")
+            first=$((first + 1))
+        done
+        program=$(add_program "${fields[$first]}")
+        name=
+        for assignment in "${assignments[@]}"; do
+            name+="$assignment "
+        done
+        name+=$program
+        for arg in "${fields[@]:$((first + 1))}"; do
             name+=" $arg"
         done
         names+=("$name")
@@ -220,8 +258,11 @@ names=()
             printf 'echo %s\n' "$(quote "runner: [$index/${#runs[@]}] $name (in $dir)")"
         fi
         printf 'cd %s\n' "$(quote "$dir")"
+        for assignment in "${assignments[@]}"; do
+            printf '%s=%s ' "${assignment%%=*}" "$(quote "${assignment#*=}")"
+        done
         quote "$program"
-        for arg in "${fields[@]:2}"; do
+        for arg in "${fields[@]:$((first + 1))}"; do
             printf ' %s' "$(quote "$arg")"
         done
         printf ' </dev/null\n'
@@ -263,11 +304,11 @@ relay() {
 }
 set +e
 timeout --foreground -k 10 "$timeout_s" \
-    qemu-system-aarch64 -M virt -cpu max,pauth-impdef=on \
+    "${qemu[@]}" \
     -smp "${THISCPU_VM_SMP:-2}" -m "$mem_mib" \
     -nographic -no-reboot -nic none \
     -kernel "$kernel" -initrd "$work/initrd.cpio" \
-    -append "console=ttyAMA0 panic=-1 quiet loglevel=1 rdinit=/init" \
+    -append "console=$console panic=-1 quiet loglevel=1 rdinit=/init" \
     </dev/null 2>"$work/qemu-stderr" | relay
 status=${PIPESTATUS[0]}
 set -e

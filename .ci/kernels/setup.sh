@@ -5,13 +5,14 @@
 #   setup.sh [ARCH/SUITE ...]      default: amd64/bookworm amd64/trixie amd64/sid
 #
 # For each ARCH/SUITE, the current kernel package is the one the suite's meta package depends
-# on (linux-image-cloud-amd64 for amd64, linux-image-arm64 for arm64; sid's package names
-# change every few weeks, so nothing here names a version). The suite's package lists are read
+# on (linux-image-cloud-amd64 for amd64, linux-image-arm64 for arm64, linux-image-riscv64 for
+# riscv64; sid's package names change every few weeks, so nothing here names a version). The suite's package lists are read
 # through a private apt configuration under target/kernels/apt/ (the system's apt sources and
 # lists are never touched); they are refreshed when older than $THISCPU_KERNELS_MAX_AGE days
 # (default 7; 0 refreshes every run), and a cached kernel is kept if the refresh fails.
-# Each kernel lands in target/kernels/ARCH/SUITE/ as vmlinuz, with `package` (the .deb it came
-# from) and `release` (its uname -r). Prints those directories, one a line, and nothing else
+# Each kernel lands in target/kernels/ARCH/SUITE/ as vmlinuz (riscv64's packages hold an
+# uncompressed /boot/vmlinux-*: that image, under the same name), with `package` (the .deb it
+# came from) and `release` (its uname -r). Prints those directories, one a line, and nothing else
 # on stdout.
 #
 # For amd64 it also installs what is missing among qemu-system-x86, busybox-static and cpio
@@ -126,6 +127,7 @@ meta_package() {
     case $1 in
     amd64) echo linux-image-cloud-amd64 ;;
     arm64) echo linux-image-arm64 ;;
+    riscv64) echo linux-image-riscv64 ;;
     *) log "no kernel meta package known for $1"; return 1 ;;
     esac
 }
@@ -152,11 +154,16 @@ fetch() {
     image=${image%:"$arch"}
     abi=${image#linux-image-}
     # The image without a Secure Boot signature (direct -kernel boot checks none): since 6.16
-    # Debian ships it as linux-binary-unsigned-ABI, before as linux-image-ABI-unsigned; the
-    # image package itself holds it where neither exists.
+    # Debian ships it as linux-binary-unsigned-ABI, before as linux-image-ABI-unsigned; where
+    # nothing is signed (riscv64) it is linux-binary-ABI since 6.16, and the image package
+    # itself before.
     local package="" candidate
-    for candidate in "linux-binary-unsigned-$abi" "linux-image-$abi-unsigned" "$image"; do
-        if apt-cache "${options[@]}" show "$candidate" >/dev/null 2>&1; then
+    for candidate in "linux-binary-unsigned-$abi" "linux-image-$abi-unsigned" \
+        "linux-binary-$abi" "$image"; do
+        # A name that other packages only mention has no record, and `show` still succeeds.
+        # (grep reads all of it: with -q, apt-cache could die of SIGPIPE and fail the pipe.)
+        if apt-cache "${options[@]}" show "$candidate" 2>/dev/null | grep '^Package:' >/dev/null
+        then
             package=$candidate
             break
         fi
@@ -174,7 +181,8 @@ fetch() {
     (cd "$out.tmp/deb" && apt-get "${options[@]}" download -qq "$package" >/dev/null)
     dpkg-deb --fsys-tarfile "$out.tmp/deb/"*.deb | tar -x -C "$out.tmp/x"
     local vmlinuz
-    vmlinuz=$(find "$out.tmp/x" -type f \( -path '*/boot/vmlinuz*' -o -path '*/modules/*/vmlinuz*' \) |
+    vmlinuz=$(find "$out.tmp/x" -type f \( -path '*/boot/vmlinuz*' -o -path '*/modules/*/vmlinuz*' \
+        -o -path '*/boot/vmlinux-*' \) |
         sort | head -n 1)
     [ -n "$vmlinuz" ] || { log "$package holds no kernel image"; return 1; }
     cp "$vmlinuz" "$out.tmp/vmlinuz"

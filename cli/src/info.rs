@@ -47,7 +47,7 @@ pub struct ReadMostly {
 pub struct MachineInfo {
     /// `model name` from `/proc/cpuinfo`.
     pub cpu_model: String,
-    /// `x86_64`, `aarch64`.
+    /// `x86_64`, `aarch64`, `riscv64`.
     pub arch: String,
     /// The kernel release.
     pub kernel: String,

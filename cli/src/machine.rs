@@ -23,7 +23,7 @@ pub struct Machine {
     pub cpus_online: usize,
     /// The state of rseq in the process that wrote the report.
     pub rseq: RseqState,
-    /// The machine architecture (`x86_64`, `aarch64`).
+    /// The machine architecture (`x86_64`, `aarch64`, `riscv64`).
     #[serde(default)]
     pub arch: String,
     /// The online CPUs in the kernel's list format (`0-3,8`).
@@ -130,7 +130,17 @@ impl RseqState {
 /// The CPU's model name, or the closest thing `/proc/cpuinfo` offers on this architecture.
 fn cpu_model() -> String {
     let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
-    for key in ["model name", "Model", "Hardware", "cpu model", "cpu"] {
+    // riscv64 names a model only where the device tree gives one (`uarch`); its ISA string is
+    // the closest thing otherwise.
+    for key in [
+        "model name",
+        "Model",
+        "Hardware",
+        "cpu model",
+        "cpu",
+        "uarch",
+        "isa",
+    ] {
         if let Some(value) = cpuinfo_value(&cpuinfo, key) {
             return value.to_owned();
         }

@@ -86,8 +86,8 @@
 //!   A CPU taken offline keeps what was stored on its slot (still summed, but cached objects
 //!   on it are out of reach until it comes back), and a process that brings CPUs on and off all
 //!   the time gains nothing from locality it keeps losing.
-//! - **Not Linux, not x86_64 or aarch64.** rseq is a Linux system call; other targets do not
-//!   build. On Linux before 4.18, or where rseq is missing (some sandboxes, valgrind,
+//! - **Not Linux, not x86_64, aarch64 or riscv64.** rseq is a Linux system call; other targets
+//!   do not build. On Linux before 4.18, or where rseq is missing (some sandboxes, valgrind,
 //!   qemu-user), everything falls back to atomics or system calls: correct, but slower than
 //!   using atomics directly.
 //! - **Code that must not use rseq.** A seccomp policy that forbids `rseq(2)` makes thiscpu

@@ -144,6 +144,10 @@ fn give_up(pid: libc::pid_t, why: String) -> ! {
 }
 
 #[test]
+#[cfg_attr(
+    target_arch = "riscv64",
+    ignore = "riscv64 Linux has no PTRACE_SINGLESTEP: see single_stepping_is_refused_on_riscv64"
+)]
 fn single_stepped_operations_finish_in_bounded_steps() {
     // Parent and child on one CPU: each step hands the CPU from one to the other, with no
     // wake-up of another CPU (the slowest part of a step in an emulated guest), and getcpu's
@@ -276,12 +280,51 @@ fn single_stepped_operations_finish_in_bounded_steps() {
     }
 }
 
+/// riscv64 Linux has no hardware single-step for user space (`arch_has_single_step()` is false
+/// there, so `ptrace` refuses `PTRACE_SINGLESTEP` with `EIO`), and the stepping test above cannot
+/// run there. This fails once a kernel offers it, so that the stepping test is turned on.
+#[cfg(target_arch = "riscv64")]
+#[test]
+fn single_stepping_is_refused_on_riscv64() {
+    // SAFETY: the child only stops itself and exits.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+    if pid == 0 {
+        // SAFETY: plain system calls in the child, which then leaves without unwinding.
+        unsafe {
+            libc::ptrace(libc::PTRACE_TRACEME, 0, 0, 0);
+            libc::raise(libc::SIGSTOP);
+            libc::_exit(0);
+        }
+    }
+    let status = wait(pid);
+    assert!(
+        libc::WIFSTOPPED(status),
+        "the child did not stop itself: status {status:#x}"
+    );
+    // SAFETY: asks to single-step our own traced, stopped child.
+    let ret = unsafe { libc::ptrace(libc::PTRACE_SINGLESTEP, pid, 0, 0) };
+    let error = std::io::Error::last_os_error();
+    // SAFETY: ends our own child, stopped or stepping.
+    unsafe {
+        libc::kill(pid, libc::SIGKILL);
+        libc::waitpid(pid, std::ptr::null_mut(), 0);
+    }
+    assert_eq!(
+        (ret, error.raw_os_error()),
+        (-1, Some(libc::EIO)),
+        "PTRACE_SINGLESTEP was not refused ({error}): enable the stepping test on riscv64"
+    );
+}
+
 /// The abort signature, as the kernel reads it before an abort address: glibc's, librseq's and
 /// the kernel selftests' value for this architecture.
 #[cfg(target_arch = "x86_64")]
 const RSEQ_SIG: u32 = 0x5305_3053;
 #[cfg(target_arch = "aarch64")]
 const RSEQ_SIG: u32 = u32::from_le(0xd428_bc00);
+#[cfg(target_arch = "riscv64")]
+const RSEQ_SIG: u32 = 0xf140_1073;
 
 // Start and end of the sections, defined by the linker (the names are C identifiers).
 unsafe extern "C" {

@@ -83,6 +83,8 @@ fn kernel_rseq_auxv() -> (u32, u32) {
 const RSEQ_SIG: u32 = 0x5305_3053;
 #[cfg(target_arch = "aarch64")]
 const RSEQ_SIG: u32 = 0xd428_bc00;
+#[cfg(target_arch = "riscv64")]
+const RSEQ_SIG: u32 = 0xf140_1073;
 
 /// What the kernel answers to registering the calling thread's area at `area_offset` again
 /// with `len` bytes: `EBUSY` when that area is registered with exactly that length (and

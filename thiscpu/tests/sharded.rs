@@ -603,6 +603,8 @@ fn without_membarrier_shards_are_taken_by_compare_and_swap() {
 const AUDIT_ARCH: u32 = 0xc000_003e;
 #[cfg(target_arch = "aarch64")]
 const AUDIT_ARCH: u32 = 0xc000_00b7;
+#[cfg(target_arch = "riscv64")]
+const AUDIT_ARCH: u32 = 0xc000_00f3;
 
 /// A seccomp program that makes the system calls `refused` fail with `EPERM` and allows every
 /// other one: a sandbox installed after start-up.
@@ -634,6 +636,8 @@ fn refuse_with_eperm(refused: &[libc::c_long]) -> Vec<libc::sock_filter> {
 const GLIBC_RSEQ_SIG: u32 = 0x5305_3053;
 #[cfg(target_arch = "aarch64")]
 const GLIBC_RSEQ_SIG: u32 = 0xd428_bc00;
+#[cfg(target_arch = "riscv64")]
+const GLIBC_RSEQ_SIG: u32 = 0xf140_1073;
 
 /// Takes the calling thread's rseq away where glibc registered it: unregisters glibc's area.
 fn unregister_glibcs_area() {

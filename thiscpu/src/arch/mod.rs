@@ -6,8 +6,8 @@
 //! architecture file builds on these and on `crate::abi` only, and exports the same items: the
 //! abort signature, access to this thread's rseq area (through a process-wide offset from the
 //! thread pointer), the restartable sequences, and the CPU's own id instructions if any. The
-//! list at the end of this file spells out their signatures, so a build for either
-//! architecture fails if its file strays from the contract.
+//! list at the end of this file spells out their signatures, so a build for any architecture
+//! fails if its file strays from the contract.
 //!
 //! The active area is read in two ways: `area_offset` loads where it is, for a section and the
 //! reads that position it (`field_at`), and `active_field` reads one field alone, in the
@@ -81,8 +81,17 @@ mod imp;
 #[cfg_attr(thiscpu_model, allow(dead_code))]
 mod imp;
 
-#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64")))]
-compile_error!("thiscpu supports x86_64 and aarch64 Linux");
+#[cfg(target_arch = "riscv64")]
+#[path = "riscv64.rs"]
+#[cfg_attr(thiscpu_model, allow(dead_code))]
+mod imp;
+
+#[cfg(not(any(
+    target_arch = "x86_64",
+    target_arch = "aarch64",
+    target_arch = "riscv64"
+)))]
+compile_error!("thiscpu supports x86_64, aarch64 and riscv64 Linux");
 
 pub(crate) use imp::*;
 
@@ -150,9 +159,9 @@ pub(crate) fn set_hot_word<const WORD: usize>(value: u32) {
 
 /// Where an rseq area is, as `area_offset` or `area_offset_of` loaded it: the offset from the
 /// thread pointer to the area's field at `AREA_OFFSET_FIELD` (its start on x86_64, its
-/// `cpu_id` on aarch64). Only the architecture files can make one, and only from the delta
-/// table, whose entries name thiscpu's own area, glibc's, or the blank one: every value names a
-/// live area in whichever thread holds it. The offsets are the same for every thread, and an
+/// `cpu_id` on aarch64 and riscv64). Only the architecture files can make one, and only from
+/// the delta table, whose entries name thiscpu's own area, glibc's, or the blank one: every
+/// value names a live area in whichever thread holds it. The offsets are the same for every thread, and an
 /// offset that was in the table once (thiscpu's own area before the switch to glibc's, the
 /// blank area before `node_id` was known current) stays valid, since every thread keeps its
 /// static TLS until it is gone. That is what lets `field_at` be a safe function.

@@ -24,10 +24,10 @@ static int (*tls_mismatches)(unsigned);
 static pthread_barrier_t used, unloaded;
 static atomic_int signals;
 
-#if defined(__aarch64__)
-/* glibc on arm64 gives a library loaded with dlopen static TLS only up to the largest
- * alignment among the TLS blocks present at start-up (16 bytes in a program without aligned
- * thread-locals), and thiscpu's area needs 64: see the README's known limitations. */
+#if defined(__aarch64__) || defined(__riscv)
+/* glibc on arm64 and riscv64 gives a library loaded with dlopen static TLS only up to the
+ * largest alignment among the TLS blocks present at start-up (16 bytes in a program without
+ * aligned thread-locals), and thiscpu's area needs 64: see the README's known limitations. */
 __thread __attribute__((aligned(64))) char static_tls_alignment;
 #endif
 

@@ -223,7 +223,8 @@ pub fn glibc_symbol<T: Copy>(name: &std::ffi::CStr) -> Option<T> {
     Some(unsafe { address.cast::<T>().read() })
 }
 
-/// The thread pointer, read here (the word at `%fs:0` on x86_64, `TPIDR_EL0` on aarch64).
+/// The thread pointer, read here (the word at `%fs:0` on x86_64, `TPIDR_EL0` on aarch64,
+/// `tp` on riscv64).
 pub fn thread_pointer() -> usize {
     let tp: usize;
     #[cfg(target_arch = "x86_64")]
@@ -235,6 +236,11 @@ pub fn thread_pointer() -> usize {
     // SAFETY: reading TPIDR_EL0 has no side effect.
     unsafe {
         std::arch::asm!("mrs {}, tpidr_el0", out(reg) tp, options(nostack, nomem));
+    }
+    #[cfg(target_arch = "riscv64")]
+    // SAFETY: copying the `tp` register has no side effect.
+    unsafe {
+        std::arch::asm!("mv {}, tp", out(reg) tp, options(nostack, nomem));
     }
     tp
 }
@@ -394,6 +400,8 @@ pub const SECCOMP_CHILD: &str = "THISCPU_TEST_UNDER_SECCOMP";
 const AUDIT_ARCH: u32 = 0xc000_003e;
 #[cfg(target_arch = "aarch64")]
 const AUDIT_ARCH: u32 = 0xc000_00b7;
+#[cfg(target_arch = "riscv64")]
+const AUDIT_ARCH: u32 = 0xc000_00f3;
 
 /// A seccomp program that makes system call `nr` fail with `errno` and allows everything else.
 pub fn refuse_syscall_program(nr: libc::c_long, errno: i32) -> Vec<libc::sock_filter> {

@@ -222,6 +222,9 @@ names=()
     echo 'mount -t proc proc /proc'
     echo 'mount -t sysfs sysfs /sys'
     echo 'mount -t devtmpfs devtmpfs /dev'
+    # Loopback up with 127.0.0.1: the OpenTelemetry example's test serves and
+    # scrapes /metrics over TCP on it.
+    echo 'ifconfig lo 127.0.0.1 up'
     # Not over mirrored host paths under /tmp (the initramfs is writable anyway).
     echo '[ -n "$(ls -A /tmp)" ] || mount -t tmpfs tmpfs /tmp'
     while IFS= read -r name; do

@@ -574,52 +574,6 @@ fn with_delays_inside_the_sections_the_counts_stay_exact() {
     eprintln!("{} aborts retried", thiscpu::ops::aborts() - aborts);
 }
 
-/// glibc's `RSEQ_SIG`, the signature its registration used.
-#[cfg(target_arch = "x86_64")]
-const GLIBC_RSEQ_SIG: u32 = 0x5305_3053;
-#[cfg(target_arch = "aarch64")]
-const GLIBC_RSEQ_SIG: u32 = 0xd428_bc00;
-
-/// Takes the calling thread's rseq away where glibc registered it: unregisters glibc's area,
-/// as a thread made by a raw `clone` would lack it.
-fn unregister_glibcs_area() {
-    let offset = common::glibc_symbol::<isize>(c"__rseq_offset").expect("glibc's rseq");
-    let area = common::thread_pointer().wrapping_add_signed(offset);
-    let size = common::glibc_symbol::<u32>(c"__rseq_size").unwrap_or(32);
-    let unregistered = [32, size].into_iter().any(|len| {
-        // SAFETY: unregisters glibc's area of this thread (the kernel checks the address,
-        // length and signature); glibc reads `cpu_id` as unregistered (-1) afterwards.
-        unsafe { libc::syscall(libc::SYS_rseq, area, len, 1, GLIBC_RSEQ_SIG) == 0 }
-    });
-    assert!(
-        unregistered,
-        "rseq unregistration: {}",
-        std::io::Error::last_os_error()
-    );
-}
-
-/// Installs `program` on every thread of the process (`SECCOMP_FILTER_FLAG_TSYNC`).
-fn install_on_every_thread(program: &[libc::sock_filter]) {
-    let fprog = libc::sock_fprog {
-        len: program.len() as u16,
-        filter: program.as_ptr().cast_mut(),
-    };
-    // SAFETY: prctl with integer arguments.
-    let no_new_privs = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
-    assert_eq!(no_new_privs, 0, "{}", std::io::Error::last_os_error());
-    // SAFETY: seccomp reads the program through `fprog`, which outlives the call; the kernel
-    // copies it.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_seccomp,
-            libc::SECCOMP_SET_MODE_FILTER,
-            libc::SECCOMP_FILTER_FLAG_TSYNC,
-            &raw const fprog,
-        )
-    };
-    assert_eq!(ret, 0, "seccomp: {}", std::io::Error::last_os_error());
-}
-
 /// In a child process where glibc registered rseq: a lock made with rseq and `membarrier`, a
 /// reader thread whose rseq is then taken away (it counts atomically in the spare row), and a
 /// seccomp filter refusing `membarrier` installed afterwards on every thread (writers fence by
@@ -640,7 +594,7 @@ fn a_reader_without_rseq_and_membarrier_refused_later() {
     let unregistered = Barrier::new(2);
     std::thread::scope(|s| {
         s.spawn(|| {
-            unregister_glibcs_area();
+            common::unregister_glibcs_area();
             assert!(thiscpu::ops::position().is_none(), "the thread kept rseq");
             unregistered.wait();
             while !done.load(Ordering::Relaxed) {
@@ -648,7 +602,7 @@ fn a_reader_without_rseq_and_membarrier_refused_later() {
             }
         });
         unregistered.wait();
-        install_on_every_thread(&common::refuse_syscall_program(
+        common::install_on_every_thread(&common::refuse_syscall_program(
             libc::SYS_membarrier,
             libc::EPERM,
         ));

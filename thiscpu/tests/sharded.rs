@@ -631,55 +631,6 @@ fn refuse_with_eperm(refused: &[libc::c_long]) -> Vec<libc::sock_filter> {
     program
 }
 
-/// glibc's `RSEQ_SIG`, the signature its registration used.
-#[cfg(target_arch = "x86_64")]
-const GLIBC_RSEQ_SIG: u32 = 0x5305_3053;
-#[cfg(target_arch = "aarch64")]
-const GLIBC_RSEQ_SIG: u32 = 0xd428_bc00;
-#[cfg(target_arch = "riscv64")]
-const GLIBC_RSEQ_SIG: u32 = 0xf140_1073;
-
-/// Takes the calling thread's rseq away where glibc registered it: unregisters glibc's area.
-fn unregister_glibcs_area() {
-    let offset = common::glibc_symbol::<isize>(c"__rseq_offset").expect("glibc's rseq");
-    let area = common::thread_pointer().wrapping_add_signed(offset);
-    let size = common::glibc_symbol::<u32>(c"__rseq_size").unwrap_or(32);
-    // glibc registers 32 bytes, or `__rseq_size` in its later versions: the kernel accepts
-    // the unregistration only with the length registered.
-    let unregistered = [32, size].into_iter().any(|len| {
-        // SAFETY: unregisters glibc's area of this thread (the kernel checks the address,
-        // length and signature); glibc reads `cpu_id` as unregistered (-1) afterwards.
-        unsafe { libc::syscall(libc::SYS_rseq, area, len, 1, GLIBC_RSEQ_SIG) == 0 }
-    });
-    assert!(
-        unregistered,
-        "rseq unregistration: {}",
-        std::io::Error::last_os_error()
-    );
-}
-
-/// Installs `program` on every thread of the process (`SECCOMP_FILTER_FLAG_TSYNC`).
-fn install_on_every_thread(program: &[libc::sock_filter]) {
-    let fprog = libc::sock_fprog {
-        len: program.len() as u16,
-        filter: program.as_ptr().cast_mut(),
-    };
-    // SAFETY: prctl with integer arguments.
-    let no_new_privs = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
-    assert_eq!(no_new_privs, 0, "{}", std::io::Error::last_os_error());
-    // SAFETY: seccomp reads the program through `fprog`, which outlives the call; the kernel
-    // copies it.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_seccomp,
-            libc::SECCOMP_SET_MODE_FILTER,
-            libc::SECCOMP_FILTER_FLAG_TSYNC,
-            &raw const fprog,
-        )
-    };
-    assert_eq!(ret, 0, "seccomp: {}", std::io::Error::last_os_error());
-}
-
 /// Writers with rseq running before the filter and others started after it (without rseq:
 /// their registration is refused), while this thread reads with `fold`, `lock(0)`,
 /// `lock(len - 1)` and `for_each`. Exact, and every take returns.
@@ -708,7 +659,7 @@ fn refused_after_construction<S: Spread>(sharded: Sharded<Tally, S>) {
                 assert_eq!(position.is_some(), with_registrar, "{position:?}");
             } else {
                 if registrar == thiscpu::Registrar::Glibc {
-                    unregister_glibcs_area();
+                    common::unregister_glibcs_area();
                 }
                 assert!(thiscpu::ops::position().is_none(), "a writer kept rseq");
             }
@@ -736,9 +687,12 @@ fn refused_after_construction<S: Spread>(sharded: Sharded<Tally, S>) {
     // glibc ends a process whose new thread it cannot register; where thiscpu registers, the
     // filter refuses rseq too, so that later threads have none.
     if registrar == thiscpu::Registrar::Thiscpu {
-        install_on_every_thread(&refuse_with_eperm(&[libc::SYS_membarrier, libc::SYS_rseq]));
+        common::install_on_every_thread(&refuse_with_eperm(&[
+            libc::SYS_membarrier,
+            libc::SYS_rseq,
+        ]));
     } else {
-        install_on_every_thread(&refuse_with_eperm(&[libc::SYS_membarrier]));
+        common::install_on_every_thread(&refuse_with_eperm(&[libc::SYS_membarrier]));
     }
     assert!(
         !kernel_offers_rseq_fences() && thiscpu::fence::fence_all().is_err(),

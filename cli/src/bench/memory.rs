@@ -21,10 +21,9 @@
 //! The padded layout is measured on a twentieth as many counters (each costs 128 bytes per
 //! possible CPU, plus the allocator's rounding) and reported per counter like the dense one.
 
-use super::model::{Case, Family, Measured, Unit, Workload};
+use super::model::{Case, Family, Measured, Reading, idle, Unit, Workload};
 use crate::report::table::{align_right, fmt_num, new_table, render, verdict};
 use std::hint::black_box;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use thiscpu::{Counter, PerCpu};
 
@@ -238,7 +237,7 @@ fn measure_padded(cpus: &[u32]) -> Result<Figures, String> {
 struct MemoryCase {
     layout: Layout,
     figure: Figure,
-    last: Mutex<Option<Result<Figures, String>>>,
+    last: Reading<Figures>,
 }
 
 impl Workload for MemoryCase {
@@ -249,27 +248,19 @@ impl Workload for MemoryCase {
             Layout::Dense => measure_dense(&cpus),
             Layout::Padded => measure_padded(&cpus),
         };
-        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(figures);
+        self.last.record(figures);
     }
 
-    /// Nothing to time: an empty loop, so that the runner's calibration ends.
     fn run(&self, _worker: usize, ops: u64) {
-        for op in 0..ops {
-            black_box(op);
-        }
+        idle(ops);
     }
 
     fn verify(&self, _ops: u64) -> Result<(), String> {
-        match &*self.last.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some(Ok(_)) => Ok(()),
-            Some(Err(why)) => Err(why.clone()),
-            None => Err("nothing was measured".to_owned()),
-        }
+        self.last.verify()
     }
 
     fn reading(&self) -> Option<f64> {
-        let last = self.last.lock().unwrap_or_else(|p| p.into_inner());
-        last.as_ref()?.as_ref().ok().map(|f| f.pick(self.figure))
+        self.last.get().map(|f| f.pick(self.figure))
     }
 }
 
@@ -285,7 +276,7 @@ fn case(name: &'static str, how: &str, layout: Layout, figure: Figure) -> Case {
         MemoryCase {
             layout,
             figure,
-            last: Mutex::new(None),
+            last: Reading::new(),
         },
     )
 }

@@ -65,6 +65,46 @@ pub trait Workload: Send + Sync {
     }
 }
 
+/// What a workload that measures a size itself, in `prepare`, found last. Such a workload has
+/// nothing to time: its `run` is [`idle`], so that the runner's calibration ends, its
+/// `verify` is [`Reading::verify`], and its `reading` comes from [`Reading::get`].
+#[derive(Debug)]
+pub struct Reading<T>(std::sync::Mutex<Option<Result<T, String>>>);
+
+impl<T: Clone> Reading<T> {
+    /// Nothing measured yet.
+    pub fn new() -> Self {
+        Reading(std::sync::Mutex::new(None))
+    }
+
+    /// Keeps a measurement, or why it failed, in place of the one before.
+    pub fn record(&self, measured: Result<T, String>) {
+        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(measured);
+    }
+
+    /// The last measurement, if it succeeded.
+    pub fn get(&self) -> Option<T> {
+        let last = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        last.as_ref()?.as_ref().ok().cloned()
+    }
+
+    /// Fails with the last measurement's error, or when nothing was measured.
+    pub fn verify(&self) -> Result<(), String> {
+        match &*self.0.lock().unwrap_or_else(|p| p.into_inner()) {
+            Some(Ok(_)) => Ok(()),
+            Some(Err(why)) => Err(why.clone()),
+            None => Err("nothing was measured".to_owned()),
+        }
+    }
+}
+
+/// An empty loop of `ops` steps: the timed part of a workload that measures in `prepare`.
+pub fn idle(ops: u64) {
+    for op in 0..ops {
+        std::hint::black_box(op);
+    }
+}
+
 /// A stateless workload: a function that performs `ops` operations.
 #[derive(Debug)]
 pub struct Loop(pub fn(u64));

@@ -20,7 +20,7 @@
 //! (`VmSize`), divided by series x CPUs. The shared registry of the series is included; the
 //! report separates it from the part on each CPU when two CPU counts were measured.
 
-use super::model::{Case, Family, Measured, Unit, Workload, median_of};
+use super::model::{Case, Family, Measured, Reading, idle, Unit, Workload, median_of};
 use crate::report::table::{fmt_num, fmt_ratio, verdict};
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{BoundCounter as OtelBoundCounter, Counter, MeterProvider};
@@ -324,7 +324,7 @@ enum Figure {
 
 struct MemoryCase {
     figure: Figure,
-    last: Mutex<Option<Result<f64, String>>>,
+    last: Reading<f64>,
 }
 
 /// `VmSize` and `Rss` (from `smaps_rollup`, exact, or `VmRSS`) in bytes.
@@ -403,27 +403,19 @@ impl Workload for MemoryCase {
             Figure::Resident => resident,
             Figure::AddressSpace => size,
         });
-        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(measured);
+        self.last.record(measured);
     }
 
-    /// Nothing to time: an empty loop, so that the runner's calibration ends.
     fn run(&self, _worker: usize, ops: u64) {
-        for op in 0..ops {
-            black_box(op);
-        }
+        idle(ops);
     }
 
     fn verify(&self, _ops: u64) -> Result<(), String> {
-        match &*self.last.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some(Ok(_)) => Ok(()),
-            Some(Err(why)) => Err(why.clone()),
-            None => Err("nothing was measured".to_owned()),
-        }
+        self.last.verify()
     }
 
     fn reading(&self) -> Option<f64> {
-        let last = self.last.lock().unwrap_or_else(|p| p.into_inner());
-        last.as_ref()?.as_ref().ok().copied()
+        self.last.get()
     }
 }
 
@@ -444,7 +436,7 @@ fn cases() -> Vec<Case> {
             Unit::BytesPerCounter,
             MemoryCase {
                 figure,
-                last: Mutex::new(None),
+                last: Reading::new(),
             },
         )
     };

@@ -15,7 +15,7 @@
 //! threads, all still alive, have each updated it once: a `Sharded` is one 128-byte shard per
 //! possible CPU whatever N, a `ThreadLocal` one entry per thread.
 
-use super::model::{Case, Family, Measured, Unit, Workload, median_of as median};
+use super::model::{Case, Family, Measured, Reading, idle, Unit, Workload, median_of as median};
 use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -382,38 +382,25 @@ fn measure_memory(holder: Holder, threads: usize) -> Result<f64, String> {
 struct MemoryCase {
     holder: Holder,
     threads: usize,
-    last: Mutex<Option<Result<f64, String>>>,
+    last: Reading<f64>,
 }
 
 impl Workload for MemoryCase {
     fn prepare(&self, _threads: usize) {
         let measured = measure_memory(self.holder, self.threads);
-        *self.last.lock().unwrap_or_else(|p| p.into_inner()) = Some(measured);
+        self.last.record(measured);
     }
 
-    /// Nothing to time: an empty loop, so that the runner's calibration ends.
     fn run(&self, _worker: usize, ops: u64) {
-        for op in 0..ops {
-            black_box(op);
-        }
+        idle(ops);
     }
 
     fn verify(&self, _ops: u64) -> Result<(), String> {
-        match &*self.last.lock().unwrap_or_else(|p| p.into_inner()) {
-            Some(Ok(_)) => Ok(()),
-            Some(Err(why)) => Err(why.clone()),
-            None => Err("nothing was measured".to_owned()),
-        }
+        self.last.verify()
     }
 
     fn reading(&self) -> Option<f64> {
-        self.last
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .as_ref()?
-            .as_ref()
-            .ok()
-            .copied()
+        self.last.get()
     }
 }
 
@@ -473,7 +460,7 @@ fn cases() -> Vec<Case> {
             MemoryCase {
                 holder,
                 threads,
-                last: Mutex::new(None),
+                last: Reading::new(),
             },
         ));
     }

@@ -481,3 +481,53 @@ pub fn rerun_under_seccomp(name: &str, program: Vec<libc::sock_filter>) -> Strin
     );
     stderr.into_owned()
 }
+
+/// glibc's `RSEQ_SIG`, the signature its registration used.
+#[cfg(target_arch = "x86_64")]
+pub const GLIBC_RSEQ_SIG: u32 = 0x5305_3053;
+#[cfg(target_arch = "aarch64")]
+pub const GLIBC_RSEQ_SIG: u32 = 0xd428_bc00;
+#[cfg(target_arch = "riscv64")]
+pub const GLIBC_RSEQ_SIG: u32 = 0xf140_1073;
+
+/// Takes the calling thread's rseq away where glibc registered it: unregisters glibc's area,
+/// as a thread made by a raw `clone` would lack it.
+pub fn unregister_glibcs_area() {
+    let offset = glibc_symbol::<isize>(c"__rseq_offset").expect("glibc's rseq");
+    let area = thread_pointer().wrapping_add_signed(offset);
+    let size = glibc_symbol::<u32>(c"__rseq_size").unwrap_or(32);
+    // glibc registers 32 bytes, or `__rseq_size` in its later versions: the kernel accepts
+    // the unregistration only with the length registered.
+    let unregistered = [32, size].into_iter().any(|len| {
+        // SAFETY: unregisters glibc's area of this thread (the kernel checks the address,
+        // length and signature); glibc reads `cpu_id` as unregistered (-1) afterwards.
+        unsafe { libc::syscall(libc::SYS_rseq, area, len, 1, GLIBC_RSEQ_SIG) == 0 }
+    });
+    assert!(
+        unregistered,
+        "rseq unregistration: {}",
+        std::io::Error::last_os_error()
+    );
+}
+
+/// Installs `program` on every thread of the process (`SECCOMP_FILTER_FLAG_TSYNC`).
+pub fn install_on_every_thread(program: &[libc::sock_filter]) {
+    let fprog = libc::sock_fprog {
+        len: program.len() as u16,
+        filter: program.as_ptr().cast_mut(),
+    };
+    // SAFETY: prctl with integer arguments.
+    let no_new_privs = unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) };
+    assert_eq!(no_new_privs, 0, "{}", std::io::Error::last_os_error());
+    // SAFETY: seccomp reads the program through `fprog`, which outlives the call; the kernel
+    // copies it.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_seccomp,
+            libc::SECCOMP_SET_MODE_FILTER,
+            libc::SECCOMP_FILTER_FLAG_TSYNC,
+            &raw const fprog,
+        )
+    };
+    assert_eq!(ret, 0, "seccomp: {}", std::io::Error::last_os_error());
+}

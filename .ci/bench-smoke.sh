@@ -44,7 +44,7 @@ for r in bench["results"]:
     for key in ("bench", "case", "threads", "unit", "median", "min", "max", "rounds"):
         assert key in r, f"{r.get('bench')}/{r.get('case')}: {key} missing"
     assert r["min"] <= r["median"] <= r["max"], r
-assert info["read_mostly"]["mode"] in ("rseq", "atomic"), info["read_mostly"]
+assert info["read_mostly"]["readers"] in ("rseq", "atomic"), info["read_mostly"]
 svgs = [f for f in os.listdir(os.path.join(out, "svg")) if f.endswith(".svg")]
 assert svgs, "no SVG chart written"
 assert stress["exact"] is True and stress["lost"] == 0, f"stress was not exact: {stress}"

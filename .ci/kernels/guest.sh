@@ -264,7 +264,8 @@ FEATURE_TESTS="metrics metrics_layer prometheus_client serde"
 # Test executables declared to have nothing to run here, each with why: the host counts them
 # as skipped; any other executable that runs no test fails.
 SKIPPED_TESTS="model:built-only-with---cfg-thiscpu_model-(the-model-step)
-model_decision:built-only-with---cfg-thiscpu_model-(the-model-step)"
+model_decision:built-only-with---cfg-thiscpu_model-(the-model-step)
+model_rwlock:built-only-with---cfg-thiscpu_model-(the-model-step)"
 
 # Every test executable but the debugger's: single-stepping through sections under TCG takes
 # tens of seconds, so it runs once per kernel (smp2, below) rather than in every guest twice.

@@ -35,9 +35,9 @@ pub struct Info {
 /// The mode a new `thiscpu::RwLock` (and `EpochCell`) takes in this process.
 #[derive(Debug, Serialize)]
 pub struct ReadMostly {
-    /// `rseq` (readers count with restartable sequences, writers fence with `membarrier`) or
+    /// How readers count: `rseq` (restartable sequences, writers fence with `membarrier`) or
     /// `atomic` (`SeqCst` atomic adds and fences).
-    pub mode: &'static str,
+    pub readers: &'static str,
     /// Bytes of per-CPU reader counts per lock.
     pub counts_bytes: usize,
 }
@@ -237,7 +237,7 @@ pub fn gather() -> Info {
         read_mostly: {
             let lock = thiscpu::RwLock::new(());
             ReadMostly {
-                mode: if lock.uses_rseq() { "rseq" } else { "atomic" },
+                readers: if lock.uses_rseq() { "rseq" } else { "atomic" },
                 counts_bytes: lock.counts_bytes(),
             }
         },
@@ -386,7 +386,7 @@ pub fn render(info: &Info) -> String {
         "RwLock",
         format!(
             "readers count {} · {} bytes of counts per lock (RwLock, EpochCell)",
-            if info.read_mostly.mode == "rseq" {
+            if info.read_mostly.readers == "rseq" {
                 "with rseq, writers fence with membarrier"
             } else {
                 "with SeqCst atomics (no rseq or no membarrier)"

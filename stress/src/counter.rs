@@ -61,6 +61,9 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
     let workers = config.threads.max(1);
     let cpus = allowed_cpus();
     let stop = Arc::new(AtomicBool::new(false));
+    // Workers stop by their own clock, but not before the disturber's first round: a run
+    // that moved and signalled nobody would test nothing.
+    let disturbed = Arc::new(AtomicBool::new(false));
     let gate = Arc::new(StartGate::new(workers));
     let tids: Arc<Vec<AtomicI32>> = Arc::new((0..workers).map(|_| AtomicI32::new(0)).collect());
     let aborts_before = thiscpu::ops::aborts();
@@ -74,8 +77,13 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
     let duration = config.duration;
 
     let worker_handles = spawn_workers(workers, &gate, |index| {
-        let (counter, stop, gate, tids) =
-            (counter.clone(), stop.clone(), gate.clone(), tids.clone());
+        let (counter, stop, disturbed, gate, tids) = (
+            counter.clone(),
+            stop.clone(),
+            disturbed.clone(),
+            gate.clone(),
+            tids.clone(),
+        );
         move || {
             let Some(deadline) = start_worker(&tids, index, &gate, duration) else {
                 return 0;
@@ -90,7 +98,10 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
                     None => (0..64).for_each(|_| counter.inc()),
                 }
                 made += 64;
-                if made.is_multiple_of(4096) && Instant::now() >= deadline {
+                if made.is_multiple_of(4096)
+                    && Instant::now() >= deadline
+                    && disturbed.load(Ordering::Acquire)
+                {
                     break;
                 }
             }
@@ -107,8 +118,11 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
     let mut disturber = Disturber::new(config);
     let mut churn = Churn::default();
     let mut refused = None;
-    while Instant::now() < deadline {
+    // The first round comes before the first look at the clock: waking a thousand workers can
+    // take longer than the run asked for.
+    loop {
         disturber.round(&tids, &cpus);
+        disturbed.store(true, Ordering::Release);
         if config.churn {
             let counter = counter.clone();
             let by_adder = churn.created % 2 == 1;
@@ -127,6 +141,9 @@ pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
                 refused = Some(error);
                 break;
             }
+        }
+        if Instant::now() >= deadline {
+            break;
         }
         std::thread::sleep(Duration::from_micros(200));
     }

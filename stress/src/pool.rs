@@ -152,6 +152,9 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
     let workers = stress.threads.max(1);
     let cpus = allowed_cpus();
     let stop = Arc::new(AtomicBool::new(false));
+    // Workers stop by their own clock, but not before the disturber's first round: a run
+    // that moved and signalled nobody would test nothing.
+    let disturbed = Arc::new(AtomicBool::new(false));
     let gate = Arc::new(StartGate::new(workers));
     let tids: Arc<Vec<AtomicI32>> = Arc::new((0..workers).map(|_| AtomicI32::new(0)).collect());
     let aborts_before = thiscpu::ops::aborts();
@@ -172,11 +175,12 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
 
     let duration = stress.duration;
     let mut worker_handles = spawn_workers(workers, &gate, |index| {
-        let (pool, held, doubles, stop, gate, tids) = (
+        let (pool, held, doubles, stop, disturbed, gate, tids) = (
             pool.clone(),
             held.clone(),
             doubles.clone(),
             stop.clone(),
+            disturbed.clone(),
             gate.clone(),
             tids.clone(),
         );
@@ -186,7 +190,9 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
             };
             let mut random = Random(0x2545_f491_4f6c_dd1d ^ (index as u64 + 1));
             let mut made = 0u64;
-            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+            while !stop.load(Ordering::Relaxed)
+                && (Instant::now() < deadline || !disturbed.load(Ordering::Acquire))
+            {
                 for _ in 0..16 {
                     made += pool_round(&pool, &held, &doubles, 1 + random.next(hold));
                 }
@@ -240,8 +246,11 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
     let mut disturber = Disturber::new(stress);
     let mut churn = Churn::default();
     let mut refused = None;
-    while Instant::now() < deadline {
+    // The first round comes before the first look at the clock: waking a thousand workers can
+    // take longer than the run asked for.
+    loop {
         disturber.round(&tids, &cpus);
+        disturbed.store(true, Ordering::Release);
         if stress.churn {
             let (pool, held, doubles) = (pool.clone(), held.clone(), doubles.clone());
             let spawned = churn.spawn(move || {
@@ -253,6 +262,9 @@ pub fn run_pool(config: &PoolStressConfig) -> std::io::Result<PoolStressReport> 
                 refused = Some(error);
                 break;
             }
+        }
+        if Instant::now() >= deadline {
+            break;
         }
         std::thread::sleep(Duration::from_micros(200));
     }

@@ -76,6 +76,9 @@ pub(crate) struct ReaderCounts<const PHASES: usize> {
     rows: Box<[CachePadded<Row<PHASES>>]>,
     /// Whether readers count with restartable sequences (else with atomic adds).
     by_sections: bool,
+    /// The rows sections write: every CPU's, or none in the atomic mode, so that the reader's
+    /// one comparison of its CPU number also sends it to the atomic path.
+    section_rows: u32,
 }
 
 /// Which of a row's words a count goes to.
@@ -91,10 +94,23 @@ impl<const PHASES: usize> ReaderCounts<PHASES> {
         let by_sections = registration::decided()
             .is_some_and(|process| process.registrar != Registrar::None)
             && fence::available();
-        let rows = (0..=crate::topology::possible_cpus())
+        Self::in_mode(by_sections)
+    }
+
+    fn in_mode(by_sections: bool) -> Self {
+        let rows: Box<[_]> = (0..=crate::topology::possible_cpus())
             .map(|_| CachePadded(Row::new()))
             .collect();
-        ReaderCounts { rows, by_sections }
+        let section_rows = if by_sections {
+            (rows.len() - 1) as u32
+        } else {
+            0
+        };
+        ReaderCounts {
+            rows,
+            by_sections,
+            section_rows,
+        }
     }
 
     /// Whether readers count with restartable sequences and writers fence with `membarrier`.
@@ -136,19 +152,23 @@ impl<const PHASES: usize> ReaderCounts<PHASES> {
 
     #[inline(always)]
     fn add(&self, side: Side, phase: usize) {
-        if self.by_sections {
-            let at = ops::position_as_is::<ByCpu>();
-            // One unsigned comparison rejects an unregistered area (an index of 2^31 or more)
-            // and an index beyond the rows.
-            if at.index() < self.cpus() {
-                let word = self.word(at.index(), side, phase);
-                // SAFETY: `at` was just read by this thread; the word is row `at.index()`'s,
-                // which only sections positioned on that CPU write in this mode (threads
-                // without sections use the spare row), and it lives as long as `self`.
-                let outcome = unsafe { ops::load_add_store(at, word.as_ptr(), 1) };
-                if outcome == Outcome::Committed(()) {
-                    return;
-                }
+        let at = ops::position_as_is::<ByCpu>();
+        // One unsigned comparison rejects the atomic mode (no section rows), an unregistered
+        // area (an index of 2^31 or more) and an index beyond the rows.
+        if at.index() < self.section_rows {
+            // SAFETY: `section_rows` is at most the number of CPU rows, one less than the
+            // slice's length.
+            let row = unsafe { &self.rows.get_unchecked(at.index() as usize).0 };
+            let word = match side {
+                Side::Entry => &row.entries[phase],
+                Side::Exit => &row.exits[phase],
+            };
+            // SAFETY: `at` was just read by this thread; the word is row `at.index()`'s,
+            // which only sections positioned on that CPU write in this mode (threads without
+            // sections use the spare row), and it lives as long as `self`.
+            let outcome = unsafe { ops::load_add_store(at, word.as_ptr(), 1) };
+            if outcome == Outcome::Committed(()) {
+                return;
             }
         }
         self.add_slow(side, phase);
@@ -239,5 +259,32 @@ impl<const PHASES: usize> core::fmt::Debug for ReaderCounts<PHASES> {
             .field("mode", &if self.by_sections { "rseq" } else { "atomic" })
             .field("bytes", &self.bytes())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::ReaderCounts;
+
+    #[test]
+    fn only_the_sections_mode_lets_readers_into_sections() {
+        // In the atomic mode every add must take the atomic path: a plain store of a section
+        // next to the writer's SeqCst fence (no membarrier) would let a reader go unseen.
+        let atomic = ReaderCounts::<2>::in_mode(false);
+        assert_eq!(atomic.section_rows, 0);
+        let sections = ReaderCounts::<2>::in_mode(true);
+        assert_eq!(
+            sections.section_rows,
+            crate::topology::possible_cpus() as u32
+        );
+        assert_eq!(sections.section_rows, sections.cpus());
+        // Either way the counts add up.
+        for counts in [&atomic, &sections] {
+            counts.enter(1);
+            counts.enter(1);
+            counts.exit(1);
+            assert_eq!(counts.inside(1), 1);
+            assert_eq!(counts.inside(0), 0);
+        }
     }
 }

@@ -103,6 +103,7 @@ fn fold(value: &Value) -> u64 {
 }
 
 impl Subject for std::sync::RwLock<Value> {
+    #[inline(always)]
     fn read(&self) -> u64 {
         fold(&self.read().unwrap_or_else(|p| p.into_inner()))
     }
@@ -112,6 +113,7 @@ impl Subject for std::sync::RwLock<Value> {
 }
 
 impl Subject for parking_lot::RwLock<Value> {
+    #[inline(always)]
     fn read(&self) -> u64 {
         fold(&self.read())
     }
@@ -121,6 +123,7 @@ impl Subject for parking_lot::RwLock<Value> {
 }
 
 impl Subject for ShardedLock<Value> {
+    #[inline(always)]
     fn read(&self) -> u64 {
         fold(&self.read().unwrap_or_else(|p| p.into_inner()))
     }
@@ -130,6 +133,7 @@ impl Subject for ShardedLock<Value> {
 }
 
 impl Subject for ArcSwap<Value> {
+    #[inline(always)]
     fn read(&self) -> u64 {
         fold(&self.load())
     }
@@ -139,6 +143,7 @@ impl Subject for ArcSwap<Value> {
 }
 
 impl Subject for thiscpu::RwLock<Value> {
+    #[inline(always)]
     fn read(&self) -> u64 {
         fold(&self.read())
     }
@@ -148,6 +153,7 @@ impl Subject for thiscpu::RwLock<Value> {
 }
 
 impl Subject for EpochCell<Value> {
+    #[inline(always)]
     fn read(&self) -> u64 {
         fold(&self.load())
     }

@@ -21,8 +21,8 @@
 #   inject       the counter, pool, fence, sharded and registration tests and the stresses
 #                built with --cfg thiscpu_inject (delays inside sections, registrations the
 #                kernel accepts without a CPU), as .ci/run does on x86_64
-#   cli          `thiscpu --help`, `info`, `stress` and `bench --quick` (every family on 6.1;
-#                getcpu, counter and rseq-mode on sid)
+#   cli          `thiscpu --help`, `info`, `stress` and `bench --quick getcpu counter rseq-mode`
+#                (every family runs with --quick in the command's tests on 6.1)
 #   fast-path    .ci/check_fast_path.py on the aarch64 probe, through aarch64-linux-gnu-objdump
 #   sid-test-glibc, sid-test-own, sid-cli
 #                the tests of the library and of the stress driver with both registrations and
@@ -105,8 +105,8 @@ echo "guests: $(cat "$tools/guest/kernel-package" 2>/dev/null || echo '?')," \
 # copies THISCPU_TEST_C_DIR into the guest.
 export THISCPU_TEST_C_DIR=$CARGO_TARGET_DIR/c-tests
 build() {
+    # The command's tests need the command: this builds it too.
     run cargo test --workspace --target "$triple" --no-run
-    run cargo build --workspace --target "$triple" --bins
     run cargo build --release -p thiscpu --example fast_path_probe --target "$triple"
     run mkdir -p "$THISCPU_TEST_C_DIR"
     run aarch64-linux-gnu-gcc -O1 -pthread -o "$THISCPU_TEST_C_DIR/unload_host" \
@@ -201,7 +201,9 @@ inject() (
 step inject inject
 
 cli_bin=$CARGO_TARGET_DIR/$triple/debug/thiscpu
-bench_families=()
+# The families whose answers depend on the kernel's rseq; every family runs with --quick in the
+# command's tests (test-glibc), and under emulation the times mean nothing.
+bench_families=(getcpu counter rseq-mode)
 # One line of a runner manifest: its arguments separated by tabs.
 manifest_line() {
     local IFS=$'\t'
@@ -246,8 +248,6 @@ step fast-path fast_path
 export THISCPU_VM_KERNEL=$new_kernel/vmlinuz
 step sid-test-glibc test_glibc
 step sid-test-own test_own
-# On sid, the families whose answers depend on the kernel's rseq; every family ran on 6.1.
-bench_families=(getcpu counter rseq-mode)
 step sid-cli cli
 
 echo

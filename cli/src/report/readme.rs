@@ -217,8 +217,10 @@ mod tests {
         // Compiled in: the test runs where the repository is not (an emulated guest).
         const README: &str = include_str!("../../../README.md");
         const RECORDED: &str = include_str!("../../../results/bench.json");
+        const RWLOCK: &str = include_str!("../../../results/rwlock.json");
         let (quoted, blocks) = quote_reports(README, &mut |report| match report {
             "results/bench.json" => Replay::parse(RECORDED),
+            "results/rwlock.json" => Replay::parse(RWLOCK),
             other => Err(Error::input(format!(
                 "a report this test does not know: {other}"
             ))),

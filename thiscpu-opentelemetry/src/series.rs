@@ -140,6 +140,21 @@ impl Store {
             }
         }
         let sorted = canonical(attributes);
+        {
+            // Once the overflow series exists the limit is reached: a set unknown in canonical
+            // order goes there without the write lock, so that sets beyond the limit, which no
+            // CPU caches, do not queue for it on every add.
+            let registry = self.registry.read().unwrap_or_else(|p| p.into_inner());
+            if let Some(overflow) = registry.overflow
+                && !sorted.is_empty()
+                && registry.ids.get(&sorted).is_none()
+            {
+                return Resolved {
+                    id: overflow,
+                    key: None,
+                };
+            }
+        }
         let mut registry = self.registry.write().unwrap_or_else(|p| p.into_inner());
         let registry = &mut *registry;
         if let Some((key, id)) = registry.ids.get(attributes) {
@@ -263,6 +278,32 @@ mod tests {
             (vec![KeyValue::new("otel.metric.overflow", true)], 3)
         );
         assert_eq!(found[3], (vec![], 10));
+    }
+
+    #[test]
+    fn a_set_admitted_before_the_limit_keeps_its_series_in_any_order_after_it() {
+        let store = Store::new(2);
+        let (a, b) = (KeyValue::new("a", 1), KeyValue::new("b", 1));
+        store.add(1, &[a.clone(), b.clone()]);
+        store.add(1, &[KeyValue::new("v", 0)]);
+        store.add(1, &[KeyValue::new("v", 1)]);
+        // A new order of an admitted set, first met after the overflow series exists; resolved
+        // directly, as a CPU that has not met it would.
+        let resolved = store.resolve(&[b.clone(), a.clone()]);
+        assert_eq!(resolved.id, 0);
+        assert!(resolved.key.is_some(), "an admitted set is cached");
+        let beyond = store.resolve(&[KeyValue::new("v", 2)]);
+        assert!(beyond.key.is_none(), "a set beyond the limit is not cached");
+        store.add(1, &[b.clone(), a.clone()]);
+        store.add(1, &[KeyValue::new("v", 3)]);
+        assert_eq!(
+            totals(&store),
+            vec![
+                (vec![a, b], 2),
+                (vec![KeyValue::new("v", 0)], 1),
+                (vec![KeyValue::new("otel.metric.overflow", true)], 2),
+            ]
+        );
     }
 
     /// As the SDK's bound instruments: a handle bound at the limit counts in the overflow

@@ -56,7 +56,8 @@ use std::sync::Arc;
 /// As for [`crate::RwLock`]: without rseq or `membarrier`, pins are `SeqCst` atomic adds and
 /// the writer's fences `SeqCst` fences ([`uses_rseq`](EpochCell::uses_rseq)). A pin and unpin
 /// costs two restartable sequences and three loads; a `store` at least two `membarrier` calls.
-/// Memory: 128 bytes per possible CPU, plus 128, besides the value.
+/// Memory: 32 bytes per possible CPU, plus 32, besides the value, in the dense per-CPU arena
+/// that [`crate::Counter`] uses.
 ///
 /// # When not to use it
 /// When values are replaced often (each replacement costs microseconds and waits for the

@@ -41,8 +41,12 @@
 //! fences by running on every CPU ([`crate::fence::visit_all`]), and panics where it cannot.
 //!
 //! # Memory
-//! One row of 128 bytes (two cache lines' worth, see [`crate::CachePadded`]) per possible CPU
-//! plus the spare row, for up to eight phases' words: `128 * (possible_cpus + 1)` bytes.
+//! `2 * PHASES` words per possible CPU plus the spare row, in a slot of the dense per-CPU
+//! arena ([`crate::dense`], as [`crate::Counter`]'s): 16 bytes per CPU for a lock, 32 for a
+//! cell. A CPU's words sit next to other locks' and counters' words of the same CPU, and
+//! never share a cache line with another CPU's; the pages of a CPU that never reads stay
+//! unbacked. (Under `--cfg thiscpu_model` the words are loom's atomics in a boxed row per
+//! CPU: loom cannot model words in mapped memory.)
 //!
 //! # Safety
 //! The words of a CPU's row are written by restartable sequences positioned on that CPU (in
@@ -51,29 +55,101 @@
 
 use crate::fence;
 use crate::ops::{self, ByCpu, Outcome};
-use crate::percpu::CachePadded;
 use crate::registration::{self, Registrar};
 use crate::sync::atomic::{AtomicU64, Ordering};
 
-/// One CPU's words: entries and exits for each of `PHASES` phases.
-struct Row<const PHASES: usize> {
-    entries: [AtomicU64; PHASES],
-    exits: [AtomicU64; PHASES],
+/// The words of every row: `2 * PHASES` zeroed `u64`s per possible CPU and one spare row, the
+/// entries of each phase first, then the exits.
+#[cfg(not(thiscpu_model))]
+struct Words<const PHASES: usize> {
+    slot: core::ptr::NonNull<u8>,
+    cpus: u32,
 }
 
-impl<const PHASES: usize> Row<PHASES> {
+#[cfg(not(thiscpu_model))]
+impl<const PHASES: usize> Words<PHASES> {
+    const SIZE: usize = 2 * PHASES * 8;
+
     fn new() -> Self {
-        Row {
-            entries: core::array::from_fn(|_| AtomicU64::new(0)),
-            exits: core::array::from_fn(|_| AtomicU64::new(0)),
+        let slot = crate::dense::alloc(Self::SIZE, 8);
+        Words {
+            slot,
+            cpus: crate::dense::cpu_rows(),
         }
+    }
+
+    /// Row `row`'s word `index`.
+    ///
+    /// # Safety
+    /// `row <= self.cpus` and `index < 2 * PHASES`.
+    #[inline(always)]
+    unsafe fn at(&self, row: u32, index: usize) -> &AtomicU64 {
+        // SAFETY: the slot is live while `self` is, holds `2 * PHASES` 8-byte aligned words in
+        // each of its `cpus + 1` rows (the caller's bounds), which start zeroed and are only
+        // accessed atomically or by sections.
+        unsafe { AtomicU64::from_ptr(crate::dense::row(self.slot, row).cast::<u64>().add(index)) }
+    }
+
+    /// Bytes of address space the words take, every row included.
+    fn bytes(&self) -> usize {
+        Self::SIZE * (self.cpus as usize + 1)
+    }
+}
+
+#[cfg(not(thiscpu_model))]
+impl<const PHASES: usize> Drop for Words<PHASES> {
+    fn drop(&mut self) {
+        // SAFETY: dropping has the words exclusively: every add borrows the counts, so none is
+        // running or can be interrupted mid-section; the slot is freed once, with the size and
+        // alignment it was allocated with.
+        unsafe { crate::dense::free(self.slot, Self::SIZE, 8) };
+    }
+}
+
+// SAFETY: the slot is an address in the dense arena, owned by this value; its words are
+// atomics (or written by sections, which are exclusive per CPU), so sharing them is sound.
+#[cfg(not(thiscpu_model))]
+unsafe impl<const PHASES: usize> Send for Words<PHASES> {}
+// SAFETY: as above.
+#[cfg(not(thiscpu_model))]
+unsafe impl<const PHASES: usize> Sync for Words<PHASES> {}
+
+#[cfg(thiscpu_model)]
+struct Words<const PHASES: usize> {
+    rows: Box<[crate::percpu::CachePadded<Box<[AtomicU64]>>]>,
+    cpus: u32,
+}
+
+#[cfg(thiscpu_model)]
+impl<const PHASES: usize> Words<PHASES> {
+    fn new() -> Self {
+        let cpus = crate::topology::possible_cpus() as u32;
+        let rows = (0..=cpus)
+            .map(|_| {
+                crate::percpu::CachePadded((0..2 * PHASES).map(|_| AtomicU64::new(0)).collect())
+            })
+            .collect();
+        Words { rows, cpus }
+    }
+
+    /// Row `row`'s word `index`.
+    ///
+    /// # Safety
+    /// None beyond the indices' bounds, which are checked.
+    #[inline(always)]
+    unsafe fn at(&self, row: u32, index: usize) -> &AtomicU64 {
+        &self.rows[row as usize].0[index]
+    }
+
+    fn bytes(&self) -> usize {
+        2 * PHASES * 8 * (self.cpus as usize + 1)
     }
 }
 
 /// Per-CPU entry and exit counts of readers, in `PHASES` independent sets.
 pub(crate) struct ReaderCounts<const PHASES: usize> {
     /// A row per possible CPU, then the spare row.
-    rows: Box<[CachePadded<Row<PHASES>>]>,
+    words: Words<PHASES>,
     /// Whether readers count with restartable sequences (else with atomic adds).
     by_sections: bool,
     /// The rows sections write: every CPU's, or none in the atomic mode, so that the reader's
@@ -90,7 +166,7 @@ enum Side {
 
 impl<const PHASES: usize> ReaderCounts<PHASES> {
     pub(crate) fn new() -> Self {
-        const { assert!(PHASES >= 1 && 2 * PHASES * 8 <= 128) };
+        const { assert!(PHASES >= 1 && PHASES <= 8) };
         let by_sections = registration::decided()
             .is_some_and(|process| process.registrar != Registrar::None)
             && fence::available();
@@ -98,16 +174,10 @@ impl<const PHASES: usize> ReaderCounts<PHASES> {
     }
 
     fn in_mode(by_sections: bool) -> Self {
-        let rows: Box<[_]> = (0..=crate::topology::possible_cpus())
-            .map(|_| CachePadded(Row::new()))
-            .collect();
-        let section_rows = if by_sections {
-            (rows.len() - 1) as u32
-        } else {
-            0
-        };
+        let words = Words::new();
+        let section_rows = if by_sections { words.cpus } else { 0 };
         ReaderCounts {
-            rows,
+            words,
             by_sections,
             section_rows,
         }
@@ -118,24 +188,38 @@ impl<const PHASES: usize> ReaderCounts<PHASES> {
         self.by_sections
     }
 
-    /// Bytes of counts, for the documentation's figure and `Debug`.
+    /// Bytes of address space the counts take (every CPU's row and the spare row), for the
+    /// documentation's figure and `Debug`.
     pub(crate) fn bytes(&self) -> usize {
-        core::mem::size_of_val(&*self.rows)
+        self.words.bytes()
     }
 
     /// The number of CPU rows (the spare row is the next one).
     #[inline(always)]
     fn cpus(&self) -> u32 {
-        (self.rows.len() - 1) as u32
+        self.words.cpus
     }
 
+    /// The word of `side` in phase `phase` (taken modulo `PHASES`) of row `row`.
+    ///
+    /// # Safety
+    /// `row <= self.cpus()`.
+    #[inline(always)]
+    unsafe fn word_unchecked(&self, row: u32, side: Side, phase: usize) -> &AtomicU64 {
+        let index = match side {
+            Side::Entry => phase % PHASES,
+            Side::Exit => PHASES + phase % PHASES,
+        };
+        // SAFETY: the caller's bound on `row`; `index < 2 * PHASES`.
+        unsafe { self.words.at(row, index) }
+    }
+
+    /// As [`word_unchecked`](Self::word_unchecked), with the row checked.
     #[inline(always)]
     fn word(&self, row: u32, side: Side, phase: usize) -> &AtomicU64 {
-        let row = &self.rows[row as usize].0;
-        match side {
-            Side::Entry => &row.entries[phase],
-            Side::Exit => &row.exits[phase],
-        }
+        assert!(row <= self.cpus(), "row {row} beyond the reader counts");
+        // SAFETY: checked above.
+        unsafe { self.word_unchecked(row, side, phase) }
     }
 
     /// Counts a reader's entry in `phase`. The caller reads what writers publish afterwards.
@@ -156,13 +240,8 @@ impl<const PHASES: usize> ReaderCounts<PHASES> {
         // One unsigned comparison rejects the atomic mode (no section rows), an unregistered
         // area (an index of 2^31 or more) and an index beyond the rows.
         if at.index() < self.section_rows {
-            // SAFETY: `section_rows` is at most the number of CPU rows, one less than the
-            // slice's length.
-            let row = unsafe { &self.rows.get_unchecked(at.index() as usize).0 };
-            let word = match side {
-                Side::Entry => &row.entries[phase],
-                Side::Exit => &row.exits[phase],
-            };
+            // SAFETY: `section_rows` is at most the number of CPU rows.
+            let word = unsafe { self.word_unchecked(at.index(), side, phase) };
             // SAFETY: `at` was just read by this thread; the word is row `at.index()`'s,
             // which only sections positioned on that CPU write in this mode (threads without
             // sections use the spare row), and it lives as long as `self`.

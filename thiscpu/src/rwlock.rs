@@ -89,14 +89,16 @@ const PHASE: usize = 0;
 /// - Write lock + unlock: two `membarrier(PRIVATE_EXPEDITED_RSEQ)` calls (they interrupt every
 ///   CPU that runs a thread of the process) and a read of every CPU's counts; more while
 ///   readers hold the lock.
-/// - Memory: 128 bytes per possible CPU, plus 128, plus `T`: 32 KiB per lock on a 255-CPU
-///   machine. For thousands of locks, lock a map of them with one `RwLock` instead.
+/// - Memory: 16 bytes per possible CPU, plus 16, plus `T` (4 KiB of address space per lock on
+///   a 255-CPU machine), in the dense per-CPU arena that [`crate::Counter`] uses: a CPU's
+///   words of many locks share its cache lines, never another CPU's, and a CPU that never
+///   reads a lock leaves its page unbacked.
 ///
 /// # When not to use it
 /// Where writes are more than about one in ten thousand reads (see the break-even table in the
 /// README), where the write latency matters (a writer waits for the slowest reader and makes
-/// system calls), for long read sections that writers must wait out, or for thousands of
-/// small locks (memory, above). `std::sync::RwLock` or `parking_lot::RwLock` serve those.
+/// system calls), or for long read sections that writers must wait out. `std::sync::RwLock` or
+/// `parking_lot::RwLock` serve those.
 pub struct RwLock<T: ?Sized> {
     readers: ReaderCounts<1>,
     /// `WRITER | PARKED`; written only by writers and by threads that go to sleep.

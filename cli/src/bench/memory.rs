@@ -21,7 +21,9 @@
 //! The padded layout is measured on a twentieth as many counters (each costs 128 bytes per
 //! possible CPU, plus the allocator's rounding) and reported per counter like the dense one.
 
-use super::model::{Case, Family, Measured, Reading, idle, Unit, Workload};
+use super::model::{
+    Case, Family, Measured, ProcessMemory, Reading, Unit, Workload, cpus_for, idle, on_each_cpu,
+};
 use crate::report::table::{align_right, fmt_num, new_table, render, verdict};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
@@ -100,61 +102,17 @@ struct Snapshot {
     reserved: u64,
 }
 
-/// A `kB` field of a `/proc` file such as `VmSize:     1234 kB`, in bytes.
-fn kb_field(text: &str, field: &str) -> Option<u64> {
-    text.lines().find_map(|line| {
-        let rest = line.strip_prefix(field)?.strip_prefix(':')?;
-        let kb: u64 = rest.trim().strip_suffix("kB")?.trim().parse().ok()?;
-        Some(kb * 1024)
-    })
-}
-
 impl Snapshot {
     fn take() -> Result<Snapshot, String> {
-        let status = std::fs::read_to_string("/proc/self/status")
-            .map_err(|e| format!("cannot read /proc/self/status: {e}"))?;
-        let vm_size =
-            kb_field(&status, "VmSize").ok_or("no VmSize in /proc/self/status".to_owned())?;
-        let resident = std::fs::read_to_string("/proc/self/smaps_rollup")
-            .ok()
-            .and_then(|rollup| kb_field(&rollup, "Rss"))
-            .or_else(|| kb_field(&status, "VmRSS"))
-            .ok_or("no Rss in /proc/self/smaps_rollup nor VmRSS in /proc/self/status")?;
+        let now = ProcessMemory::now()?;
         Ok(Snapshot {
-            vm_size,
-            resident,
+            vm_size: now.vm_size,
+            resident: now.resident,
             reserved: thiscpu::dense::stats().reserved_bytes as u64,
         })
     }
 }
 
-
-/// Runs `touch` on the calling thread pinned to each CPU of `cpus` in turn; the thread's
-/// affinity is restored after each.
-fn on_each_cpu(cpus: &[u32], mut touch: impl FnMut()) -> Result<(), String> {
-    for &cpu in cpus {
-        let _pinned = thiscpu::topology::pin_to(cpu)
-            .map_err(|error| format!("cannot pin to CPU {cpu}: {error}"))?;
-        // sched_setaffinity moves the thread before returning; the loop only guards against
-        // a kernel that would not.
-        for _ in 0..1000 {
-            if thiscpu::current_cpu() == cpu {
-                break;
-            }
-            std::thread::yield_now();
-        }
-        touch();
-    }
-    Ok(())
-}
-
-/// The CPUs a measurement with `threads` threads uses: the first ones the runner would pin
-/// workers to, each once.
-fn cpus_for(threads: usize) -> Vec<u32> {
-    let mut cpus = super::runner::worker_cpus();
-    cpus.truncate(threads.max(1));
-    cpus
-}
 
 /// Per-counter figures from two snapshots around a batch of `batch` counters.
 fn per_counter(before: Snapshot, after: Snapshot, batch: usize, create_ns: f64) -> Figures {

@@ -98,6 +98,62 @@ impl<T: Clone> Reading<T> {
     }
 }
 
+/// The process's address space (`VmSize`) and resident set (`Rss` of `smaps_rollup`, summed
+/// from the page tables and exact; `VmRSS` where that file is missing), in bytes.
+#[derive(Clone, Copy, Debug)]
+pub struct ProcessMemory {
+    pub vm_size: u64,
+    pub resident: u64,
+}
+
+impl ProcessMemory {
+    pub fn now() -> Result<ProcessMemory, String> {
+        let kb_field = |text: &str, field: &str| {
+            text.lines().find_map(|line| {
+                let rest = line.strip_prefix(field)?.strip_prefix(':')?;
+                let kb: u64 = rest.trim().strip_suffix("kB")?.trim().parse().ok()?;
+                Some(kb * 1024)
+            })
+        };
+        let status = std::fs::read_to_string("/proc/self/status")
+            .map_err(|e| format!("cannot read /proc/self/status: {e}"))?;
+        let vm_size = kb_field(&status, "VmSize").ok_or("no VmSize in /proc/self/status")?;
+        let resident = std::fs::read_to_string("/proc/self/smaps_rollup")
+            .ok()
+            .and_then(|rollup| kb_field(&rollup, "Rss"))
+            .or_else(|| kb_field(&status, "VmRSS"))
+            .ok_or("no Rss in /proc/self/smaps_rollup nor VmRSS in /proc/self/status")?;
+        Ok(ProcessMemory { vm_size, resident })
+    }
+}
+
+/// Runs `touch` on the calling thread pinned to each CPU of `cpus` in turn; the thread's
+/// affinity is restored after each.
+pub fn on_each_cpu(cpus: &[u32], mut touch: impl FnMut()) -> Result<(), String> {
+    for &cpu in cpus {
+        let _pinned = thiscpu::topology::pin_to(cpu)
+            .map_err(|error| format!("cannot pin to CPU {cpu}: {error}"))?;
+        // sched_setaffinity moves the thread before returning; the loop only guards against
+        // a kernel that would not.
+        for _ in 0..1000 {
+            if thiscpu::current_cpu() == cpu {
+                break;
+            }
+            std::thread::yield_now();
+        }
+        touch();
+    }
+    Ok(())
+}
+
+/// The CPUs a measurement with `threads` threads uses: the first ones the runner would pin
+/// workers to, each once.
+pub fn cpus_for(threads: usize) -> Vec<u32> {
+    let mut cpus = super::runner::worker_cpus();
+    cpus.truncate(threads.max(1));
+    cpus
+}
+
 /// An empty loop of `ops` steps: the timed part of a workload that measures in `prepare`.
 pub fn idle(ops: u64) {
     for op in 0..ops {

@@ -20,7 +20,9 @@
 //! (`VmSize`), divided by series x CPUs. The shared registry of the series is included; the
 //! report separates it from the part on each CPU when two CPU counts were measured.
 
-use super::model::{Case, Family, Measured, Reading, idle, Unit, Workload, median_of};
+use super::model::{
+    Case, Family, Measured, ProcessMemory, Reading, Unit, Workload, idle, median_of,
+};
 use crate::report::table::{fmt_num, fmt_ratio, verdict};
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{BoundCounter as OtelBoundCounter, Counter, MeterProvider};
@@ -327,26 +329,6 @@ struct MemoryCase {
     last: Reading<f64>,
 }
 
-/// `VmSize` and `Rss` (from `smaps_rollup`, exact, or `VmRSS`) in bytes.
-fn memory_now() -> Result<(u64, u64), String> {
-    let kb = |text: &str, field: &str| {
-        text.lines().find_map(|line| {
-            let rest = line.strip_prefix(field)?.strip_prefix(':')?;
-            let kb: u64 = rest.trim().strip_suffix("kB")?.trim().parse().ok()?;
-            Some(kb * 1024)
-        })
-    };
-    let status = std::fs::read_to_string("/proc/self/status")
-        .map_err(|e| format!("cannot read /proc/self/status: {e}"))?;
-    let size = kb(&status, "VmSize").ok_or("no VmSize in /proc/self/status")?;
-    let resident = std::fs::read_to_string("/proc/self/smaps_rollup")
-        .ok()
-        .and_then(|rollup| kb(&rollup, "Rss"))
-        .or_else(|| kb(&status, "VmRSS"))
-        .ok_or("no Rss in /proc/self/smaps_rollup nor VmRSS in /proc/self/status")?;
-    Ok((size, resident))
-}
-
 /// Bytes per series per CPU: counters made (with a provider that has no reader, so nothing
 /// collects), every series added to once from each CPU of `cpus`, checked, and kept.
 fn measure_memory(cpus: &[u32]) -> Result<(f64, f64), String> {
@@ -362,7 +344,7 @@ fn measure_memory(cpus: &[u32]) -> Result<(f64, f64), String> {
         })
         .collect();
     let mut counters = Vec::with_capacity(MEMORY_COUNTERS);
-    let (size_before, resident_before) = memory_now()?;
+    let before = ProcessMemory::now()?;
     for _ in 0..MEMORY_COUNTERS {
         counters.push(meter.percpu_u64_counter(METRIC).build());
     }
@@ -375,7 +357,7 @@ fn measure_memory(cpus: &[u32]) -> Result<(f64, f64), String> {
             }
         }
     }
-    let (size_after, resident_after) = memory_now()?;
+    let after = ProcessMemory::now()?;
     for counter in &counters {
         let totals = counter.totals();
         if totals.len() != SERIES || totals.iter().any(|(_, n)| *n != cpus.len() as u64) {
@@ -389,8 +371,8 @@ fn measure_memory(cpus: &[u32]) -> Result<(f64, f64), String> {
         after.saturating_sub(before) as f64 / (MEMORY_COUNTERS * SERIES * cpus.len()) as f64
     };
     Ok((
-        per(resident_after, resident_before),
-        per(size_after, size_before),
+        per(after.resident, before.resident),
+        per(after.vm_size, before.vm_size),
     ))
 }
 

@@ -8,12 +8,20 @@
 //! - `write/KIND`: a write lock + write + unlock (a `store` of a new `Arc` for the cells), no
 //!   readers;
 //! - `write-under-readers/KIND`: the same while a reader thread (one per other allowed CPU)
-//!   reads in a loop.
+//!   reads in a loop;
+//! - `resident/thiscpu`, `address-space/thiscpu`: what a `thiscpu::RwLock` costs in memory, from
+//!   `MEMORY_LOCKS` locks made (their vector filled before the first reading, so that only the
+//!   locks' reader counts are counted), each read once on each CPU the round uses: the growth
+//!   of `Rss` per lock per CPU that read, and of `VmSize` per lock per possible CPU. The locks
+//!   are kept: freed counts would serve the next measurement.
 //!
 //! The value is four words that every write sets to one number; after each round every
 //! structure must hold four equal words, or the run fails.
 
-use super::model::{Case, Family, Measured, Unit, Workload, median_of as median};
+use super::model::{
+    Case, Family, Measured, ProcessMemory, Reading, Unit, Workload, cpus_for, idle,
+    median_of as median, on_each_cpu,
+};
 use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
 use arc_swap::ArcSwap;
 use crossbeam_utils::sync::ShardedLock;
@@ -59,7 +67,13 @@ const CASES: &[&str] = &[
     "write-under-readers/arc_swap",
     "write-under-readers/thiscpu",
     "write-under-readers/epoch",
+    "resident/thiscpu",
+    "address-space/thiscpu",
 ];
+
+/// Locks per memory measurement: 8192 locks' counts, 16 bytes each per row, fill exactly two
+/// of the dense arena's 64 KiB rows, so that the address space grows by whole ranges alone.
+const MEMORY_LOCKS: usize = 8192;
 
 /// The competitors, in table order.
 const KINDS: &[&str] = &[
@@ -361,7 +375,78 @@ fn cases() -> Vec<Case> {
             });
         }
     }
+    for (name, resident) in [("resident/thiscpu", true), ("address-space/thiscpu", false)] {
+        cases.push(Case {
+            name,
+            how: format!(
+                "thiscpu: {} growth per lock per {} CPU, {MEMORY_LOCKS} locks",
+                if resident { "Rss" } else { "VmSize" },
+                if resident { "reading" } else { "possible" }
+            ),
+            unit: Unit::Bytes,
+            workload: Ok(Box::new(MemoryCase {
+                resident,
+                last: Reading::new(),
+            })),
+        });
+    }
     cases
+}
+
+/// A memory case: which figure it reports, and the last measurement.
+struct MemoryCase {
+    resident: bool,
+    last: Reading<f64>,
+}
+
+/// Bytes of `Rss` per lock per CPU that read and of `VmSize` per lock per possible CPU, from
+/// `MEMORY_LOCKS` locks read once on each CPU of `cpus`; the locks are checked and kept.
+fn measure_memory(cpus: &[u32]) -> Result<(f64, f64), String> {
+    let mut locks: Vec<Option<thiscpu::RwLock<Value>>> = Vec::with_capacity(MEMORY_LOCKS);
+    locks.resize_with(MEMORY_LOCKS, || None);
+    let before = ProcessMemory::now()?;
+    for lock in &mut locks {
+        *lock = Some(thiscpu::RwLock::new([0; 4]));
+    }
+    on_each_cpu(cpus, || {
+        for lock in locks.iter().flatten() {
+            black_box(lock.read()[0]);
+        }
+    })?;
+    let after = ProcessMemory::now()?;
+    if let Some(index) = locks.iter().flatten().position(|lock| lock.readers_inside() != 0) {
+        return Err(format!("lock {index} counts a reader after every reader left"));
+    }
+    // Kept until the process exits: freed counts would serve the next measurement.
+    locks.into_iter().for_each(std::mem::forget);
+    let possible = thiscpu::topology::possible_cpus();
+    let resident = after.resident.saturating_sub(before.resident) as f64
+        / (MEMORY_LOCKS * cpus.len()) as f64;
+    let size = after.vm_size.saturating_sub(before.vm_size) as f64 / (MEMORY_LOCKS * possible) as f64;
+    Ok((resident, size))
+}
+
+impl Workload for MemoryCase {
+    /// Measures, before the runner's workers start (their stacks would count otherwise).
+    fn prepare(&self, threads: usize) {
+        let resident = self.resident;
+        self.last.record(
+            measure_memory(&cpus_for(threads))
+                .map(|(rss, size)| if resident { rss } else { size }),
+        );
+    }
+
+    fn run(&self, _worker: usize, ops: u64) {
+        idle(ops);
+    }
+
+    fn verify(&self, _ops: u64) -> Result<(), String> {
+        self.last.verify()
+    }
+
+    fn reading(&self) -> Option<f64> {
+        self.last.get()
+    }
 }
 
 /// One write per how many reads makes `kind` cost as much as thiscpu's lock (or the epoch, for
@@ -440,6 +525,28 @@ fn report(results: &[Measured]) -> String {
     align_right(&mut table, &(0..=KINDS.len()).collect::<Vec<_>>());
     out.push_str("\nwrite lock + write + unlock (medians, ns per write):\n");
     out.push_str(&render(&table));
+
+    let memory: Vec<String> = threads
+        .iter()
+        .filter_map(|&n| {
+            let resident = median(results, "resident/thiscpu", n)?;
+            let size = median(results, "address-space/thiscpu", n)?;
+            Some(format!(
+                "  {n} reading CPU{}: {} B resident per lock per reading CPU, {} B of address \
+                 space per lock per possible CPU\n",
+                if n == 1 { "" } else { "s" },
+                fmt_num(resident),
+                fmt_num(size)
+            ))
+        })
+        .collect();
+    if !memory.is_empty() {
+        out.push_str(
+            "\nmemory of thiscpu::RwLock (medians; its counts are 16 B per possible CPU plus a \
+             spare row):\n",
+        );
+        memory.iter().for_each(|line| out.push_str(line));
+    }
 
     out.push_str(
         "\nbreak-even: thiscpu wins while there is less than one write per this many reads \

@@ -293,6 +293,9 @@ const _: () = {
         stack_pop::<CPU_ID>;
 };
 
+#[cfg(all(test, not(thiscpu_model)))]
+mod contract_tests;
+
 #[cfg(test)]
 mod tests {
     use super::*;

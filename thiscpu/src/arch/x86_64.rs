@@ -751,74 +751,9 @@ fn outcome_from_code(code: u32) -> StackOutcome {
     }
 }
 
+/// Whether `offset` can be an initial-exec TLS offset (checked by the contract's tests): with
+/// Variant II TLS the static TLS blocks lie below the thread pointer.
 #[cfg(test)]
-mod tests {
-    //! Checks of where the areas are: the own area's initial-exec offset, the delta word, and the
-    //! fast path's reads of the active area.
-
-    use super::*;
-    use crate::arch::area_at;
-    use crate::registration::{self, Registrar};
-
-    #[test]
-    fn own_area_is_aligned_static_tls_and_starts_unregistered() {
-        let own = own_area_offset();
-        // Variant II TLS: the static TLS blocks lie below the thread pointer.
-        assert!(own < 0, "own area offset {own}");
-        // Aligned for the largest registration the area can hold (optimized mode on 7.2).
-        assert_eq!(
-            area_at(own) as usize % crate::abi::OWN_AREA_CAPACITY as usize,
-            0
-        );
-        // A fresh thread that never asked thiscpu anything has the initial image.
-        let (offset, cpu_id, rseq_cs) = std::thread::spawn(|| {
-            let area = area_at(own_area_offset());
-            // SAFETY: this thread's own area, live while the thread runs; aligned fields.
-            unsafe {
-                (
-                    own_area_offset(),
-                    core::ptr::addr_of!((*area).cpu_id).read_volatile(),
-                    core::ptr::addr_of!((*area).rseq_cs).read_volatile(),
-                )
-            }
-        })
-        .join()
-        .unwrap();
-        assert_eq!(offset, own, "the offset is the same in every thread");
-        assert_eq!((cpu_id, rseq_cs), (-1, 0));
-    }
-
-    #[test]
-    fn area_offset_follows_the_registrar() {
-        let process = registration::decided().expect("decided before the tests");
-        let active = area_offset().area_start();
-        match process.registrar {
-            Registrar::Glibc => assert_eq!(Some(active), process.glibc_rseq_offset),
-            _ => assert_eq!(active, own_area_offset()),
-        }
-    }
-
-    #[test]
-    fn fast_path_reads_the_active_area() {
-        let registered = registration::ensure_registered();
-        let area = area_at(area_offset().area_start());
-        for _ in 0..1000 {
-            // SAFETY: the active area is this thread's; aligned 32-bit fields.
-            let (start, id) = unsafe {
-                (
-                    core::ptr::addr_of!((*area).cpu_id_start).read_volatile(),
-                    core::ptr::addr_of!((*area).cpu_id).read_volatile(),
-                )
-            };
-            let fast = active_field::<{ offset::CPU_ID }>();
-            let start_field = active_field::<{ offset::CPU_ID_START }>() as u32;
-            if fast == id && start_field == start {
-                // Unregistered (no rseq in this process): the fast path sees -1 or -2 and
-                // takes the slow path.
-                assert_eq!(fast >= 0, registered, "cpu_id {fast}");
-                return;
-            }
-        }
-        panic!("the fast path never agreed with the area it should read");
-    }
+pub(crate) fn is_static_tls_offset(offset: isize) -> bool {
+    offset < 0
 }

@@ -1,0 +1,219 @@
+//! Checks of the architecture contract, run on every architecture (natively on x86_64, in the
+//! arm64 and riscv64 test VMs): where the areas are, that the fast path reads the active one,
+//! and that each section commits, compares, aborts and arms a descriptor as the kernel
+//! requires.
+
+use super::*;
+use crate::abi::{RseqCs, offset};
+use crate::registration::{self, Registrar};
+
+/// The descriptor the calling thread's active area points at, right after a section ran;
+/// `None` if the kernel already cleared it (it does so lazily, at the next preemption or
+/// signal after the section).
+fn last_descriptor() -> Option<&'static RseqCs> {
+    let area = area_at(area_offset().area_start());
+    // SAFETY: the active area is this thread's; `rseq_cs` is an aligned 64-bit field.
+    let cs = unsafe { core::ptr::addr_of!((*area).rseq_cs).read_volatile() };
+    // SAFETY: a non-zero `rseq_cs` was stored by one of this module's sections (the kernel
+    // only ever clears it), so it points at a descriptor in `__rseq_cs`, which is static.
+    (cs != 0).then(|| unsafe { &*(cs as *const RseqCs) })
+}
+
+/// What the kernel checks before it aborts a section (see `rseq_get_rseq_cs`): version and
+/// flags 0, the abort address outside the section, the signature right before it.
+fn check_descriptor(cs: &RseqCs) {
+    assert_eq!(cs as *const RseqCs as usize % 32, 0, "descriptor alignment");
+    assert_eq!((cs.version, cs.flags), (0, 0));
+    assert!(cs.post_commit_offset > 0 && cs.post_commit_offset < 256);
+    let end = cs.start_ip + cs.post_commit_offset;
+    assert!(
+        cs.abort_ip < cs.start_ip || cs.abort_ip >= end,
+        "abort inside the section"
+    );
+    // SAFETY: the four bytes before `abort_ip` are the signature word emitted with it (an
+    // instruction's operand on x86_64, a word of its own elsewhere), in an executable
+    // (readable) section.
+    let sig = unsafe { ((cs.abort_ip - 4) as *const u32).read_unaligned() };
+    assert_eq!(sig, RSEQ_SIG);
+}
+
+fn register() -> bool {
+    registration::ensure_registered()
+}
+
+#[test]
+fn own_area_is_aligned_static_tls_and_starts_unregistered() {
+    let own = own_area_offset();
+    assert!(is_static_tls_offset(own), "own area offset {own}");
+    // Aligned for the largest registration the area can hold (optimized mode on 7.2).
+    assert_eq!(
+        area_at(own) as usize % crate::abi::OWN_AREA_CAPACITY as usize,
+        0
+    );
+    // A fresh thread that never asked thiscpu anything has the initial image.
+    let (offset, cpu_id, rseq_cs) = std::thread::spawn(|| {
+        let area = area_at(own_area_offset());
+        // SAFETY: this thread's own area, live while the thread runs; aligned fields.
+        unsafe {
+            (
+                own_area_offset(),
+                core::ptr::addr_of!((*area).cpu_id).read_volatile(),
+                core::ptr::addr_of!((*area).rseq_cs).read_volatile(),
+            )
+        }
+    })
+    .join()
+    .unwrap();
+    assert_eq!(offset, own, "the offset is the same in every thread");
+    assert_eq!((cpu_id, rseq_cs), (-1, 0));
+}
+
+#[test]
+fn area_offset_follows_the_registrar() {
+    let process = registration::decided().expect("decided before the tests");
+    let active = area_offset().area_start();
+    match process.registrar {
+        Registrar::Glibc => assert_eq!(Some(active), process.glibc_rseq_offset),
+        _ => assert_eq!(active, own_area_offset()),
+    }
+}
+
+#[test]
+fn fast_path_reads_the_active_area() {
+    let registered = register();
+    let area = area_at(area_offset().area_start());
+    for _ in 0..1000 {
+        // SAFETY: the active area is this thread's; aligned 32-bit fields.
+        let (start, id, mm_cid) = unsafe {
+            (
+                core::ptr::addr_of!((*area).cpu_id_start).read_volatile(),
+                core::ptr::addr_of!((*area).cpu_id).read_volatile(),
+                core::ptr::addr_of!((*area).mm_cid).read_volatile(),
+            )
+        };
+        let fast = active_field::<{ offset::CPU_ID }>();
+        let start_field = active_field::<{ offset::CPU_ID_START }>() as u32;
+        let mm_cid_field = active_field::<{ offset::MM_CID }>() as u32;
+        if fast == id && start_field == start && mm_cid_field == mm_cid {
+            // Unregistered (no rseq in this process): the fast path sees -1 or -2 and
+            // takes the slow path.
+            assert_eq!(fast >= 0, registered, "cpu_id {fast}");
+            return;
+        }
+    }
+    panic!("the fast path never agreed with the area it should read");
+}
+
+#[test]
+fn load_cpu_node_arms_a_valid_descriptor() {
+    if !register() {
+        return;
+    }
+    for _ in 0..10_000 {
+        if let Some((cpu, _node)) = load_cpu_node(area_offset()) {
+            assert!(cpu >= 0);
+            if let Some(cs) = last_descriptor() {
+                check_descriptor(cs);
+                return;
+            }
+        }
+    }
+    panic!("load_cpu_node never completed with its descriptor still armed");
+}
+
+/// Runs `section` at the current position until it ends with `want` and the area is still
+/// armed right after it, then checks the descriptor it armed.
+fn until_armed(want: Outcome<()>, mut section: impl FnMut(AreaOffset, u32) -> Outcome<()>) {
+    for _ in 0..10_000 {
+        let offset = area_offset();
+        let index = field_at::<{ offset::CPU_ID }>(offset);
+        assert!(index >= 0);
+        if section(offset, index as u32) == want
+            && let Some(cs) = last_descriptor()
+        {
+            check_descriptor(cs);
+            return;
+        }
+    }
+    panic!("no section ended with {want:?} and its descriptor still armed");
+}
+
+#[test]
+fn load_add_store_commits_and_arms_a_valid_descriptor() {
+    if !register() {
+        return;
+    }
+    let (mut word, mut commits) = (0u64, 0u64);
+    until_armed(Outcome::Committed(()), |offset, index| {
+        // SAFETY: `offset` and `index` were just read from this thread's area; `word` is a
+        // local that only this thread touches.
+        let outcome = unsafe { load_add_store::<{ offset::CPU_ID }>(offset, index, &mut word, 5) };
+        commits += u64::from(outcome == Outcome::Committed(()));
+        outcome
+    });
+    assert_eq!(word, 5 * commits);
+}
+
+#[test]
+fn load_cbne_store_compares_commits_and_arms_a_valid_descriptor() {
+    if !register() {
+        return;
+    }
+    let mut word = 5u64;
+    until_armed(Outcome::Mismatch, |offset, index| {
+        // SAFETY: as above.
+        unsafe { load_cbne_store::<{ offset::CPU_ID }>(offset, index, &mut word, 4, 9) }
+    });
+    assert_eq!(word, 5);
+    let mut commits = 0u64;
+    until_armed(Outcome::Committed(()), |offset, index| {
+        let expect = word;
+        // SAFETY: as above.
+        let outcome = unsafe {
+            load_cbne_store::<{ offset::CPU_ID }>(offset, index, &mut word, expect, expect + 1)
+        };
+        commits += u64::from(outcome == Outcome::Committed(()));
+        outcome
+    });
+    assert_eq!(word, 5 + commits);
+}
+
+#[test]
+fn load_cbeq_load_store_pops_and_arms_a_valid_descriptor() {
+    if !register() {
+        return;
+    }
+    let (mut head, mut out) = (0usize, 0usize);
+    until_armed(Outcome::Mismatch, |offset, index| {
+        // SAFETY: as above; the list is empty.
+        unsafe { load_cbeq_load_store::<{ offset::CPU_ID }, 8>(offset, index, &mut head, &mut out) }
+    });
+    // A one-node list: `node[1]` is the node's `next` field, at byte offset 8.
+    let mut node = [0usize; 2];
+    let node_address = node.as_mut_ptr() as usize;
+    until_armed(Outcome::Committed(()), |offset, index| {
+        if head == 0 {
+            (head, out) = (node_address, 0);
+        }
+        // SAFETY: as above; `head` is null or points at `node`, whose `next` is null.
+        unsafe { load_cbeq_load_store::<{ offset::CPU_ID }, 8>(offset, index, &mut head, &mut out) }
+    });
+    assert_eq!((out, head), (node_address, 0));
+    assert_eq!(node[1], 0);
+}
+
+#[test]
+fn a_stale_index_aborts() {
+    if !register() {
+        return;
+    }
+    let mut word = 0u64;
+    let offset = area_offset();
+    let index = field_at::<{ offset::CPU_ID }>(offset) as u32;
+    // SAFETY: as in the test above, with an index that is never this thread's CPU.
+    let outcome = unsafe {
+        load_add_store::<{ offset::CPU_ID }>(offset, index.wrapping_add(1 << 20), &mut word, 1)
+    };
+    assert_eq!(outcome, Outcome::Aborted);
+    assert_eq!(word, 0);
+}

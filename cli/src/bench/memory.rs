@@ -22,7 +22,7 @@
 //! possible CPU, plus the allocator's rounding) and reported per counter like the dense one.
 
 use super::model::{
-    Case, Family, Measured, ProcessMemory, Reading, Unit, Workload, cpus_for, idle, on_each_cpu,
+    Case, Family, Measured, Measuring, ProcessMemory, Unit, cpus_for, on_each_cpu,
 };
 use crate::report::table::{align_right, fmt_num, new_table, render, verdict};
 use std::hint::black_box;
@@ -191,37 +191,6 @@ fn measure_padded(cpus: &[u32]) -> Result<Figures, String> {
     Ok(per_counter(before, after, PADDED_BATCH, create_ns))
 }
 
-/// One case: a layout, the figure it reports, and the last measurement.
-struct MemoryCase {
-    layout: Layout,
-    figure: Figure,
-    last: Reading<Figures>,
-}
-
-impl Workload for MemoryCase {
-    /// Measures, before the runner's workers start (their stacks would count otherwise).
-    fn prepare(&self, threads: usize) {
-        let cpus = cpus_for(threads);
-        let figures = match self.layout {
-            Layout::Dense => measure_dense(&cpus),
-            Layout::Padded => measure_padded(&cpus),
-        };
-        self.last.record(figures);
-    }
-
-    fn run(&self, _worker: usize, ops: u64) {
-        idle(ops);
-    }
-
-    fn verify(&self, _ops: u64) -> Result<(), String> {
-        self.last.verify()
-    }
-
-    fn reading(&self) -> Option<f64> {
-        self.last.get().map(|f| f.pick(self.figure))
-    }
-}
-
 fn case(name: &'static str, how: &str, layout: Layout, figure: Figure) -> Case {
     let unit = match figure {
         Figure::Create => Unit::NsPerOp,
@@ -231,11 +200,14 @@ fn case(name: &'static str, how: &str, layout: Layout, figure: Figure) -> Case {
         name,
         how,
         unit,
-        MemoryCase {
-            layout,
-            figure,
-            last: Reading::new(),
-        },
+        Measuring::new(move |threads| {
+            let cpus = cpus_for(threads);
+            let figures = match layout {
+                Layout::Dense => measure_dense(&cpus),
+                Layout::Padded => measure_padded(&cpus),
+            };
+            figures.map(|figures| figures.pick(figure))
+        }),
     )
 }
 

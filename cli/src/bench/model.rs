@@ -65,36 +65,50 @@ pub trait Workload: Send + Sync {
     }
 }
 
-/// What a workload that measures a size itself, in `prepare`, found last. Such a workload has
-/// nothing to time: its `run` is [`idle`], so that the runner's calibration ends, its
-/// `verify` is [`Reading::verify`], and its `reading` comes from [`Reading::get`].
-#[derive(Debug)]
-pub struct Reading<T>(std::sync::Mutex<Option<Result<T, String>>>);
+/// A case that measures a figure itself (a size, say) instead of timing operations: `measure`
+/// runs in `prepare`, with the round's thread count, before the runner's workers start (their
+/// stacks would count otherwise); the timed part is an empty loop, so that the runner's
+/// calibration ends; the figure is the case's reading, and a failed measurement fails the run.
+pub struct Measuring<F> {
+    measure: F,
+    last: std::sync::Mutex<Option<Result<f64, String>>>,
+}
 
-impl<T: Clone> Reading<T> {
-    /// Nothing measured yet.
-    pub fn new() -> Self {
-        Reading(std::sync::Mutex::new(None))
+impl<F: Fn(usize) -> Result<f64, String> + Send + Sync> Measuring<F> {
+    pub fn new(measure: F) -> Self {
+        Measuring {
+            measure,
+            last: std::sync::Mutex::new(None),
+        }
     }
 
-    /// Keeps a measurement, or why it failed, in place of the one before.
-    pub fn record(&self, measured: Result<T, String>) {
-        *self.0.lock().unwrap_or_else(|p| p.into_inner()) = Some(measured);
+    fn last(&self) -> std::sync::MutexGuard<'_, Option<Result<f64, String>>> {
+        self.last.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+impl<F: Fn(usize) -> Result<f64, String> + Send + Sync> Workload for Measuring<F> {
+    fn prepare(&self, threads: usize) {
+        let measured = (self.measure)(threads);
+        *self.last() = Some(measured);
     }
 
-    /// The last measurement, if it succeeded.
-    pub fn get(&self) -> Option<T> {
-        let last = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        last.as_ref()?.as_ref().ok().cloned()
+    fn run(&self, _worker: usize, ops: u64) {
+        for op in 0..ops {
+            std::hint::black_box(op);
+        }
     }
 
-    /// Fails with the last measurement's error, or when nothing was measured.
-    pub fn verify(&self) -> Result<(), String> {
-        match &*self.0.lock().unwrap_or_else(|p| p.into_inner()) {
+    fn verify(&self, _ops: u64) -> Result<(), String> {
+        match &*self.last() {
             Some(Ok(_)) => Ok(()),
             Some(Err(why)) => Err(why.clone()),
             None => Err("nothing was measured".to_owned()),
         }
+    }
+
+    fn reading(&self) -> Option<f64> {
+        self.last().as_ref()?.as_ref().ok().copied()
     }
 }
 
@@ -152,13 +166,6 @@ pub fn cpus_for(threads: usize) -> Vec<u32> {
     let mut cpus = super::runner::worker_cpus();
     cpus.truncate(threads.max(1));
     cpus
-}
-
-/// An empty loop of `ops` steps: the timed part of a workload that measures in `prepare`.
-pub fn idle(ops: u64) {
-    for op in 0..ops {
-        std::hint::black_box(op);
-    }
 }
 
 /// A stateless workload: a function that performs `ops` operations.

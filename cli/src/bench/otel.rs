@@ -21,7 +21,7 @@
 //! report separates it from the part on each CPU when two CPU counts were measured.
 
 use super::model::{
-    Case, Family, Measured, ProcessMemory, Reading, Unit, Workload, idle, median_of,
+    Case, Family, Measured, Measuring, ProcessMemory, Unit, Workload, cpus_for, median_of,
 };
 use crate::report::table::{fmt_num, fmt_ratio, verdict};
 use opentelemetry::KeyValue;
@@ -324,11 +324,6 @@ enum Figure {
     AddressSpace,
 }
 
-struct MemoryCase {
-    figure: Figure,
-    last: Reading<f64>,
-}
-
 /// Bytes per series per CPU: counters made (with a provider that has no reader, so nothing
 /// collects), every series added to once from each CPU of `cpus`, checked, and kept.
 fn measure_memory(cpus: &[u32]) -> Result<(f64, f64), String> {
@@ -376,31 +371,6 @@ fn measure_memory(cpus: &[u32]) -> Result<(f64, f64), String> {
     ))
 }
 
-impl Workload for MemoryCase {
-    fn prepare(&self, threads: usize) {
-        let mut cpus = super::runner::worker_cpus();
-        cpus.truncate(threads.max(1));
-        let figure = self.figure;
-        let measured = measure_memory(&cpus).map(|(resident, size)| match figure {
-            Figure::Resident => resident,
-            Figure::AddressSpace => size,
-        });
-        self.last.record(measured);
-    }
-
-    fn run(&self, _worker: usize, ops: u64) {
-        idle(ops);
-    }
-
-    fn verify(&self, _ops: u64) -> Result<(), String> {
-        self.last.verify()
-    }
-
-    fn reading(&self) -> Option<f64> {
-        self.last.get()
-    }
-}
-
 fn cases() -> Vec<Case> {
     let ns = Unit::NsPerOp;
     let case = |name, how: &str, sdk, bound, through_otel, collector| {
@@ -416,10 +386,12 @@ fn cases() -> Vec<Case> {
             name,
             how,
             Unit::BytesPerCounter,
-            MemoryCase {
-                figure,
-                last: Reading::new(),
-            },
+            Measuring::new(move |threads| {
+                measure_memory(&cpus_for(threads)).map(|(resident, size)| match figure {
+                    Figure::Resident => resident,
+                    Figure::AddressSpace => size,
+                })
+            }),
         )
     };
     vec![

@@ -19,8 +19,8 @@
 //! structure must hold four equal words, or the run fails.
 
 use super::model::{
-    Case, Family, Measured, ProcessMemory, Reading, Unit, Workload, cpus_for, idle,
-    median_of as median, on_each_cpu,
+    Case, Family, Measured, Measuring, ProcessMemory, Unit, Workload, cpus_for, median_of as median,
+    on_each_cpu,
 };
 use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
 use arc_swap::ArcSwap;
@@ -384,19 +384,13 @@ fn cases() -> Vec<Case> {
                 if resident { "reading" } else { "possible" }
             ),
             unit: Unit::Bytes,
-            workload: Ok(Box::new(MemoryCase {
-                resident,
-                last: Reading::new(),
-            })),
+            workload: Ok(Box::new(Measuring::new(move |threads| {
+                measure_memory(&cpus_for(threads))
+                    .map(|(rss, size)| if resident { rss } else { size })
+            }))),
         });
     }
     cases
-}
-
-/// A memory case: which figure it reports, and the last measurement.
-struct MemoryCase {
-    resident: bool,
-    last: Reading<f64>,
 }
 
 /// Bytes of `Rss` per lock per CPU that read and of `VmSize` per lock per possible CPU, from
@@ -424,29 +418,6 @@ fn measure_memory(cpus: &[u32]) -> Result<(f64, f64), String> {
         / (MEMORY_LOCKS * cpus.len()) as f64;
     let size = after.vm_size.saturating_sub(before.vm_size) as f64 / (MEMORY_LOCKS * possible) as f64;
     Ok((resident, size))
-}
-
-impl Workload for MemoryCase {
-    /// Measures, before the runner's workers start (their stacks would count otherwise).
-    fn prepare(&self, threads: usize) {
-        let resident = self.resident;
-        self.last.record(
-            measure_memory(&cpus_for(threads))
-                .map(|(rss, size)| if resident { rss } else { size }),
-        );
-    }
-
-    fn run(&self, _worker: usize, ops: u64) {
-        idle(ops);
-    }
-
-    fn verify(&self, _ops: u64) -> Result<(), String> {
-        self.last.verify()
-    }
-
-    fn reading(&self) -> Option<f64> {
-        self.last.get()
-    }
 }
 
 /// One write per how many reads makes `kind` cost as much as thiscpu's lock (or the epoch, for

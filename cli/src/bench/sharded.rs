@@ -15,7 +15,7 @@
 //! threads, all still alive, have each updated it once: a `Sharded` is one 128-byte shard per
 //! possible CPU whatever N, a `ThreadLocal` one entry per thread.
 
-use super::model::{Case, Family, Measured, Reading, idle, Unit, Workload, median_of as median};
+use super::model::{Case, Family, Measured, Measuring, Unit, Workload, median_of as median};
 use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -378,32 +378,6 @@ fn measure_memory(holder: Holder, threads: usize) -> Result<f64, String> {
     Ok(bytes)
 }
 
-/// A memory case: measured before the runner's workers start, as the memory family does.
-struct MemoryCase {
-    holder: Holder,
-    threads: usize,
-    last: Reading<f64>,
-}
-
-impl Workload for MemoryCase {
-    fn prepare(&self, _threads: usize) {
-        let measured = measure_memory(self.holder, self.threads);
-        self.last.record(measured);
-    }
-
-    fn run(&self, _worker: usize, ops: u64) {
-        idle(ops);
-    }
-
-    fn verify(&self, _ops: u64) -> Result<(), String> {
-        self.last.verify()
-    }
-
-    fn reading(&self) -> Option<f64> {
-        self.last.get()
-    }
-}
-
 fn cases() -> Vec<Case> {
     let ns = Unit::NsPerOp;
     let mode = if Sharded::<()>::default().uses_rseq() {
@@ -457,11 +431,7 @@ fn cases() -> Vec<Case> {
             name,
             format!("heap bytes of a {what} after one update from each of {threads} live threads"),
             Unit::Bytes,
-            MemoryCase {
-                holder,
-                threads,
-                last: Reading::new(),
-            },
+            Measuring::new(move |_| measure_memory(holder, threads)),
         ));
     }
     cases

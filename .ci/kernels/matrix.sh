@@ -3,7 +3,8 @@
 # the topology checks of .ci/kernels/guest.sh on Debian's x86_64 kernels of several series
 # (.ci/kernels/setup.sh), each booted in qemu-system-x86_64 in several CPU topologies:
 #
-#   smp2     2 CPUs, one node
+#   smp2     2 CPUs, one node; the only topology that runs every test under both
+#            registrations (the others: see REGISTRATION_TESTS and FEATURE_TESTS in guest.sh)
 #   numa     4 CPUs in 2 NUMA nodes (0-1 and 2-3), each with 1 GiB; ends with CPU 3 taken
 #            offline while a process starts and brought back
 #   up2of4   4 possible CPUs, 2 online at boot (-smp 4 and the kernel's maxcpus=2); CPUs

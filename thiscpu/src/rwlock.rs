@@ -84,7 +84,7 @@ const PHASE: usize = 0;
 /// lock took; `thiscpu info` says which a new lock would take.
 ///
 /// # Costs and memory
-/// - Read lock + unlock: two restartable sequences and two loads of the flag: 3.8 ns a read
+/// - Read lock + unlock: two restartable sequences and two loads of the flag: 3.7 to 4.0 ns
 ///   on the 2-CPU x86_64 VM of the README's results (`thiscpu bench rwlock`).
 /// - Write lock + unlock: two `membarrier(PRIVATE_EXPEDITED_RSEQ)` calls (they interrupt every
 ///   CPU that runs a thread of the process) and a read of every CPU's counts; more while

@@ -385,7 +385,7 @@ pub fn render(info: &Info) -> String {
     lines.push((
         "RwLock",
         format!(
-            "readers count {} · {} bytes of counts per lock (RwLock, EpochCell)",
+            "readers count {} · {} bytes of counts per RwLock, twice that per EpochCell",
             if info.read_mostly.readers == "rseq" {
                 "with rseq, writers fence with membarrier"
             } else {

@@ -598,39 +598,6 @@ fn without_membarrier_shards_are_taken_by_compare_and_swap() {
     );
 }
 
-/// `AUDIT_ARCH_*` of this target (`EM_*` with the 64-bit and little-endian bits).
-#[cfg(target_arch = "x86_64")]
-const AUDIT_ARCH: u32 = 0xc000_003e;
-#[cfg(target_arch = "aarch64")]
-const AUDIT_ARCH: u32 = 0xc000_00b7;
-#[cfg(target_arch = "riscv64")]
-const AUDIT_ARCH: u32 = 0xc000_00f3;
-
-/// A seccomp program that makes the system calls `refused` fail with `EPERM` and allows every
-/// other one: a sandbox installed after start-up.
-fn refuse_with_eperm(refused: &[libc::c_long]) -> Vec<libc::sock_filter> {
-    let op = |code: u32, jt: u8, jf: u8, k: u32| libc::sock_filter {
-        code: code as u16,
-        jt,
-        jf,
-        k,
-    };
-    let load = |offset: u32| op(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, 0, 0, offset);
-    let jump_if =
-        |k: u32, jt: u8, jf: u8| op(libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K, jt, jf, k);
-    let ret = |k: u32| op(libc::BPF_RET | libc::BPF_K, 0, 0, k);
-    let count = refused.len() as u8;
-    // struct seccomp_data: `nr` at offset 0, `arch` at offset 4.
-    let mut program = vec![load(4), jump_if(AUDIT_ARCH, 0, count + 1), load(0)];
-    for (i, &nr) in refused.iter().enumerate() {
-        // Past the rest of the comparisons and the allowing return, to the refusing one.
-        program.push(jump_if(nr as u32, count - i as u8, 0));
-    }
-    program.push(ret(libc::SECCOMP_RET_ALLOW));
-    program.push(ret(libc::SECCOMP_RET_ERRNO | libc::EPERM as u32));
-    program
-}
-
 /// Writers with rseq running before the filter and others started after it (without rseq:
 /// their registration is refused), while this thread reads with `fold`, `lock(0)`,
 /// `lock(len - 1)` and `for_each`. Exact, and every take returns.
@@ -687,12 +654,15 @@ fn refused_after_construction<S: Spread>(sharded: Sharded<Tally, S>) {
     // glibc ends a process whose new thread it cannot register; where thiscpu registers, the
     // filter refuses rseq too, so that later threads have none.
     if registrar == thiscpu::Registrar::Thiscpu {
-        common::install_on_every_thread(&refuse_with_eperm(&[
-            libc::SYS_membarrier,
-            libc::SYS_rseq,
-        ]));
+        common::install_on_every_thread(&common::refuse_syscalls_program(
+            &[libc::SYS_membarrier, libc::SYS_rseq],
+            libc::EPERM,
+        ));
     } else {
-        common::install_on_every_thread(&refuse_with_eperm(&[libc::SYS_membarrier]));
+        common::install_on_every_thread(&common::refuse_syscalls_program(
+            &[libc::SYS_membarrier],
+            libc::EPERM,
+        ));
     }
     assert!(
         !kernel_offers_rseq_fences() && thiscpu::fence::fence_all().is_err(),

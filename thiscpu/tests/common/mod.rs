@@ -405,31 +405,33 @@ const AUDIT_ARCH: u32 = 0xc000_00f3;
 
 /// A seccomp program that makes system call `nr` fail with `errno` and allows everything else.
 pub fn refuse_syscall_program(nr: libc::c_long, errno: i32) -> Vec<libc::sock_filter> {
-    let stmt = |code: u32, k: u32| libc::sock_filter {
+    refuse_syscalls_program(&[nr], errno)
+}
+
+/// A seccomp program that makes the system calls `refused` fail with `errno` and allows every
+/// other one.
+pub fn refuse_syscalls_program(refused: &[libc::c_long], errno: i32) -> Vec<libc::sock_filter> {
+    let op = |code: u32, jt: u8, jf: u8, k: u32| libc::sock_filter {
         code: code as u16,
-        jt: 0,
-        jf: 0,
-        k,
-    };
-    let jeq = |k: u32, jt: u8, jf: u8| libc::sock_filter {
-        code: (libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K) as u16,
         jt,
         jf,
         k,
     };
-    // struct seccomp_data: `nr` at offset 0, `arch` at offset 4.
-    let load = |offset: u32| stmt(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, offset);
-    vec![
-        load(4),
-        jeq(AUDIT_ARCH, 0, 3),
-        load(0),
-        jeq(nr as u32, 0, 1),
-        stmt(
-            libc::BPF_RET | libc::BPF_K,
-            libc::SECCOMP_RET_ERRNO | errno as u32,
-        ),
-        stmt(libc::BPF_RET | libc::BPF_K, libc::SECCOMP_RET_ALLOW),
-    ]
+    let load = |offset: u32| op(libc::BPF_LD | libc::BPF_W | libc::BPF_ABS, 0, 0, offset);
+    let jump_if =
+        |k: u32, jt: u8, jf: u8| op(libc::BPF_JMP | libc::BPF_JEQ | libc::BPF_K, jt, jf, k);
+    let ret = |k: u32| op(libc::BPF_RET | libc::BPF_K, 0, 0, k);
+    let count = u8::try_from(refused.len()).expect("at most 255 system calls");
+    // struct seccomp_data: `nr` at offset 0, `arch` at offset 4. Another architecture's calls
+    // jump past the comparisons and the `nr` load to the allowing return.
+    let mut program = vec![load(4), jump_if(AUDIT_ARCH, 0, count + 1), load(0)];
+    for (i, &nr) in refused.iter().enumerate() {
+        // Past the rest of the comparisons and the allowing return, to the refusing one.
+        program.push(jump_if(nr as u32, count - i as u8, 0));
+    }
+    program.push(ret(libc::SECCOMP_RET_ALLOW));
+    program.push(ret(libc::SECCOMP_RET_ERRNO | errno as u32));
+    program
 }
 
 /// Runs the test `name` of this test binary again, alone, under the seccomp `program` and with

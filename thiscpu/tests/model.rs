@@ -17,31 +17,12 @@ use loom::cell::UnsafeCell;
 use loom::sync::Arc;
 use loom::thread;
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
+use thiscpu::model::{self, explore};
 use thiscpu::pool::DrainMethod;
-use thiscpu::{Pool, Pooled, Sharded, model};
+use thiscpu::{Pool, Pooled, Sharded};
 
 /// Runs `body` in every interleaving loom explores (two model CPUs), then prints how many.
-fn explore(name: &str, body: impl Fn() + Send + Sync + 'static) {
-    let runs = std::sync::Arc::new(AtomicUsize::new(0));
-    let counted = runs.clone();
-    let mut builder = loom::model::Builder::new();
-    if builder.preemption_bound.is_none() {
-        builder.preemption_bound = Some(3);
-    }
-    let started = std::time::Instant::now();
-    builder.check(move || {
-        counted.fetch_add(1, Ordering::Relaxed);
-        body();
-    });
-    eprintln!(
-        "{name}: {} interleavings explored in {:.1?} (preemption bound {:?})",
-        runs.load(Ordering::Relaxed),
-        started.elapsed(),
-        builder.preemption_bound
-    );
-}
-
 /// A shard's value: loom reports two accesses that are not ordered one after the other (two
 /// holders at once, or a holder that does not see its predecessor's update).
 type Cell = UnsafeCell<u64>;

@@ -13,28 +13,8 @@
 use loom::cell::UnsafeCell;
 use loom::sync::Arc;
 use loom::thread;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use thiscpu::{EpochCell, RwLock, model};
-
-fn explore(name: &str, body: impl Fn() + Send + Sync + 'static) {
-    let runs = std::sync::Arc::new(AtomicUsize::new(0));
-    let counted = runs.clone();
-    let mut builder = loom::model::Builder::new();
-    if builder.preemption_bound.is_none() {
-        builder.preemption_bound = Some(3);
-    }
-    let started = std::time::Instant::now();
-    builder.check(move || {
-        counted.fetch_add(1, Ordering::Relaxed);
-        body();
-    });
-    eprintln!(
-        "{name}: {} interleavings explored in {:.1?} (preemption bound {:?})",
-        runs.load(Ordering::Relaxed),
-        started.elapsed(),
-        builder.preemption_bound
-    );
-}
+use thiscpu::model::{self, explore};
+use thiscpu::{EpochCell, RwLock};
 
 /// Two words a writer sets one after the other: loom reports a reader's access that is not
 /// ordered with a writer's (a reader inside while the writer writes), and the reader checks

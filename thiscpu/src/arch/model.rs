@@ -65,6 +65,29 @@ loom::thread_local! {
     static HERE: Cell<u32> = Cell::new(0);
 }
 
+/// Runs `body` under loom in every interleaving within the preemption bound (3, unless
+/// `LOOM_MAX_PREEMPTIONS` sets another), then prints how many it explored and how long that
+/// took: the model tests' one entry point.
+pub fn explore(name: &str, body: impl Fn() + Send + Sync + 'static) {
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = runs.clone();
+    let mut builder = loom::model::Builder::new();
+    if builder.preemption_bound.is_none() {
+        builder.preemption_bound = Some(3);
+    }
+    let started = std::time::Instant::now();
+    builder.check(move || {
+        counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        body();
+    });
+    eprintln!(
+        "{name}: {} interleavings explored in {:.1?} (preemption bound {:?})",
+        runs.load(std::sync::atomic::Ordering::Relaxed),
+        started.elapsed(),
+        builder.preemption_bound
+    );
+}
+
 /// Sets the number of model CPUs (1 to [`MAX_CPUS`]): what `topology::possible_cpus` reports,
 /// so set it before making a `Sharded` or a `Pool`.
 pub fn set_cpus(count: usize) {

@@ -150,10 +150,9 @@ impl<const PHASES: usize> Words<PHASES> {
 pub(crate) struct ReaderCounts<const PHASES: usize> {
     /// A row per possible CPU, then the spare row.
     words: Words<PHASES>,
-    /// Whether readers count with restartable sequences (else with atomic adds).
-    by_sections: bool,
-    /// The rows sections write: every CPU's, or none in the atomic mode, so that the reader's
-    /// one comparison of its CPU number also sends it to the atomic path.
+    /// The rows sections write: every CPU's (at least one) when readers count with restartable
+    /// sequences, none in the atomic mode, so that the reader's one comparison of its CPU
+    /// number also sends it to the atomic path; the mode is whether it is 0.
     section_rows: u32,
 }
 
@@ -178,14 +177,13 @@ impl<const PHASES: usize> ReaderCounts<PHASES> {
         let section_rows = if by_sections { words.cpus } else { 0 };
         ReaderCounts {
             words,
-            by_sections,
             section_rows,
         }
     }
 
     /// Whether readers count with restartable sequences and writers fence with `membarrier`.
     pub(crate) fn by_sections(&self) -> bool {
-        self.by_sections
+        self.section_rows != 0
     }
 
     /// Bytes of address space the counts take (every CPU's row and the spare row), for the
@@ -257,7 +255,7 @@ impl<const PHASES: usize> ReaderCounts<PHASES> {
     #[cold]
     #[inline(never)]
     fn add_slow(&self, side: Side, phase: usize) {
-        if !self.by_sections {
+        if !self.by_sections() {
             let row = crate::cpu::current_cpu() % self.cpus();
             self.word(row, side, phase).fetch_add(1, Ordering::SeqCst);
             return;
@@ -295,7 +293,7 @@ impl<const PHASES: usize> ReaderCounts<PHASES> {
     /// The writer's heavy fence: `membarrier` on every CPU running this process (or visits to
     /// every CPU where it is refused now), or a `SeqCst` fence in the atomic mode.
     pub(crate) fn fence(&self) {
-        if !self.by_sections {
+        if !self.by_sections() {
             crate::sync::atomic::fence(Ordering::SeqCst);
             return;
         }
@@ -335,7 +333,7 @@ impl<const PHASES: usize> ReaderCounts<PHASES> {
 impl<const PHASES: usize> core::fmt::Debug for ReaderCounts<PHASES> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("ReaderCounts")
-            .field("mode", &if self.by_sections { "rseq" } else { "atomic" })
+            .field("mode", &if self.by_sections() { "rseq" } else { "atomic" })
             .field("bytes", &self.bytes())
             .finish()
     }

@@ -338,7 +338,7 @@ extern "C" fn read_in_handler(_: libc::c_int) {
 fn signal_handlers_read_in_the_middle_of_everything() {
     let name = "signal_handlers_read_in_the_middle_of_everything";
     if std::env::var_os(CHILD).is_none() {
-        run_child(name, &[(CHILD, "1")]);
+        common::rerun_alone(name, &[(CHILD, "1")], Duration::from_secs(30));
         return;
     }
     let lock = SIGNAL_LOCK.get_or_init(|| RwLock::new([0; WORDS]));
@@ -480,43 +480,6 @@ fn the_mode_follows_rseq_and_membarrier() {
     assert_eq!(cell.counts_bytes(), 32 * rows);
 }
 
-/// Runs the test `name` of this binary again, alone, with `env` set; fails unless it passes
-/// within 30 seconds.
-fn run_child(name: &str, env: &[(&str, &str)]) {
-    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
-    command
-        .args(["--exact", name, "--nocapture", "--test-threads=1"])
-        .env_remove("THISCPU_EXPECT_REGISTRAR")
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    for (key, value) in env {
-        command.env(key, value);
-    }
-    let mut child = command.spawn().expect("run the test binary again");
-    let began = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break Some(status);
-        }
-        if began.elapsed() > Duration::from_secs(30) {
-            let _ = child.kill();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let output = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let Some(status) = status else {
-        panic!("{name} hung\n{stdout}\n{stderr}");
-    };
-    assert!(status.success(), "{name}: {status}\n{stdout}\n{stderr}");
-    assert!(
-        stdout.contains("1 passed"),
-        "{name} did not run:\n{stdout}\n{stderr}"
-    );
-}
-
 const CHILD: &str = "THISCPU_RWLOCK_TEST_CHILD";
 
 /// The atomic mode, in child processes: without rseq, without `membarrier`, and with
@@ -540,8 +503,16 @@ fn without_rseq_or_membarrier_the_atomic_mode_is_exact() {
         return;
     }
     let name = "without_rseq_or_membarrier_the_atomic_mode_is_exact";
-    run_child(name, &[(CHILD, "1"), ("THISCPU_RSEQ", "off")]);
-    run_child(name, &[(CHILD, "1"), ("THISCPU_MEMBARRIER", "off")]);
+    common::rerun_alone(
+        name,
+        &[(CHILD, "1"), ("THISCPU_RSEQ", "off")],
+        Duration::from_secs(30),
+    );
+    common::rerun_alone(
+        name,
+        &[(CHILD, "1"), ("THISCPU_MEMBARRIER", "off")],
+        Duration::from_secs(30),
+    );
     common::rerun_under_seccomp(
         name,
         common::refuse_syscall_program(libc::SYS_membarrier, libc::EPERM),
@@ -585,7 +556,7 @@ fn a_reader_without_rseq_and_membarrier_refused_later() {
     let glibc = thiscpu::source().registrar == thiscpu::Registrar::Glibc;
     if std::env::var_os(CHILD).is_none() {
         if glibc && thiscpu::fence::available() {
-            run_child(name, &[(CHILD, "1")]);
+            common::rerun_alone(name, &[(CHILD, "1")], Duration::from_secs(30));
         }
         return;
     }

@@ -16,44 +16,6 @@ use std::sync::{Arc, Barrier, OnceLock};
 use std::time::{Duration, Instant};
 use thiscpu::{ByCpu, ByMmCid, Sharded, Spread};
 
-/// Runs the test `name` of this binary again, alone, with `env` set, and fails unless it
-/// passes within `limit`: a child that hangs is killed and fails the test. Returns its
-/// standard error.
-fn run_child(name: &str, env: &[(&str, &str)], limit: Duration) -> String {
-    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
-    command
-        .args(["--exact", name, "--nocapture", "--test-threads=1"])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped());
-    for (key, value) in env {
-        command.env(key, value);
-    }
-    let mut child = command.spawn().expect("run the test binary again");
-    let began = Instant::now();
-    let status = loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            break Some(status);
-        }
-        if began.elapsed() > limit {
-            let _ = child.kill();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    let output = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    let Some(status) = status else {
-        panic!("{name}: no answer within {limit:?} (hung)\n{stdout}\n{stderr}");
-    };
-    assert!(status.success(), "{name}: {status}\n{stdout}\n{stderr}");
-    assert!(
-        stdout.contains("1 passed"),
-        "{name} did not run:\n{stdout}\n{stderr}"
-    );
-    stderr.into_owned()
-}
-
 /// What a `Sharded` must decide in this environment, worked out without thiscpu.
 #[derive(Debug)]
 struct ExpectedMode {
@@ -465,7 +427,7 @@ fn a_nested_take_panics_instead_of_waiting_forever() {
 fn a_shard_left_held_by_an_exited_thread_is_waited_for() {
     const CHILD: &str = "THISCPU_SHARDED_LEFT_HELD_CHILD";
     if std::env::var_os(CHILD).is_none() {
-        run_child(
+        common::rerun_alone(
             "a_shard_left_held_by_an_exited_thread_is_waited_for",
             &[(CHILD, "1")],
             Duration::from_secs(30),
@@ -725,7 +687,7 @@ fn membarrier_refused_after_construction_neither_hangs_nor_loses_a_take() {
         }
         _ => {
             for spread in ["by-cpu", "by-mm-cid"] {
-                let stderr = run_child(NAME, &[(CHILD, spread)], Duration::from_secs(30));
+                let stderr = common::rerun_alone(NAME, &[(CHILD, spread)], Duration::from_secs(30));
                 eprintln!("{spread}:\n{stderr}");
             }
         }
@@ -752,7 +714,7 @@ extern "C" fn register_in_handler(_: libc::c_int) {
 fn the_fence_registration_answers_a_signal_handler_that_interrupts_it() {
     const INJECT: &str = "THISCPU_INJECT_SIGNAL_IN_FENCE_REGISTRATION";
     if std::env::var_os(INJECT).is_none() {
-        run_child(
+        common::rerun_alone(
             "the_fence_registration_answers_a_signal_handler_that_interrupts_it",
             &[(INJECT, &libc::SIGUSR1.to_string())],
             Duration::from_secs(30),

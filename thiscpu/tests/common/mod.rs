@@ -434,6 +434,44 @@ pub fn refuse_syscalls_program(refused: &[libc::c_long], errno: i32) -> Vec<libc
     program
 }
 
+/// Runs the test `name` of this binary again, alone, with `env` set, and fails unless it
+/// passes within `limit`: a child that hangs is killed and fails the test. Returns its
+/// standard error.
+pub fn rerun_alone(name: &str, env: &[(&str, &str)], limit: Duration) -> String {
+    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+    command
+        .args(["--exact", name, "--nocapture", "--test-threads=1"])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    for (key, value) in env {
+        command.env(key, value);
+    }
+    let mut child = command.spawn().expect("run the test binary again");
+    let began = Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break Some(status);
+        }
+        if began.elapsed() > limit {
+            let _ = child.kill();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let output = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    let Some(status) = status else {
+        panic!("{name}: no answer within {limit:?} (hung)\n{stdout}\n{stderr}");
+    };
+    assert!(status.success(), "{name}: {status}\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("1 passed"),
+        "{name} did not run:\n{stdout}\n{stderr}"
+    );
+    stderr.into_owned()
+}
+
 /// Runs the test `name` of this test binary again, alone, under the seccomp `program` and with
 /// [`SECCOMP_CHILD`] set (the test checks for it and does its part under the filter); fails
 /// unless it ran and passed. Returns its standard error.

@@ -59,6 +59,22 @@ use std::sync::Arc;
 /// Memory: 32 bytes per possible CPU, plus 32, besides the value, in the dense per-CPU arena
 /// that [`crate::Counter`] uses.
 ///
+/// # Variance
+/// `store` writes through a shared borrow, so the cell is invariant in `T`, as `Cell<T>` is:
+/// a borrow of an `EpochCell<&'static str>` cannot be shortened to store a string that dies
+/// before the cell's readers load it.
+///
+/// ```compile_fail,E0597
+/// let cell = thiscpu::EpochCell::new("static");
+/// {
+///     let s = String::from("freed before it is read");
+///     let short: &thiscpu::EpochCell<&str> = &cell;
+///     short.store(s.as_str());
+/// }
+/// let dangling: &'static str = *cell.load();
+/// println!("{dangling}");
+/// ```
+///
 /// # When not to use it
 /// When values are replaced often (each replacement costs microseconds and waits for the
 /// slowest reader), when a reader keeps a guard for long (writers wait for it: take
@@ -72,8 +88,10 @@ pub struct EpochCell<T> {
     /// `Arc::into_raw` of the current value.
     current: AtomicUsize,
     writers: Mutex<()>,
-    /// The cell owns an `Arc<T>` through `current`.
-    owns: PhantomData<Arc<T>>,
+    /// The cell owns an `Arc<T>` through `current`, and `store` writes a `T` through `&self`:
+    /// like `Cell<T>`, the cell must be invariant in `T`, or a shared borrow could shorten
+    /// `T`'s lifetimes and store a value that dies before the cell's readers load it.
+    owns: PhantomData<(Arc<T>, fn(T) -> T)>,
 }
 
 // SAFETY: the cell holds an `Arc<T>`, which is `Send` and `Sync` when `T` is both.

@@ -18,13 +18,22 @@
 //!   entry is counted by step 3, or its fence point came before its entry, and then its read
 //!   comes after the writer's publication and sees it: it sees the flag and backs out, or it
 //!   sees the new pointer.
-//! - *No exit is counted without its entry.* An exit counted in step 1 was stored before the
-//!   fence of step 2, and its entry before it in the same thread (a migration between the two
-//!   is a context switch, a full barrier), so step 3 sees the entry. The counted exits are
-//!   therefore a subset of exits whose entries are counted: equal sums mean every counted
-//!   entry has left. Summing the entries first would not do: a reader that enters on CPU 0
-//!   after the writer read CPU 0's word and leaves on CPU 1 before the writer reads CPU 1's
-//!   would count as an exit without an entry, and hide another reader that holds on.
+//! - *No exit is counted without its entry.* Program order alone does not give this: the
+//!   entry and the exit are plain stores to different words, which a weakly ordered CPU (arm64,
+//!   riscv64) may make visible in the other order, so seeing the exit says nothing yet about
+//!   the entry. The heavy fence does: an exit the writer read in step 1 had been executed by
+//!   then, so the full barrier that step 2 runs on the reader's CPU (at the point where it
+//!   interrupts the reader, or at the context switch that took the reader off the CPU) comes
+//!   after the exit in the reader's program order, hence after its entry, and makes the entry
+//!   visible before step 2 returns; a reader that migrated between its entry and its exit went
+//!   through a context switch, a full barrier, in between. So step 3 sees the entry of every
+//!   exit counted in step 1. (In the atomic mode the adds are `SeqCst` read-modify-writes: the
+//!   writer's acquire load that reads an exit synchronizes with it, and the entry, sequenced
+//!   before it, happens before step 3's loads.) The counted exits are therefore a subset of
+//!   exits whose entries are counted: equal sums mean every counted entry has left. Summing the
+//!   entries first would not do: a reader that enters on CPU 0 after the writer read CPU 0's
+//!   word and leaves on CPU 1 before the writer reads CPU 1's would count as an exit without an
+//!   entry, and hide another reader that holds on.
 //!
 //! What a reader reads before it leaves is ordered before its exit store, so before the
 //! writer's fence: after equal sums, the writer may change or free what those readers read.
@@ -297,9 +306,15 @@ impl<const PHASES: usize> ReaderCounts<PHASES> {
             crate::sync::atomic::fence(Ordering::SeqCst);
             return;
         }
+        // The `SeqCst` fences around the system call state, in the language's memory model,
+        // what `membarrier` does in the hardware's: the writer's accesses before it are
+        // ordered before those after it. The CPU needs nothing more (the system call is a
+        // full barrier), but the compiler and the model are only bound by what they can see.
+        crate::sync::atomic::fence(Ordering::SeqCst);
         if let Err(refused) = fence::fence_all() {
             Self::fence_by_visiting(refused);
         }
+        crate::sync::atomic::fence(Ordering::SeqCst);
     }
 
     #[cold]
@@ -321,6 +336,20 @@ impl<const PHASES: usize> ReaderCounts<PHASES> {
         self.fence();
         let entries = self.sum(Side::Entry, phase);
         entries == exits
+    }
+
+    /// [`drained`](Self::drained), but answers `false` without fencing when one unfenced look
+    /// already sees a reader inside: for a caller that will look again later anyway, and would
+    /// otherwise interrupt every CPU for an answer it can already guess. The look may also see
+    /// a reader that has just left (an exit it read too early): only `false` is ever guessed.
+    pub(crate) fn drained_unless_seen_inside(&self, phase: usize) -> bool {
+        self.inside(phase) == 0 && self.drained(phase)
+    }
+
+    /// Entries ever counted in `phase` (for tests).
+    #[cfg(test)]
+    pub(crate) fn entries(&self, phase: usize) -> u64 {
+        self.sum(Side::Entry, phase)
     }
 
     /// Readers in `phase` now, as far as one unfenced look tells (for `Debug` and tests).

@@ -54,19 +54,34 @@ const PHASE: usize = 0;
 /// The protocol is checked by a model checker over its interleavings, with every section
 /// committing or aborting at each step (tests/model_rwlock.rs).
 ///
-/// # Progress
-/// Writers are not starved: once a writer set the flag, new readers wait, and the writer
-/// waits only for readers already inside. Readers and other writers that wait for a writer
-/// are all woken when it releases, and race for the lock.
+/// # Progress and fairness
+/// Writers are not starved by readers: once a writer set the flag, new readers wait (and
+/// [`try_read`](RwLock::try_read) fails without touching the counts), and the writer waits
+/// only for readers already inside. The lock is not fair otherwise: readers and other writers
+/// that wait for a writer are all woken when it releases and race for the lock, and a writer
+/// that releases and writes again at once may win that race every time, so a thread that
+/// writes in a loop can keep readers and other writers out for as long as it loops. Nothing
+/// queues waiters in order; where that matters, `parking_lot::RwLock` (eventually fair) or a
+/// queue of writes handled by one thread serve better.
+///
+/// # Panics and poisoning
+/// The lock is never poisoned, as `parking_lot`'s is not: a panic while a write guard is held
+/// releases the lock as the guard unwinds, and the next holder sees the data as the panicking
+/// writer left it (possibly half-updated). A write that panics before it gets the lock (where
+/// no fence can be made: `membarrier` refused and the thread unable to run on every CPU)
+/// leaves the lock as it found it: the flag is released and sleepers are woken.
 ///
 /// # Recursion, signals, fork
 /// - Taking a read lock while holding one on the same thread works while no writer waits, and
 ///   deadlocks when one does (the new read waits for the writer, which waits for the first
 ///   read). Do not lock recursively; take [`try_read`](RwLock::try_read) where unsure.
-/// - A signal handler may use [`try_read`](RwLock::try_read) and
-///   [`try_write`](RwLock::try_write) (the counts are restartable sequences and atomics); a
-///   blocking `read` or `write` in a handler deadlocks if the interrupted code holds the lock
-///   for writing (or for reading, for `write`), as with every lock.
+/// - A signal handler may use [`try_read`](RwLock::try_read): it is async-signal-safe (a load,
+///   restartable sequences or atomic adds, no allocation, no lock). [`try_write`] is too
+///   while `membarrier` works (system calls and atomics only); where `membarrier` was refused
+///   after the lock was made, its fence visits every CPU, which allocates and reads `/proc`,
+///   and is then not async-signal-safe. A blocking `read` or `write` in a handler deadlocks if
+///   the interrupted code holds the lock for writing (or for reading, for `write`), as with
+///   every lock.
 /// - After `fork`, the child has the lock as the forking thread held it. Locks held by other
 ///   threads stay held for ever in the child: its writers then wait for ever ([`try_write`]
 ///   fails), and if a writer held it, so do its readers. A guard the forking thread held can
@@ -164,6 +179,12 @@ impl<T: ?Sized> RwLock<T> {
     /// ```
     #[inline]
     pub fn try_read(&self) -> Option<RwLockReadGuard<'_, T>> {
+        // A reader that sees the flag set stays out of the counts: counting in and out while a
+        // writer drains would make every drain check of that writer see sums that moved, and
+        // a thread polling `try_read` could keep the writer fencing for ever.
+        if self.state.load(Ordering::Relaxed) & WRITER != 0 {
+            return None;
+        }
         self.readers.enter(PHASE);
         // The writer's fence orders this load after the entry (see the type's documentation);
         // acquire: a clear flag stored by a writer's release publishes its data.
@@ -230,13 +251,17 @@ impl<T: ?Sized> RwLock<T> {
             }
             self.wait_for_writer();
         }
+        // The flag is this writer's: from here a panic (a fence that cannot be made) drops the
+        // guard, which releases the flag and wakes the sleepers, so the lock is left as it was
+        // found. The guard is handed out only once the readers have drained.
+        let writing = RwLockWriteGuard { lock: self };
         // Readers that leave from now on see the flag and wake this writer (the fence orders
         // the flag before their exits' loads of it).
         self.readers.fence();
         loop {
             let leaves = self.leaves.load(Ordering::SeqCst);
             if self.readers.drained(PHASE) {
-                return RwLockWriteGuard { lock: self };
+                return writing;
             }
             park::wait(&self.leaves, leaves);
         }
@@ -263,11 +288,13 @@ impl<T: ?Sized> RwLock<T> {
         {
             return None;
         }
+        // As in `write`: a panic in the fences releases the flag.
+        let writing = RwLockWriteGuard { lock: self };
         self.readers.fence();
         if self.readers.drained(PHASE) {
-            return Some(RwLockWriteGuard { lock: self });
+            return Some(writing);
         }
-        self.release_writer();
+        drop(writing);
         None
     }
 
@@ -385,5 +412,31 @@ impl<T: ?Sized> Drop for RwLockWriteGuard<'_, T> {
 impl<T: ?Sized + core::fmt::Debug> core::fmt::Debug for RwLockWriteGuard<'_, T> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         (**self).fmt(f)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{PHASE, RwLock};
+
+    #[test]
+    fn a_reader_turned_away_by_a_writer_leaves_the_counts_alone() {
+        // Counting in and out while a writer drains moves the sums the writer compares: a
+        // thread polling `try_read` (or `Debug`) could keep it fencing for ever.
+        let lock = RwLock::new(1);
+        let writing = lock.write();
+        let before = lock.readers.entries(PHASE);
+        for _ in 0..100 {
+            assert!(lock.try_read().is_none());
+        }
+        assert!(format!("{lock:?}").contains("<write-locked>"));
+        assert_eq!(
+            lock.readers.entries(PHASE),
+            before,
+            "turned-away readers counted"
+        );
+        drop(writing);
+        assert_eq!(*lock.try_read().unwrap(), 1);
+        assert_eq!(lock.readers.entries(PHASE), before + 1);
     }
 }

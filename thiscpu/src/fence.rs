@@ -347,10 +347,15 @@ const VISIT_TRIES: u32 = 8;
 /// (or `taskset`) may change its affinity between the pin and the check, and then it pins again,
 /// up to a few times.
 ///
-/// A CPU the kernel will not run the thread on (`EINVAL`: offline, or outside the thread's
-/// cpuset) needs no visit and returns `Ok`: no thread of a process whose threads share a cpuset
-/// runs there, and a thread that ran there before went through a migration, which aborts its
-/// section. Any other refusal (a seccomp filter refusing `sched_setaffinity`, say) is an error.
+/// A CPU the kernel will not run the calling thread on (`EINVAL`: offline, or outside this
+/// thread's cpuset) needs no visit only if no thread of the process may run there either: the
+/// call reads every thread's affinity mask (`/proc/self/task`) and returns `Ok` when none
+/// holds `cpu` (a thread that ran there before went through a migration, which aborts its
+/// section), and the `EINVAL` error otherwise, since threads may have cpusets of their own
+/// (threaded cgroup v2 cpusets, cgroup v1 `tasks`). A thread moved onto `cpu` while the call
+/// reads the masks is not seen; its move is a migration, a full barrier, but one that may come
+/// after the caller's next loads. Any other refusal (a seccomp filter refusing
+/// `sched_setaffinity`, say) is an error.
 /// If another thread changes the caller's affinity during the call, the restore may undo that
 /// change.
 ///
@@ -365,7 +370,7 @@ pub fn visit_cpu(cpu: u32) -> Result<(), VisitRefused> {
             Ok(pinned) => pinned,
             Err(error) => {
                 let errno = error.raw_os_error().unwrap_or(libc::EINVAL);
-                if errno == libc::EINVAL {
+                if errno == libc::EINVAL && !crate::topology::some_thread_may_run_on(cpu) {
                     return Ok(());
                 }
                 return Err(VisitRefused { cpu, errno });

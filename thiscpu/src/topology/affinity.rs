@@ -184,6 +184,38 @@ pub fn pin_to(cpu: u32) -> io::Result<PinGuard> {
     pin_with_previous(cpu, previous)
 }
 
+/// Whether a thread of this process may run on `cpu`, as the affinity masks of its threads
+/// (`/proc/self/task`) tell now: the proof a visiting fence needs before it may skip a CPU it
+/// cannot run on itself. Threads can have masks of their own (threaded cgroup v2 cpusets,
+/// cgroup v1 `tasks`, `sched_setaffinity` of one thread), so the caller's refusal proves
+/// nothing about the others. The kernel reports active CPUs only, so an offline CPU is in no
+/// mask. Answers `true` (not proven) when the list of threads or a live thread's mask cannot
+/// be read; a thread that exited meanwhile (`ESRCH`) runs nowhere.
+pub(crate) fn some_thread_may_run_on(cpu: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+        return true;
+    };
+    for task in tasks {
+        let Ok(task) = task else {
+            return true;
+        };
+        let Some(tid) = task
+            .file_name()
+            .to_str()
+            .and_then(|name| name.parse::<libc::pid_t>().ok())
+        else {
+            return true;
+        };
+        match CpuSet::of_thread(tid) {
+            Ok(mask) if mask.contains(cpu) => return true,
+            Ok(_) => {}
+            Err(error) if error.raw_os_error() == Some(libc::ESRCH) => {}
+            Err(_) => return true,
+        }
+    }
+    false
+}
+
 /// [`pin_to`] without the check against the thread's own mask: the drain of a pool moves its
 /// thread to the CPU it drains even when that thread was pinned elsewhere. The kernel still
 /// refuses a CPU outside the thread's cpuset or offline.

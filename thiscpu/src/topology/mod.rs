@@ -9,8 +9,8 @@
 
 mod affinity;
 
-pub(crate) use affinity::pin_to_beyond_mask;
 pub use affinity::{PinGuard, allowed_cpus, pin_to};
+pub(crate) use affinity::{pin_to_beyond_mask, some_thread_may_run_on};
 
 use std::path::Path;
 use std::sync::OnceLock;

@@ -1,12 +1,11 @@
 //! `EpochCell<T>`: an `Arc<T>` that readers borrow by pinning with a restartable sequence and
-//! that writers swap, then wait for the readers of the old value before dropping it.
+//! that writers swap without waiting; the old value is dropped once its readers have left.
 //!
 //! # Safety
-//! The cell owns one strong count of the `Arc` whose pointer it holds; a pinned reader
-//! dereferences that pointer, and a writer gives up the count of the pointer it swapped out
-//! only after every reader that could have loaded it has left.
+//! The cell owns one strong count of the `Arc` whose pointer it holds, and one of each value
+//! it retired; a pinned reader dereferences the pointer it loaded, and the cell gives up its
+//! count of a retired value only after every reader that could have loaded it has left.
 
-use crate::park;
 use crate::reader_counts::ReaderCounts;
 use crate::sync::Mutex;
 use crate::sync::atomic::{AtomicUsize, Ordering};
@@ -16,8 +15,10 @@ use std::sync::Arc;
 /// A shared value that is read everywhere and replaced rarely, like `arc_swap::ArcSwap`:
 /// [`load`](EpochCell::load) pins the reader with one restartable sequence on its CPU (and
 /// unpins with another when the guard is dropped), with no atomic read-modify-write and no
-/// reference count touched; [`store`](EpochCell::store) swaps in a new value and waits until
-/// every reader that could still see the old one has unpinned, then drops it.
+/// reference count touched; [`store`](EpochCell::store) swaps in a new value and never waits
+/// for readers: the cell keeps the old value until every reader that could still see it has
+/// unpinned, and drops it at a later store (or [`reclaim`](EpochCell::reclaim), or the cell's
+/// drop).
 ///
 /// ```
 /// use std::sync::Arc;
@@ -32,30 +33,40 @@ use std::sync::Arc;
 /// Readers count themselves in one of two phases, on per-CPU entry and exit counts (the same
 /// counting layer as [`crate::RwLock`]): a reader loads the phase, counts its entry in it,
 /// then loads the pointer; its guard counts the exit in the same phase. A writer (one at a
-/// time, behind a mutex) swaps the pointer, waits for the readers of the other phase to drain,
-/// flips the phase, and waits for the readers of the old phase to drain. Each drain check sums
-/// the exits, fences every CPU with `membarrier`, and sums the entries: a reader whose entry
-/// the check misses loads the pointer after the swap, so it sees the new value; an exit the
-/// check counts has its entry counted too. New readers go to the new phase, so the phase a
-/// writer waits for only holds readers already inside: a stream of readers does not starve
-/// writers. The other phase's drain catches a reader that loaded the phase long ago, before an
-/// earlier writer flipped it, and counted itself late.
+/// time, behind a mutex) swaps the pointer and puts the old value on the cell's list of
+/// retired values, which wait for a drain of each phase. A drain check sums the exits, fences
+/// every CPU with `membarrier`, and sums the entries: a reader whose entry the check misses
+/// loads the pointer after the swap, so it does not hold the retired value; an exit the check
+/// counts has its entry counted too. So once a check of each phase that began after a value
+/// was retired has found its phase drained, no reader holds that value, and the cell drops it.
 ///
-/// A writer polls the counts (yielding, then sleeping from 20 µs up to 1 ms between checks):
-/// readers do not look for writers, so they cannot wake one.
+/// Each store (and [`reclaim`](EpochCell::reclaim)) checks, without waiting: first the phase
+/// new readers do not enter, then, after flipping new readers over to it, the phase they
+/// entered until then, which from then on holds only readers already inside. A stream of
+/// readers therefore cannot keep a value alive: the next store after its readers have left
+/// drops it. A check skips its `membarrier` when one unfenced look already sees a reader
+/// inside.
 ///
 /// # Recursion, signals, fork
 /// - Readers never wait: nested `load`s are fine, also in a signal handler.
-/// - A writer waits for every reader, its own thread's included: `store` or `swap` while the
-///   same thread holds a guard of the same cell deadlocks, as does one in a signal handler
-///   that interrupted a reader of the cell.
+/// - Writers never wait for readers either, their own thread's included: the read-modify-write
+///   `cell.store(Config { generation: cell.load().generation + 1 })` works, its guard living
+///   to the end of the statement. Writers wait only for each other (a mutex): a `store` in a
+///   signal handler that interrupted a `store` of the same cell on its thread deadlocks.
 /// - After `fork`, guards held by other threads of the parent stay pinned in the child for
-///   ever: a writer in the child waits for ever.
+///   ever: the values they could see are never dropped in the child (memory, not a hang).
+///
+/// # Memory
+/// Besides the current value, the cell keeps each value replaced while a reader that could see
+/// it was still pinned, until a later store (or [`reclaim`](EpochCell::reclaim)) finds its
+/// readers gone: one guard kept for long keeps every value replaced meanwhile.
+/// [`retired`](EpochCell::retired) says how many the cell holds.
 ///
 /// # Modes and costs
 /// As for [`crate::RwLock`]: without rseq or `membarrier`, pins are `SeqCst` atomic adds and
 /// the writer's fences `SeqCst` fences ([`uses_rseq`](EpochCell::uses_rseq)). A pin and unpin
-/// costs two restartable sequences and three loads; a `store` at least two `membarrier` calls.
+/// costs two restartable sequences and three loads; a `store` at most two `membarrier` calls
+/// (none for a check whose unfenced look sees a reader inside).
 /// Memory: 32 bytes per possible CPU, plus 32, besides the value, in the dense per-CPU arena
 /// that [`crate::Counter`] uses.
 ///
@@ -76,9 +87,9 @@ use std::sync::Arc;
 /// ```
 ///
 /// # When not to use it
-/// When values are replaced often (each replacement costs microseconds and waits for the
-/// slowest reader), when a reader keeps a guard for long (writers wait for it: take
-/// [`load_full`](EpochCell::load_full) to keep the value), or when writers must not block.
+/// When values are replaced often (each replacement costs microseconds of system calls), or
+/// when readers keep guards for long while values are replaced (the cell keeps every value
+/// they could see: take [`load_full`](EpochCell::load_full) to keep one value instead).
 #[doc(alias = "ArcSwap")]
 #[doc(alias = "rcu")]
 pub struct EpochCell<T> {
@@ -87,17 +98,33 @@ pub struct EpochCell<T> {
     phase: AtomicUsize,
     /// `Arc::into_raw` of the current value.
     current: AtomicUsize,
-    writers: Mutex<()>,
-    /// The cell owns an `Arc<T>` through `current`, and `store` writes a `T` through `&self`:
-    /// like `Cell<T>`, the cell must be invariant in `T`, or a shared borrow could shorten
-    /// `T`'s lifetimes and store a value that dies before the cell's readers load it.
-    owns: PhantomData<(Arc<T>, fn(T) -> T)>,
+    /// Serializes writers, and holds the values they replaced that readers may still see.
+    writers: Mutex<Vec<Retired>>,
+    /// The cell owns an `Arc<T>` through `current`.
+    owns: PhantomData<Arc<T>>,
+    /// `store` writes a `T` through `&self`: like `Cell<T>`, the cell must be invariant in
+    /// `T`, or a shared borrow could shorten `T`'s lifetimes and store a value that dies
+    /// before the cell's readers load it.
+    invariant: PhantomData<fn(T) -> T>,
 }
 
 // SAFETY: the cell holds an `Arc<T>`, which is `Send` and `Sync` when `T` is both.
 unsafe impl<T: Send + Sync> Send for EpochCell<T> {}
 // SAFETY: readers share `&T` across threads and a writer may drop the `T` on any thread.
 unsafe impl<T: Send + Sync> Sync for EpochCell<T> {}
+
+/// A value the cell replaced, which pinned readers may still see, and the phases whose drain
+/// it still waits for.
+struct Retired {
+    /// `Arc::into_raw` of the value: the cell's strong count of it.
+    value: usize,
+    /// Bit `p` set: a drain check of phase `p` that began after the value was retired has not
+    /// yet found the phase drained.
+    waits_for: u8,
+}
+
+/// `Retired::waits_for` of a value just retired: both phases.
+const BOTH_PHASES: u8 = 0b11;
 
 impl<T> EpochCell<T> {
     /// A cell holding `value`.
@@ -111,8 +138,9 @@ impl<T> EpochCell<T> {
             readers: ReaderCounts::new(),
             phase: AtomicUsize::new(0),
             current: AtomicUsize::new(Arc::into_raw(value) as usize),
-            writers: Mutex::new(()),
+            writers: Mutex::new(Vec::new()),
             owns: PhantomData,
+            invariant: PhantomData,
         }
     }
 
@@ -142,36 +170,123 @@ impl<T> EpochCell<T> {
         unsafe { Arc::from_raw(guard.value) }
     }
 
-    /// Replaces the value, waits for every reader of the old one to unpin, and returns it.
-    /// Deadlocks if this thread holds a guard of this cell.
+    /// Replaces the value and returns the old one, without waiting for its readers: the cell
+    /// keeps a count of the old value until they have unpinned, so `Arc::try_unwrap` on it
+    /// may fail until then (as with `arc_swap`). Works while this thread holds a guard of
+    /// this cell.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// let cell = thiscpu::EpochCell::new(1);
+    /// let pinned = cell.load();
+    /// let old = cell.swap(Arc::new(2));
+    /// assert_eq!((*old, *pinned, *cell.load()), (1, 1, 2));
+    /// ```
     pub fn swap(&self, value: Arc<T>) -> Arc<T> {
-        let _writer = self
+        let new = Arc::into_raw(value) as usize;
+        let mut retired = self
             .writers
             .lock()
             .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let old = self
-            .current
-            .swap(Arc::into_raw(value) as usize, Ordering::SeqCst) as *const T;
-        let phase = self.phase.load(Ordering::Relaxed);
-        self.wait_drained(phase ^ 1);
-        self.phase.store(phase ^ 1, Ordering::SeqCst);
-        self.wait_drained(phase);
-        // SAFETY: `old` came from `Arc::into_raw` and the cell's count of it is handed over;
-        // no reader that could have loaded it is pinned any more.
+        let old = self.current.swap(new, Ordering::SeqCst) as *const T;
+        // SAFETY: `old` came from `Arc::into_raw` and the cell's count keeps it alive; the
+        // count added here is the one the returned `Arc` owns.
+        unsafe { Arc::increment_strong_count(old) };
+        retired.push(Retired {
+            value: old as usize,
+            waits_for: BOTH_PHASES,
+        });
+        let freed = self.advance(&mut retired);
+        drop(retired);
+        // Outside the lock: a value's drop may use the cell.
+        drop(freed);
+        // SAFETY: the count added above.
         unsafe { Arc::from_raw(old) }
     }
 
-    /// Replaces the value and drops the old one once its readers have unpinned.
+    /// Replaces the value; the old one is dropped once its readers have unpinned (by this
+    /// call, or a later one). Never waits for readers, its own thread's included:
+    ///
+    /// ```
+    /// let cell = thiscpu::EpochCell::new(1u64);
+    /// cell.store(*cell.load() + 1); // the guard lives to the end of the statement
+    /// assert_eq!(*cell.load(), 2);
+    /// ```
     pub fn store(&self, value: impl Into<Arc<T>>) {
         drop(self.swap(value.into()));
     }
 
-    fn wait_drained(&self, phase: usize) {
-        let mut round = 0;
-        while !self.readers.drained(phase) {
-            park::back_off(round);
-            round += 1;
+    /// Drops the replaced values whose readers have all unpinned, without waiting for any
+    /// (at most two `membarrier` calls), and returns how many the cell still keeps. Stores
+    /// do this themselves; call it to let go of old values sooner where stores are rare.
+    ///
+    /// ```
+    /// let cell = thiscpu::EpochCell::new(String::from("old"));
+    /// let pinned = cell.load();
+    /// cell.store(String::from("new"));
+    /// assert_eq!(cell.retired(), 1); // `pinned` may still read "old"
+    /// drop(pinned);
+    /// assert_eq!(cell.reclaim(), 0);
+    /// ```
+    pub fn reclaim(&self) -> usize {
+        let mut retired = self
+            .writers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner());
+        let freed = self.advance(&mut retired);
+        let left = retired.len();
+        drop(retired);
+        drop(freed);
+        left
+    }
+
+    /// Replaced values the cell still keeps for readers that may see them.
+    pub fn retired(&self) -> usize {
+        self.writers
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+            .len()
+    }
+
+    /// Checks the phases the retired values wait for, without waiting, and takes out those
+    /// whose readers are gone (the caller drops them after unlocking). First the phase new
+    /// readers do not enter (only readers already inside, or late ones that loaded the phase
+    /// before a flip); then, if values still wait for the phase new readers enter, new readers
+    /// are sent to the other one and that phase is checked: from the flip on, it holds only
+    /// readers already inside, so a stream of readers cannot keep it from draining.
+    fn advance(&self, retired: &mut Vec<Retired>) -> Vec<Arc<T>> {
+        for _ in 0..2 {
+            let entered = self.phase.load(Ordering::Relaxed) & 1;
+            let quiet = entered ^ 1;
+            let waiting = |retired: &[Retired], phase: usize| {
+                retired.iter().any(|r| r.waits_for & (1 << phase) != 0)
+            };
+            if waiting(retired, quiet) {
+                if !self.readers.drained_unless_seen_inside(quiet) {
+                    break;
+                }
+                // The check began after every listed value was retired (the lock is held).
+                retired
+                    .iter_mut()
+                    .for_each(|r| r.waits_for &= !(1 << quiet));
+            }
+            if !waiting(retired, entered) {
+                break;
+            }
+            self.phase.store(quiet, Ordering::SeqCst);
         }
+        let mut freed = Vec::new();
+        retired.retain(|r| {
+            if r.waits_for != 0 {
+                return true;
+            }
+            // SAFETY: the value came from `Arc::into_raw` and the cell's count of it is given
+            // up once, here: a drain of each phase begun after it was retired found no reader
+            // left that could have loaded it.
+            freed.push(unsafe { Arc::from_raw(r.value as *const T) });
+            false
+        });
+        freed
     }
 
     /// Whether readers pin with restartable sequences and writers fence with `membarrier`
@@ -197,6 +312,16 @@ impl<T> Drop for EpochCell<T> {
         // SAFETY: the cell is dropped, so no reader is pinned (guards borrow it); its count of
         // the value is given up once.
         drop(unsafe { Arc::from_raw(value) });
+        let retired = core::mem::take(
+            &mut *self
+                .writers
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()),
+        );
+        for r in retired {
+            // SAFETY: as above, for each value the cell retired and still counts.
+            drop(unsafe { Arc::from_raw(r.value as *const T) });
+        }
     }
 }
 

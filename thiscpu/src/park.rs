@@ -49,22 +49,3 @@ pub(crate) fn wait(word: &AtomicU32, expected: u32) {
 
 #[cfg(thiscpu_model)]
 pub(crate) fn wake(_word: &AtomicU32, _count: i32) {}
-
-/// Waits a little before a writer polls again for readers that do not wake it: yields at
-/// first, then sleeps from 20 µs doubling to 1 ms.
-pub(crate) fn back_off(round: u32) {
-    #[cfg(thiscpu_model)]
-    {
-        let _ = round;
-        loom::thread::yield_now();
-    }
-    #[cfg(not(thiscpu_model))]
-    {
-        if round < 8 {
-            std::thread::yield_now();
-        } else {
-            let micros = 20u64 << (round - 8).min(6);
-            std::thread::sleep(std::time::Duration::from_micros(micros.min(1000)));
-        }
-    }
-}

@@ -228,3 +228,40 @@ fn an_epoch_reader_across_two_swaps() {
         reader.join().unwrap();
     });
 }
+
+/// A writer that stores while it holds a guard of the cell itself, and a reader on the other
+/// CPU: the store does not wait, no value is dropped under either reader, and once both have
+/// left one `reclaim` lets go of every replaced value.
+#[test]
+fn an_epoch_store_under_its_own_guard_and_a_reader() {
+    explore("an epoch store under its own guard", || {
+        let cell = Arc::new(EpochCell::new(Tracked {
+            value: UnsafeCell::new(1),
+        }));
+        let reader = {
+            let cell = cell.clone();
+            thread::spawn(move || {
+                model::run_on(0);
+                let guard = cell.load();
+                // SAFETY: the reader is pinned, which the model checks.
+                let value = guard.value.with(|value| unsafe { *value });
+                assert_ne!(value, u64::MAX, "a dropped value");
+            })
+        };
+        model::run_on(1);
+        let own = cell.load();
+        cell.store(Tracked {
+            value: UnsafeCell::new(2),
+        });
+        // SAFETY: this writer's own guard is pinned, which the model checks.
+        let value = own.value.with(|value| unsafe { *value });
+        assert_eq!(value, 1, "the writer's own value changed under it");
+        drop(own);
+        reader.join().unwrap();
+        assert_eq!(
+            cell.reclaim(),
+            0,
+            "a replaced value kept after its readers left"
+        );
+    });
+}

@@ -16,10 +16,11 @@
 
 use crate::arch::{self, hot};
 use crate::topology;
+use core::cell::UnsafeCell;
 use std::collections::HashMap;
 use std::ptr::NonNull;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Once;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 /// Bytes between the rows of two consecutive CPUs. 64 KiB: a range holds 8192 `u64` slots per
 /// CPU; the address space a range reserves (64 KiB per possible CPU) is never backed for CPUs
@@ -60,7 +61,95 @@ struct Arena {
 // SAFETY: as for `Range`.
 unsafe impl Send for Arena {}
 
-static ARENA: Mutex<Option<Arena>> = Mutex::new(None);
+/// The arena behind a lock that `fork` handlers take and give back: a `std` mutex that another
+/// thread holds when the process forks stays locked for ever in the child, whose next
+/// `Counter::new` or `RwLock::new` would then hang. The handlers are those of
+/// `pthread_atfork`: before the fork the forking thread takes the lock (so the arena is whole
+/// in the child), and after it both processes release it. The lock is held only to hand out
+/// or take back a slot (an `mmap` at most), so waiters spin, then yield, then sleep.
+struct ArenaLock {
+    held: AtomicBool,
+    arena: UnsafeCell<Option<Arena>>,
+}
+
+// SAFETY: the arena is reached only through `ArenaGuard`, which the `held` flag makes
+// exclusive; `Arena` is `Send`.
+unsafe impl Sync for ArenaLock {}
+
+impl ArenaLock {
+    fn lock(&self) -> ArenaGuard<'_> {
+        let mut round = 0u32;
+        while self
+            .held
+            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            match round {
+                0..64 => core::hint::spin_loop(),
+                64..128 => std::thread::yield_now(),
+                _ => std::thread::sleep(std::time::Duration::from_micros(50)),
+            }
+            round = round.saturating_add(1);
+        }
+        ArenaGuard { lock: self }
+    }
+
+    /// Releases the lock that a guard forgotten by [`before_fork`] still holds.
+    fn unlock(&self) {
+        self.held.store(false, Ordering::Release);
+    }
+}
+
+struct ArenaGuard<'a> {
+    lock: &'a ArenaLock,
+}
+
+impl core::ops::Deref for ArenaGuard<'_> {
+    type Target = Option<Arena>;
+    fn deref(&self) -> &Option<Arena> {
+        // SAFETY: the guard holds the lock.
+        unsafe { &*self.lock.arena.get() }
+    }
+}
+
+impl core::ops::DerefMut for ArenaGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Option<Arena> {
+        // SAFETY: the guard holds the lock, and `&mut self` makes this borrow the only one.
+        unsafe { &mut *self.lock.arena.get() }
+    }
+}
+
+impl Drop for ArenaGuard<'_> {
+    fn drop(&mut self) {
+        self.lock.unlock();
+    }
+}
+
+static ARENA: ArenaLock = ArenaLock {
+    held: AtomicBool::new(false),
+    arena: UnsafeCell::new(None),
+};
+
+/// Registers the `fork` handlers, once, before the arena is first used.
+static FORK_HANDLERS: Once = Once::new();
+
+extern "C" fn before_fork() {
+    core::mem::forget(ARENA.lock());
+}
+
+extern "C" fn after_fork() {
+    ARENA.unlock();
+}
+
+fn register_fork_handlers() {
+    FORK_HANDLERS.call_once(|| {
+        // SAFETY: the handlers are functions of this library that take the arena's lock and
+        // release it. In a library loaded with `dlopen`, glibc unregisters them when it is
+        // unloaded (`pthread_atfork` records the caller's object). A failure (ENOMEM) leaves
+        // no handler: a child forked while another thread holds the lock then hangs on it.
+        unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork)) };
+    });
+}
 static SLOTS_IN_USE: AtomicUsize = AtomicUsize::new(0);
 static BYTES_IN_USE: AtomicUsize = AtomicUsize::new(0);
 
@@ -92,9 +181,7 @@ pub struct DenseStats {
 /// drop(counter);
 /// ```
 pub fn stats() -> DenseStats {
-    let arena = ARENA
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let arena = ARENA.lock();
     let (ranges, rows) = arena
         .as_ref()
         .map_or((0, 0), |arena| (arena.ranges.len(), arena.rows));
@@ -147,9 +234,8 @@ pub(crate) fn alloc(size: usize, align: usize) -> NonNull<u8> {
         "slot alignment {align} not supported"
     );
     let size = size.next_multiple_of(align);
-    let mut guard = ARENA
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    register_fork_handlers();
+    let mut guard = ARENA.lock();
     let arena = guard.get_or_insert_with(|| {
         let cpus = topology::possible_cpus();
         arch::set_hot_word::<{ hot::ROWS }>(cpus as u32);
@@ -202,13 +288,64 @@ pub(crate) unsafe fn free(slot: NonNull<u8>, size: usize, align: usize) {
             bytes.fill(0);
         }
     }
-    let mut guard = ARENA
-        .lock()
-        .unwrap_or_else(|poisoned| poisoned.into_inner());
+    let mut guard = ARENA.lock();
     let arena = guard
         .as_mut()
         .expect("a slot was allocated, so the arena exists");
     arena.free.entry((size, align)).or_default().push(slot);
     SLOTS_IN_USE.fetch_sub(1, Ordering::Relaxed);
     BYTES_IN_USE.fetch_sub(size, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{ARENA, alloc, free};
+    use std::sync::Barrier;
+    use std::time::{Duration, Instant};
+
+    #[test]
+    fn a_fork_while_another_thread_holds_the_arena_leaves_the_child_able_to_allocate() {
+        // SAFETY: freed once, with the size and alignment it was allocated with; unused.
+        unsafe { free(alloc(8, 8), 8, 8) };
+        let held = Barrier::new(2);
+        let status = std::thread::scope(|s| {
+            s.spawn(|| {
+                let _holding = ARENA.lock();
+                held.wait();
+                std::thread::sleep(Duration::from_millis(100));
+            });
+            held.wait();
+            // SAFETY: the child only allocates and frees a slot (glibc's allocator is usable
+            // after fork) and leaves with `_exit`.
+            let pid = unsafe { libc::fork() };
+            assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
+            if pid == 0 {
+                let slot = alloc(8, 8);
+                // SAFETY: as above.
+                unsafe { free(slot, 8, 8) };
+                // SAFETY: ends the child without running the parent's exit handlers.
+                unsafe { libc::_exit(0) };
+            }
+            let began = Instant::now();
+            loop {
+                let mut status = 0;
+                // SAFETY: polls the child just forked, writing its status into a local.
+                let waited = unsafe { libc::waitpid(pid, &raw mut status, libc::WNOHANG) };
+                if waited == pid {
+                    break Some(status);
+                }
+                if began.elapsed() > Duration::from_secs(5) {
+                    // SAFETY: kills and reaps the child this test made.
+                    unsafe {
+                        libc::kill(pid, libc::SIGKILL);
+                        libc::waitpid(pid, core::ptr::null_mut(), 0);
+                    }
+                    break None;
+                }
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        });
+        let status = status.expect("the child hung on the arena's lock");
+        assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0);
+    }
 }

@@ -591,3 +591,211 @@ fn a_reader_without_rseq_and_membarrier_refused_later() {
     assert_eq!(lock.readers_inside(), 0);
     assert!(lock.try_write().is_some());
 }
+
+/// A value that counts its drops.
+struct Counted<'a> {
+    generation: u64,
+    drops: &'a AtomicUsize,
+}
+
+impl Drop for Counted<'_> {
+    fn drop(&mut self) {
+        self.drops.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// The read-modify-write every `ArcSwap` user writes, whose guard lives to the end of the
+/// statement: the store does not wait for its own thread's reader, the old value stays alive
+/// while that reader may see it, and is dropped once it has left. In a child with a time
+/// limit, as a store that waited for its own guard would hang.
+#[test]
+fn a_store_under_its_own_threads_guard_does_not_wait() {
+    let name = "a_store_under_its_own_threads_guard_does_not_wait";
+    if std::env::var_os(CHILD).is_none() {
+        common::rerun_alone(name, &[(CHILD, "1")], Duration::from_secs(20));
+        return;
+    }
+    let drops = AtomicUsize::new(0);
+    let cell = EpochCell::new(Counted {
+        generation: 1,
+        drops: &drops,
+    });
+    cell.store(Counted {
+        generation: cell.load().generation + 1,
+        drops: &drops,
+    });
+    assert_eq!(cell.load().generation, 2);
+    // A guard kept across several stores keeps what it may see, and nothing is dropped early.
+    let pinned = cell.load();
+    for generation in 3..=10 {
+        cell.store(Counted {
+            generation,
+            drops: &drops,
+        });
+    }
+    assert_eq!(pinned.generation, 2);
+    assert!(
+        cell.retired() >= 1,
+        "a value was let go under a pinned reader"
+    );
+    drop(pinned);
+    assert_eq!(cell.reclaim(), 0, "values kept after their readers left");
+    assert_eq!(
+        drops.load(Ordering::SeqCst),
+        9,
+        "replaced values not dropped"
+    );
+    let old = cell.swap(Arc::new(Counted {
+        generation: 11,
+        drops: &drops,
+    }));
+    assert_eq!(old.generation, 10);
+    drop(old);
+    assert_eq!(cell.retired(), 0);
+    assert_eq!(drops.load(Ordering::SeqCst), 10);
+    drop(cell);
+    assert_eq!(drops.load(Ordering::SeqCst), 11);
+}
+
+/// Under a stream of readers on every CPU, stores go on without waiting, and once the readers
+/// stop one `reclaim` drops every replaced value: none is kept for ever, none twice.
+#[test]
+fn replaced_values_are_dropped_once_their_readers_leave() {
+    let drops = AtomicUsize::new(0);
+    let cell = EpochCell::new(Counted {
+        generation: 0,
+        drops: &drops,
+    });
+    let done = AtomicBool::new(false);
+    let mut stores = 0;
+    std::thread::scope(|s| {
+        for _ in 0..std::thread::available_parallelism().map_or(2, |n| n.get()) {
+            s.spawn(|| {
+                let mut last = 0;
+                while !done.load(Ordering::Relaxed) {
+                    let generation = cell.load().generation;
+                    assert!(generation >= last, "generations went back");
+                    last = generation;
+                }
+            });
+        }
+        let start = Instant::now();
+        while stores < 5000 && start.elapsed() < Duration::from_secs(2) {
+            stores += 1;
+            cell.store(Counted {
+                generation: stores,
+                drops: &drops,
+            });
+        }
+        done.store(true, Ordering::Relaxed);
+    });
+    assert_eq!(cell.reclaim(), 0);
+    assert_eq!(drops.load(Ordering::SeqCst) as u64, stores);
+}
+
+/// A seccomp filter refusing `membarrier` and `sched_setaffinity`, installed on every thread
+/// after the lock was made: a write cannot fence the readers and panics, and leaves the lock
+/// as it found it. Readers and later writers get in.
+#[test]
+fn a_write_that_cannot_fence_leaves_the_lock_as_it_was() {
+    let name = "a_write_that_cannot_fence_leaves_the_lock_as_it_was";
+    if std::env::var_os(CHILD).is_none() {
+        if thiscpu::source().registrar != thiscpu::Registrar::None && thiscpu::fence::available() {
+            common::rerun_alone(name, &[(CHILD, "1")], Duration::from_secs(30));
+        }
+        return;
+    }
+    let lock = RwLock::new(1u64);
+    assert!(lock.uses_rseq(), "{lock:?}");
+    common::install_on_every_thread(&common::refuse_syscalls_program(
+        &[libc::SYS_membarrier, libc::SYS_sched_setaffinity],
+        libc::EPERM,
+    ));
+    for attempt in ["write", "try_write"] {
+        let failed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match attempt {
+            "write" => drop(lock.write()),
+            _ => drop(lock.try_write()),
+        }));
+        let why = failed.expect_err("a write without any fence went through");
+        let why = why
+            .downcast_ref::<String>()
+            .map_or("", String::as_str)
+            .to_owned();
+        assert!(why.contains("cannot fence"), "{attempt}: {why}");
+        assert!(
+            !lock.is_write_locked(),
+            "{attempt} left the writer flag set"
+        );
+        let (sender, answer) = std::sync::mpsc::channel();
+        let lock = &lock;
+        std::thread::scope(|s| {
+            s.spawn(move || sender.send(*lock.read()).unwrap());
+            assert_eq!(
+                answer.recv_timeout(Duration::from_secs(5)),
+                Ok(1),
+                "a reader after a failed {attempt} got no answer"
+            );
+        });
+    }
+}
+
+/// A reader on a CPU that the writer's own cpuset does not hold (cgroup v1 `tasks` moves one
+/// thread), with `membarrier` refused after the lock was made: the writer cannot visit that
+/// CPU, a thread of the process may run there, so the write must not go through unfenced.
+/// Needs the cgroup v1 cpuset hierarchy at /sys/fs/cgroup/cpuset, writable, and two CPUs.
+#[test]
+fn a_visiting_fence_does_not_skip_a_cpu_where_a_reader_may_run() {
+    let name = "a_visiting_fence_does_not_skip_a_cpu_where_a_reader_may_run";
+    let root = std::path::Path::new("/sys/fs/cgroup/cpuset");
+    if std::env::var_os(CHILD).is_none() {
+        let usable = root.join("tasks").exists()
+            && common::allowed_cpus().len() >= 2
+            && thiscpu::source().registrar != thiscpu::Registrar::None
+            && thiscpu::fence::available();
+        if usable {
+            common::rerun_alone(name, &[(CHILD, "1")], Duration::from_secs(30));
+        } else {
+            eprintln!("skipped: no writable cgroup v1 cpuset hierarchy, or fewer than 2 CPUs");
+        }
+        return;
+    }
+    let cpus = common::allowed_cpus();
+    let (writer_cpu, reader_cpu) = (cpus[0], cpus[1]);
+    let group = root.join(format!("thiscpu-test-{}", std::process::id()));
+    if std::fs::create_dir(&group).is_err() {
+        eprintln!("skipped: cannot make a cpuset group");
+        return;
+    }
+    let mems = std::fs::read_to_string(root.join("cpuset.mems")).unwrap();
+    std::fs::write(group.join("cpuset.mems"), mems.trim()).unwrap();
+    std::fs::write(group.join("cpuset.cpus"), writer_cpu.to_string()).unwrap();
+    let lock = RwLock::new(1u64);
+    assert!(lock.uses_rseq(), "{lock:?}");
+    let done = AtomicBool::new(false);
+    let pinned = Barrier::new(2);
+    let outcome = std::thread::scope(|s| {
+        s.spawn(|| {
+            common::pin(reader_cpu);
+            pinned.wait();
+            while !done.load(Ordering::Relaxed) {
+                assert_eq!(*lock.read(), 1);
+            }
+        });
+        pinned.wait();
+        std::fs::write(group.join("tasks"), common::gettid().to_string()).unwrap();
+        common::install_on_every_thread(&common::refuse_syscall_program(
+            libc::SYS_membarrier,
+            libc::EPERM,
+        ));
+        let outcome =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(lock.try_write())));
+        done.store(true, Ordering::Relaxed);
+        outcome
+    });
+    std::fs::write(root.join("tasks"), common::gettid().to_string()).unwrap();
+    let _ = std::fs::remove_dir(&group);
+    let why = outcome.expect_err("the write went through with a reader's CPU unfenced");
+    let why = why.downcast_ref::<String>().map_or("", String::as_str);
+    assert!(why.contains(&format!("CPU {reader_cpu}")), "{why}");
+    assert!(!lock.is_write_locked());
+}

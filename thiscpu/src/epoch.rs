@@ -190,8 +190,11 @@ impl<T> EpochCell<T> {
             .unwrap_or_else(|poisoned| poisoned.into_inner());
         let old = self.current.swap(new, Ordering::SeqCst) as *const T;
         // SAFETY: `old` came from `Arc::into_raw` and the cell's count keeps it alive; the
-        // count added here is the one the returned `Arc` owns.
-        unsafe { Arc::increment_strong_count(old) };
+        // count added here is the one `returned` owns (given back if a fence panics below).
+        let returned = unsafe {
+            Arc::increment_strong_count(old);
+            Arc::from_raw(old)
+        };
         retired.push(Retired {
             value: old as usize,
             waits_for: BOTH_PHASES,
@@ -200,8 +203,7 @@ impl<T> EpochCell<T> {
         drop(retired);
         // Outside the lock: a value's drop may use the cell.
         drop(freed);
-        // SAFETY: the count added above.
-        unsafe { Arc::from_raw(old) }
+        returned
     }
 
     /// Replaces the value; the old one is dropped once its readers have unpinned (by this

@@ -2,11 +2,12 @@
 //! handles, and the OpenTelemetry instrument types they hand out.
 
 use crate::DEFAULT_CARDINALITY_LIMIT;
+use crate::registry::{self, Kind};
 use crate::series::Store;
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{
-    AsyncInstrument, BoundSyncInstrument, Counter, Meter, ObservableCounter,
-    ObservableUpDownCounter, SyncInstrument, UpDownCounter,
+    AsyncInstrument, AsyncInstrumentBuilder, BoundSyncInstrument, Counter, Meter, SyncInstrument,
+    UpDownCounter,
 };
 use std::borrow::Cow;
 use std::marker::PhantomData;
@@ -93,6 +94,7 @@ impl<'a, I> PerCpuInstrumentBuilder<'a, I> {
 
     /// The number of distinct non-empty attribute sets kept before further sets are counted
     /// in the `otel.metric.overflow=true` series ([`DEFAULT_CARDINALITY_LIMIT`] unless set).
+    /// A build that finds the instrument already made keeps the limit it was made with.
     pub fn with_cardinality_limit(mut self, limit: usize) -> Self {
         self.cardinality_limit = limit;
         self
@@ -100,51 +102,66 @@ impl<'a, I> PerCpuInstrumentBuilder<'a, I> {
 }
 
 impl PerCpuInstrumentBuilder<'_, PerCpuCounter> {
-    /// Makes the counter and registers its observable counter with the meter.
+    /// Makes the counter and registers its observable counter with the meter, or, if this
+    /// meter already has a per-CPU counter of this name, description and unit, returns a
+    /// handle onto that one's counts (as the SDK returns its own counter again).
     pub fn build(self) -> PerCpuCounter {
-        let store = Arc::new(Store::new(self.cardinality_limit));
-        let observed = store.clone();
-        let mut builder = self.meter.u64_observable_counter(self.name).with_callback(
-            move |observer: &dyn AsyncInstrument<u64>| {
-                observed.collect(|attributes, total| observer.observe(total, attributes))
+        let builder = self.meter.u64_observable_counter(self.name);
+        let builder = describe(builder, self.description, self.unit);
+        let store = registry::store(
+            self.meter,
+            Kind::U64Counter,
+            builder,
+            self.cardinality_limit,
+            |builder, observed| {
+                builder
+                    .with_callback(move |observer: &dyn AsyncInstrument<u64>| {
+                        observed.collect(|attributes, total| observer.observe(total, attributes))
+                    })
+                    .build();
             },
         );
-        if let Some(description) = self.description {
-            builder = builder.with_description(description);
-        }
-        if let Some(unit) = self.unit {
-            builder = builder.with_unit(unit);
-        }
-        PerCpuCounter {
-            store,
-            _observable: builder.build(),
-        }
+        PerCpuCounter { store }
     }
 }
 
 impl PerCpuInstrumentBuilder<'_, PerCpuUpDownCounter> {
-    /// Makes the up-down counter and registers its observable up-down counter with the meter.
+    /// Makes the up-down counter and registers its observable up-down counter with the meter,
+    /// or returns a handle onto the one this meter has of this name, description and unit.
     pub fn build(self) -> PerCpuUpDownCounter {
-        let store = Arc::new(Store::new(self.cardinality_limit));
-        let observed = store.clone();
-        let mut builder = self
-            .meter
-            .i64_observable_up_down_counter(self.name)
-            .with_callback(move |observer: &dyn AsyncInstrument<i64>| {
-                // The wrapped sum of two's complements is the exact total.
-                observed.collect(|attributes, total| observer.observe(total as i64, attributes))
-            });
-        if let Some(description) = self.description {
-            builder = builder.with_description(description);
-        }
-        if let Some(unit) = self.unit {
-            builder = builder.with_unit(unit);
-        }
-        PerCpuUpDownCounter {
-            store,
-            _observable: builder.build(),
-        }
+        let builder = self.meter.i64_observable_up_down_counter(self.name);
+        let builder = describe(builder, self.description, self.unit);
+        let store = registry::store(
+            self.meter,
+            Kind::I64UpDownCounter,
+            builder,
+            self.cardinality_limit,
+            |builder, observed| {
+                builder
+                    .with_callback(move |observer: &dyn AsyncInstrument<i64>| {
+                        // The wrapped sum of two's complements is the exact total.
+                        observed
+                            .collect(|attributes, total| observer.observe(total as i64, attributes))
+                    })
+                    .build();
+            },
+        );
+        PerCpuUpDownCounter { store }
     }
+}
+
+fn describe<'a, I, M>(
+    mut builder: AsyncInstrumentBuilder<'a, I, M>,
+    description: Option<Cow<'static, str>>,
+    unit: Option<Cow<'static, str>>,
+) -> AsyncInstrumentBuilder<'a, I, M> {
+    if let Some(description) = description {
+        builder = builder.with_description(description);
+    }
+    if let Some(unit) = unit {
+        builder = builder.with_unit(unit);
+    }
+    builder
 }
 
 /// A monotonic per-CPU counter. Cloning it shares the counts.
@@ -166,7 +183,6 @@ impl PerCpuInstrumentBuilder<'_, PerCpuUpDownCounter> {
 #[derive(Clone, Debug)]
 pub struct PerCpuCounter {
     store: Arc<Store>,
-    _observable: ObservableCounter<u64>,
 }
 
 impl PerCpuCounter {
@@ -225,7 +241,6 @@ impl PerCpuCounter {
 #[derive(Clone, Debug)]
 pub struct PerCpuUpDownCounter {
     store: Arc<Store>,
-    _observable: ObservableUpDownCounter<i64>,
 }
 
 impl PerCpuUpDownCounter {

@@ -32,6 +32,21 @@
 //! series. Slots are never reset, so delta readers (the SDK subtracts the last observed
 //! value), cumulative readers, and several readers at once all stay exact.
 //!
+//! # One instrument, however many builds
+//! As with the SDK's instruments, building an instrument of the same identity again (meter,
+//! kind, name without regard to ASCII case, description, unit) returns a handle onto the same
+//! counts: two modules that build `requests` on one meter, or a handler that builds it on
+//! every call, add to one stream. A meter here is what the API lets a `Meter` show of itself,
+//! the instrument provider it wraps, which is also what the SDK keys its instruments on: every
+//! `Meter` a provider hands out for one scope shares it. Another description, unit or kind is
+//! another stream of the same name, as in the SDK. The cardinality limit is not part of the
+//! identity: the first build's limit stays.
+//!
+//! The first build of an identity on a meter that exports it is remembered, with a clone of the
+//! meter, for the life of the process: one entry per identity, not per build (builds on a no-op
+//! meter are not remembered). The SDK keeps the callback as long, and never says when it is
+//! gone.
+//!
 //! # Cardinality
 //! As in the SDK: at most [`DEFAULT_CARDINALITY_LIMIT`] (2000) distinct non-empty attribute
 //! sets per instrument ([`PerCpuInstrumentBuilder::with_cardinality_limit`] changes it); adds
@@ -59,6 +74,7 @@
 
 mod hash;
 mod instrument;
+mod registry;
 mod series;
 mod set_map;
 

@@ -6,8 +6,7 @@ use crate::registry::{self, Kind};
 use crate::series::Store;
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{
-    AsyncInstrument, AsyncInstrumentBuilder, BoundSyncInstrument, Counter, Meter, SyncInstrument,
-    UpDownCounter,
+    AsyncInstrument, AsyncInstrumentBuilder, Counter, Meter, SyncInstrument, UpDownCounter,
 };
 use std::borrow::Cow;
 use std::marker::PhantomData;
@@ -200,8 +199,14 @@ impl PerCpuCounter {
         }
     }
 
-    /// This counter as OpenTelemetry's [`Counter<u64>`]: its `add` and `bind` are this
-    /// counter's.
+    /// This counter as OpenTelemetry's [`Counter<u64>`], for code written against the API's
+    /// types: its `add` is this counter's.
+    ///
+    /// Bind through [`PerCpuCounter::bind`], not through the `Counter`. This crate leaves the
+    /// API's `experimental_metrics_bound_instruments` feature off, so that depending on it
+    /// does not give the SDK's own counters a `bind` that drops every add; if the program
+    /// turns that feature on itself, the `Counter`'s `bind` compiles but is the API's
+    /// default, whose handles drop every add.
     ///
     /// ```
     /// use thiscpu_opentelemetry::PerCpuMeterExt;
@@ -210,7 +215,7 @@ impl PerCpuCounter {
     /// let per_cpu = global::meter("my-service").percpu_u64_counter("requests").build();
     /// let requests: Counter<u64> = per_cpu.counter();
     /// requests.add(2, &[KeyValue::new("route", "/")]);
-    /// requests.bind(&[KeyValue::new("route", "/")]).add(3);
+    /// per_cpu.bind(&[KeyValue::new("route", "/")]).add(3);
     /// assert_eq!(per_cpu.totals(), vec![(vec![KeyValue::new("route", "/")], 5)]);
     /// ```
     pub fn counter(&self) -> Counter<u64> {
@@ -257,8 +262,8 @@ impl PerCpuUpDownCounter {
         }
     }
 
-    /// This counter as OpenTelemetry's [`UpDownCounter<i64>`]: its `add` and `bind` are this
-    /// counter's.
+    /// This counter as OpenTelemetry's [`UpDownCounter<i64>`]: its `add` is this counter's.
+    /// Bind through [`PerCpuUpDownCounter::bind`], as for [`PerCpuCounter::counter`].
     ///
     /// ```
     /// use thiscpu_opentelemetry::PerCpuMeterExt;
@@ -267,7 +272,7 @@ impl PerCpuUpDownCounter {
     /// let per_cpu = global::meter("my-service").percpu_i64_up_down_counter("queued").build();
     /// let queued: UpDownCounter<i64> = per_cpu.up_down_counter();
     /// queued.add(5, &[KeyValue::new("queue", "mail")]);
-    /// queued.bind(&[KeyValue::new("queue", "mail")]).add(-7);
+    /// per_cpu.bind(&[KeyValue::new("queue", "mail")]).add(-7);
     /// assert_eq!(per_cpu.totals(), vec![(vec![KeyValue::new("queue", "mail")], -2)]);
     /// ```
     pub fn up_down_counter(&self) -> UpDownCounter<i64> {
@@ -319,39 +324,19 @@ impl BoundUpDownCounter {
 }
 
 /// A store behind OpenTelemetry's instrument types.
+///
+/// It implements `measure` only: `bind` exists on the trait only with the API's experimental
+/// feature, which this crate leaves off (see [`PerCpuCounter::counter`]).
 struct Instrument(Arc<Store>);
-
-/// A bound handle behind OpenTelemetry's bound instrument types.
-struct Bound(Arc<thiscpu::Counter>);
 
 impl SyncInstrument<u64> for Instrument {
     fn measure(&self, value: u64, attributes: &[KeyValue]) {
         self.0.add(value, attributes);
-    }
-
-    fn bind(&self, attributes: &[KeyValue]) -> Box<dyn BoundSyncInstrument<u64> + Send + Sync> {
-        Box::new(Bound(self.0.bound(attributes)))
     }
 }
 
 impl SyncInstrument<i64> for Instrument {
     fn measure(&self, value: i64, attributes: &[KeyValue]) {
         self.0.add(value as u64, attributes);
-    }
-
-    fn bind(&self, attributes: &[KeyValue]) -> Box<dyn BoundSyncInstrument<i64> + Send + Sync> {
-        Box::new(Bound(self.0.bound(attributes)))
-    }
-}
-
-impl BoundSyncInstrument<u64> for Bound {
-    fn measure(&self, value: u64) {
-        self.0.add(value);
-    }
-}
-
-impl BoundSyncInstrument<i64> for Bound {
-    fn measure(&self, value: i64) {
-        self.0.add(value as u64);
     }
 }

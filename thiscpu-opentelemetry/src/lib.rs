@@ -21,10 +21,14 @@
 //! - **Bound handles** ([`PerCpuCounter::bind`]) own one [`thiscpu::Counter`] per series: an
 //!   add is one per-CPU increment.
 //! - [`PerCpuCounter::counter`] hands out a real [`opentelemetry::metrics::Counter<u64>`], so
-//!   code written against OpenTelemetry's types changes one line; its `bind` (the API's
-//!   `experimental_metrics_bound_instruments`, turned on by this crate) gives the per-CPU bound
-//!   handle. With that feature on, the SDK's own instruments have a `bind` too, which drops
-//!   every add unless `opentelemetry_sdk`'s feature of the same name is on as well.
+//!   code written against OpenTelemetry's types changes one line. Bound handles come from
+//!   this crate's own types only ([`PerCpuCounter::bind`]): the API's bound instruments are
+//!   behind its `experimental_metrics_bound_instruments` feature, which this crate leaves off,
+//!   since Cargo unifies features over the whole program and, with that feature on, the SDK's
+//!   own counters get a `bind` whose handles drop every add unless `opentelemetry_sdk`'s
+//!   feature of the same name is on too. Should the program turn the API's feature on itself,
+//!   the `bind` of a `Counter` from [`PerCpuCounter::counter`] is the API's default, which
+//!   drops every add: bind the per-CPU counter instead.
 //!
 //! # Export
 //! Each instrument registers an observable instrument of the same name, unit and description

@@ -14,6 +14,11 @@ use std::sync::Arc;
 
 /// Makes per-CPU instruments from an OpenTelemetry [`Meter`].
 ///
+/// Building an instrument the meter already has (same kind, name without regard to ASCII case,
+/// description and unit) returns a handle onto its counts, as the SDK returns its own
+/// instruments again: see [One instrument, however many
+/// builds](crate#one-instrument-however-many-builds).
+///
 /// ```
 /// use thiscpu_opentelemetry::PerCpuMeterExt;
 /// use thiscpu_opentelemetry::opentelemetry::{KeyValue, global};

@@ -2,17 +2,22 @@
 //! handles, and the OpenTelemetry instrument types they hand out.
 
 use crate::DEFAULT_CARDINALITY_LIMIT;
+use crate::registry::{self, Kind};
 use crate::series::Store;
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::{
-    AsyncInstrument, BoundSyncInstrument, Counter, Meter, ObservableCounter,
-    ObservableUpDownCounter, SyncInstrument, UpDownCounter,
+    AsyncInstrument, AsyncInstrumentBuilder, Counter, Meter, SyncInstrument, UpDownCounter,
 };
 use std::borrow::Cow;
 use std::marker::PhantomData;
 use std::sync::Arc;
 
 /// Makes per-CPU instruments from an OpenTelemetry [`Meter`].
+///
+/// Building an instrument the meter already has (same kind, name without regard to ASCII case,
+/// description and unit) returns a handle onto its counts, as the SDK returns its own
+/// instruments again: see [One instrument, however many
+/// builds](crate#one-instrument-however-many-builds).
 ///
 /// ```
 /// use thiscpu_opentelemetry::PerCpuMeterExt;
@@ -93,6 +98,7 @@ impl<'a, I> PerCpuInstrumentBuilder<'a, I> {
 
     /// The number of distinct non-empty attribute sets kept before further sets are counted
     /// in the `otel.metric.overflow=true` series ([`DEFAULT_CARDINALITY_LIMIT`] unless set).
+    /// A build that finds the instrument already made keeps the limit it was made with.
     pub fn with_cardinality_limit(mut self, limit: usize) -> Self {
         self.cardinality_limit = limit;
         self
@@ -100,51 +106,66 @@ impl<'a, I> PerCpuInstrumentBuilder<'a, I> {
 }
 
 impl PerCpuInstrumentBuilder<'_, PerCpuCounter> {
-    /// Makes the counter and registers its observable counter with the meter.
+    /// Makes the counter and registers its observable counter with the meter, or, if this
+    /// meter already has a per-CPU counter of this name, description and unit, returns a
+    /// handle onto that one's counts (as the SDK returns its own counter again).
     pub fn build(self) -> PerCpuCounter {
-        let store = Arc::new(Store::new(self.cardinality_limit));
-        let observed = store.clone();
-        let mut builder = self.meter.u64_observable_counter(self.name).with_callback(
-            move |observer: &dyn AsyncInstrument<u64>| {
-                observed.collect(|attributes, total| observer.observe(total, attributes))
+        let builder = self.meter.u64_observable_counter(self.name);
+        let builder = describe(builder, self.description, self.unit);
+        let store = registry::store(
+            self.meter,
+            Kind::U64Counter,
+            builder,
+            self.cardinality_limit,
+            |builder, observed| {
+                builder
+                    .with_callback(move |observer: &dyn AsyncInstrument<u64>| {
+                        observed.collect(|attributes, total| observer.observe(total, attributes))
+                    })
+                    .build();
             },
         );
-        if let Some(description) = self.description {
-            builder = builder.with_description(description);
-        }
-        if let Some(unit) = self.unit {
-            builder = builder.with_unit(unit);
-        }
-        PerCpuCounter {
-            store,
-            _observable: builder.build(),
-        }
+        PerCpuCounter { store }
     }
 }
 
 impl PerCpuInstrumentBuilder<'_, PerCpuUpDownCounter> {
-    /// Makes the up-down counter and registers its observable up-down counter with the meter.
+    /// Makes the up-down counter and registers its observable up-down counter with the meter,
+    /// or returns a handle onto the one this meter has of this name, description and unit.
     pub fn build(self) -> PerCpuUpDownCounter {
-        let store = Arc::new(Store::new(self.cardinality_limit));
-        let observed = store.clone();
-        let mut builder = self
-            .meter
-            .i64_observable_up_down_counter(self.name)
-            .with_callback(move |observer: &dyn AsyncInstrument<i64>| {
-                // The wrapped sum of two's complements is the exact total.
-                observed.collect(|attributes, total| observer.observe(total as i64, attributes))
-            });
-        if let Some(description) = self.description {
-            builder = builder.with_description(description);
-        }
-        if let Some(unit) = self.unit {
-            builder = builder.with_unit(unit);
-        }
-        PerCpuUpDownCounter {
-            store,
-            _observable: builder.build(),
-        }
+        let builder = self.meter.i64_observable_up_down_counter(self.name);
+        let builder = describe(builder, self.description, self.unit);
+        let store = registry::store(
+            self.meter,
+            Kind::I64UpDownCounter,
+            builder,
+            self.cardinality_limit,
+            |builder, observed| {
+                builder
+                    .with_callback(move |observer: &dyn AsyncInstrument<i64>| {
+                        // The wrapped sum of two's complements is the exact total.
+                        observed
+                            .collect(|attributes, total| observer.observe(total as i64, attributes))
+                    })
+                    .build();
+            },
+        );
+        PerCpuUpDownCounter { store }
     }
+}
+
+fn describe<'a, I, M>(
+    mut builder: AsyncInstrumentBuilder<'a, I, M>,
+    description: Option<Cow<'static, str>>,
+    unit: Option<Cow<'static, str>>,
+) -> AsyncInstrumentBuilder<'a, I, M> {
+    if let Some(description) = description {
+        builder = builder.with_description(description);
+    }
+    if let Some(unit) = unit {
+        builder = builder.with_unit(unit);
+    }
+    builder
 }
 
 /// A monotonic per-CPU counter. Cloning it shares the counts.
@@ -166,7 +187,6 @@ impl PerCpuInstrumentBuilder<'_, PerCpuUpDownCounter> {
 #[derive(Clone, Debug)]
 pub struct PerCpuCounter {
     store: Arc<Store>,
-    _observable: ObservableCounter<u64>,
 }
 
 impl PerCpuCounter {
@@ -184,8 +204,14 @@ impl PerCpuCounter {
         }
     }
 
-    /// This counter as OpenTelemetry's [`Counter<u64>`]: its `add` and `bind` are this
-    /// counter's.
+    /// This counter as OpenTelemetry's [`Counter<u64>`], for code written against the API's
+    /// types: its `add` is this counter's.
+    ///
+    /// Bind through [`PerCpuCounter::bind`], not through the `Counter`. This crate leaves the
+    /// API's `experimental_metrics_bound_instruments` feature off, so that depending on it
+    /// does not give the SDK's own counters a `bind` that drops every add; if the program
+    /// turns that feature on itself, the `Counter`'s `bind` compiles but is the API's
+    /// default, whose handles drop every add.
     ///
     /// ```
     /// use thiscpu_opentelemetry::PerCpuMeterExt;
@@ -194,7 +220,7 @@ impl PerCpuCounter {
     /// let per_cpu = global::meter("my-service").percpu_u64_counter("requests").build();
     /// let requests: Counter<u64> = per_cpu.counter();
     /// requests.add(2, &[KeyValue::new("route", "/")]);
-    /// requests.bind(&[KeyValue::new("route", "/")]).add(3);
+    /// per_cpu.bind(&[KeyValue::new("route", "/")]).add(3);
     /// assert_eq!(per_cpu.totals(), vec![(vec![KeyValue::new("route", "/")], 5)]);
     /// ```
     pub fn counter(&self) -> Counter<u64> {
@@ -225,7 +251,6 @@ impl PerCpuCounter {
 #[derive(Clone, Debug)]
 pub struct PerCpuUpDownCounter {
     store: Arc<Store>,
-    _observable: ObservableUpDownCounter<i64>,
 }
 
 impl PerCpuUpDownCounter {
@@ -242,8 +267,8 @@ impl PerCpuUpDownCounter {
         }
     }
 
-    /// This counter as OpenTelemetry's [`UpDownCounter<i64>`]: its `add` and `bind` are this
-    /// counter's.
+    /// This counter as OpenTelemetry's [`UpDownCounter<i64>`]: its `add` is this counter's.
+    /// Bind through [`PerCpuUpDownCounter::bind`], as for [`PerCpuCounter::counter`].
     ///
     /// ```
     /// use thiscpu_opentelemetry::PerCpuMeterExt;
@@ -252,7 +277,7 @@ impl PerCpuUpDownCounter {
     /// let per_cpu = global::meter("my-service").percpu_i64_up_down_counter("queued").build();
     /// let queued: UpDownCounter<i64> = per_cpu.up_down_counter();
     /// queued.add(5, &[KeyValue::new("queue", "mail")]);
-    /// queued.bind(&[KeyValue::new("queue", "mail")]).add(-7);
+    /// per_cpu.bind(&[KeyValue::new("queue", "mail")]).add(-7);
     /// assert_eq!(per_cpu.totals(), vec![(vec![KeyValue::new("queue", "mail")], -2)]);
     /// ```
     pub fn up_down_counter(&self) -> UpDownCounter<i64> {
@@ -304,39 +329,19 @@ impl BoundUpDownCounter {
 }
 
 /// A store behind OpenTelemetry's instrument types.
+///
+/// It implements `measure` only: `bind` exists on the trait only with the API's experimental
+/// feature, which this crate leaves off (see [`PerCpuCounter::counter`]).
 struct Instrument(Arc<Store>);
-
-/// A bound handle behind OpenTelemetry's bound instrument types.
-struct Bound(Arc<thiscpu::Counter>);
 
 impl SyncInstrument<u64> for Instrument {
     fn measure(&self, value: u64, attributes: &[KeyValue]) {
         self.0.add(value, attributes);
-    }
-
-    fn bind(&self, attributes: &[KeyValue]) -> Box<dyn BoundSyncInstrument<u64> + Send + Sync> {
-        Box::new(Bound(self.0.bound(attributes)))
     }
 }
 
 impl SyncInstrument<i64> for Instrument {
     fn measure(&self, value: i64, attributes: &[KeyValue]) {
         self.0.add(value as u64, attributes);
-    }
-
-    fn bind(&self, attributes: &[KeyValue]) -> Box<dyn BoundSyncInstrument<i64> + Send + Sync> {
-        Box::new(Bound(self.0.bound(attributes)))
-    }
-}
-
-impl BoundSyncInstrument<u64> for Bound {
-    fn measure(&self, value: u64) {
-        self.0.add(value);
-    }
-}
-
-impl BoundSyncInstrument<i64> for Bound {
-    fn measure(&self, value: i64) {
-        self.0.add(value as u64);
     }
 }

@@ -21,16 +21,35 @@
 //! - **Bound handles** ([`PerCpuCounter::bind`]) own one [`thiscpu::Counter`] per series: an
 //!   add is one per-CPU increment.
 //! - [`PerCpuCounter::counter`] hands out a real [`opentelemetry::metrics::Counter<u64>`], so
-//!   code written against OpenTelemetry's types changes one line; its `bind` (the API's
-//!   `experimental_metrics_bound_instruments`, turned on by this crate) gives the per-CPU bound
-//!   handle. With that feature on, the SDK's own instruments have a `bind` too, which drops
-//!   every add unless `opentelemetry_sdk`'s feature of the same name is on as well.
+//!   code written against OpenTelemetry's types changes one line. Bound handles come from
+//!   this crate's own types only ([`PerCpuCounter::bind`]): the API's bound instruments are
+//!   behind its `experimental_metrics_bound_instruments` feature, which this crate leaves off,
+//!   since Cargo unifies features over the whole program and, with that feature on, the SDK's
+//!   own counters get a `bind` whose handles drop every add unless `opentelemetry_sdk`'s
+//!   feature of the same name is on too. Should the program turn the API's feature on itself,
+//!   the `bind` of a `Counter` from [`PerCpuCounter::counter`] is the API's default, which
+//!   drops every add: bind the per-CPU counter instead.
 //!
 //! # Export
 //! Each instrument registers an observable instrument of the same name, unit and description
 //! with the meter; its callback sums the CPUs' slots and observes one cumulative value per
 //! series. Slots are never reset, so delta readers (the SDK subtracts the last observed
 //! value), cumulative readers, and several readers at once all stay exact.
+//!
+//! # One instrument, however many builds
+//! As with the SDK's instruments, building an instrument of the same identity again (meter,
+//! kind, name without regard to ASCII case, description, unit) returns a handle onto the same
+//! counts: two modules that build `requests` on one meter, or a handler that builds it on
+//! every call, add to one stream. A meter here is what the API lets a `Meter` show of itself,
+//! the instrument provider it wraps, which is also what the SDK keys its instruments on: every
+//! `Meter` a provider hands out for one scope shares it. Another description, unit or kind is
+//! another stream of the same name, as in the SDK. The cardinality limit is not part of the
+//! identity: the first build's limit stays.
+//!
+//! The first build of an identity on a meter that exports it is remembered, with a clone of the
+//! meter, for the life of the process: one entry per identity, not per build (builds on a no-op
+//! meter are not remembered). The SDK keeps the callback as long, and never says when it is
+//! gone.
 //!
 //! # Cardinality
 //! As in the SDK: at most [`DEFAULT_CARDINALITY_LIMIT`] (2000) distinct non-empty attribute
@@ -59,6 +78,7 @@
 
 mod hash;
 mod instrument;
+mod registry;
 mod series;
 mod set_map;
 

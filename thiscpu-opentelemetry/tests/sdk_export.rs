@@ -95,7 +95,8 @@ fn add_while_collecting(provider: &SdkMeterProvider) -> (BTreeMap<Series, i128>,
                     let mut added: BTreeMap<Series, i128> = BTreeMap::new();
                     let otel = requests.counter();
                     let bound = requests.bind(&[KeyValue::new("kind", "bound")]);
-                    let otel_bound = otel.bind(&[KeyValue::new("kind", "otel-bound")]);
+                    // A second bind of the same set: the same series.
+                    let rebound = requests.bind(&[KeyValue::new("kind", "bound")]);
                     let flushes_at_start = flushes.load(Ordering::Acquire);
                     for i in 0..ADDS_PER_THREAD {
                         if i == ADDS_PER_THREAD / 2 {
@@ -126,8 +127,8 @@ fn add_while_collecting(provider: &SdkMeterProvider) -> (BTreeMap<Series, i128>,
                                 vec!["kind=bound".to_owned()]
                             }
                             _ => {
-                                otel_bound.add(value);
-                                vec!["kind=otel-bound".to_owned()]
+                                rebound.add(value);
+                                vec!["kind=bound".to_owned()]
                             }
                         };
                         *added.entry(series).or_default() += i128::from(value);

@@ -91,8 +91,11 @@ pub struct EpochCell<T> {
     /// The cell owns an `Arc<T>` through `current`, and `store` writes a `T` through `&self`:
     /// like `Cell<T>`, the cell must be invariant in `T`, or a shared borrow could shorten
     /// `T`'s lifetimes and store a value that dies before the cell's readers load it.
-    owns: PhantomData<(Arc<T>, fn(T) -> T)>,
+    owns: PhantomData<(Arc<T>, Invariant<T>)>,
 }
+
+/// Takes and returns a `T`: a marker of it is neither covariant nor contravariant in `T`.
+type Invariant<T> = fn(T) -> T;
 
 // SAFETY: the cell holds an `Arc<T>`, which is `Send` and `Sync` when `T` is both.
 unsafe impl<T: Send + Sync> Send for EpochCell<T> {}

@@ -170,6 +170,9 @@ mod sync;
 pub mod topology;
 #[allow(unsafe_code)]
 pub mod via;
+// Compile-fail checks that no type written through `&self` lets a borrow shorten its `T`.
+#[cfg(doctest)]
+mod variance_checks;
 // The model machine of `--cfg thiscpu_model` builds (tests/model.rs).
 #[cfg(thiscpu_model)]
 #[doc(hidden)]

@@ -1,0 +1,130 @@
+//! Variance checks, compiled only as doctests: each type that writes a `T` through a shared
+//! borrow must be invariant in `T`, as `Cell<T>` is. Were it covariant, safe code could
+//! shorten a borrow of a `Type<&'static str>` to a `Type<&'short str>`, write a string that
+//! dies at the end of the short scope, and read it afterwards as `&'static str`: a read of
+//! freed memory. Each program below is that attack; it must fail with E0597 (the string does
+//! not live long enough), the error a covariant type would not raise. The error code is named
+//! so that a program failing for another reason (a renamed method) fails the check instead of
+//! passing it. `EpochCell::store`'s check is in `EpochCell`'s own documentation.
+//!
+//! Where a shortened borrow is harmless no check is needed:
+//! - `PerCpu<T>` and `CachePadded<T>` are covariant, as `Box<[T]>` is: they write no `T`
+//!   through `&self`. A `T` that can be written through `&T` (a `Cell`, a lock) is itself
+//!   invariant, and makes them so.
+//! - `RwLockReadGuard` and `EpochGuard` only read (they are invariant anyway, through the
+//!   borrow of their lock or cell).
+//! - `Counter<S>`, `Adder<'_, S>` and `ops::Position<S>` hold no `T`: `S` is a sealed marker
+//!   of the spread. The covariance of `Adder`, `mask::Iter` and `fence::TakenOver` in their
+//!   lifetime only lets a borrow end sooner.
+//! - `metrics::PerCpuLayered<R>` and `Publisher<R>` require `R: 'static`: no lifetime to
+//!   shorten. thiscpu-opentelemetry's `PerCpuInstrumentBuilder<'_, I>` holds a `&Meter` and
+//!   `I` as a marker of the instrument it builds.
+
+/// `RwLock::write` through a shortened `&RwLock`.
+///
+/// ```compile_fail,E0597
+/// use thiscpu::RwLock;
+/// let lock = RwLock::new("static");
+/// {
+///     let s = String::from("freed before it is read");
+///     let short: &RwLock<&str> = &lock;
+///     *short.write() = s.as_str();
+/// }
+/// let dangling: &'static str = *lock.read();
+/// println!("{dangling}");
+/// ```
+struct RwLockWrite;
+
+/// A `RwLockWriteGuard` shortened by value.
+///
+/// ```compile_fail,E0597
+/// use thiscpu::{RwLock, RwLockWriteGuard};
+/// let lock = RwLock::new("static");
+/// {
+///     let s = String::from("freed before it is read");
+///     let guard: RwLockWriteGuard<'_, &'static str> = lock.write();
+///     let mut short: RwLockWriteGuard<'_, &str> = guard;
+///     *short = s.as_str();
+/// }
+/// let dangling: &'static str = *lock.read();
+/// println!("{dangling}");
+/// ```
+struct RwLockWriteGuardByValue;
+
+/// `Sharded::with_current` through a shortened `&Sharded`.
+///
+/// ```compile_fail,E0597
+/// use thiscpu::Sharded;
+/// let sharded = Sharded::new(|_| "static");
+/// {
+///     let s = String::from("freed before it is read");
+///     let short: &Sharded<&str> = &sharded;
+///     short.with_current(|value| *value = s.as_str());
+/// }
+/// let dangling: &'static str = sharded.fold("", |_, value| *value);
+/// println!("{dangling}");
+/// ```
+struct ShardedWithCurrent;
+
+/// A `ShardGuard` shortened by value.
+///
+/// ```compile_fail,E0597
+/// use thiscpu::{ShardGuard, Sharded};
+/// let sharded = Sharded::new(|_| "static");
+/// {
+///     let s = String::from("freed before it is read");
+///     let guard: ShardGuard<'_, &'static str> = sharded.lock_current();
+///     let mut short: ShardGuard<'_, &str> = guard;
+///     *short = s.as_str();
+/// }
+/// let dangling: &'static str = sharded.fold("", |_, value| *value);
+/// println!("{dangling}");
+/// ```
+struct ShardGuardByValue;
+
+/// `Pool::put` through a shortened `&Pool`.
+///
+/// ```compile_fail,E0597
+/// use thiscpu::Pool;
+/// let pool = Pool::new(|| "static");
+/// {
+///     let s = String::from("freed before it is read");
+///     let short: &Pool<&str> = &pool;
+///     short.put(s.as_str());
+/// }
+/// let dangling: &'static str = *pool.get();
+/// println!("{dangling}");
+/// ```
+struct PoolPut;
+
+/// A `Pooled` shortened by value, written, and put back when dropped.
+///
+/// ```compile_fail,E0597
+/// use thiscpu::{Pool, Pooled};
+/// let pool = Pool::new(|| "static");
+/// {
+///     let s = String::from("freed before it is read");
+///     let object: Pooled<'_, &'static str> = pool.get();
+///     let mut short: Pooled<'_, &str> = object;
+///     *short = s.as_str();
+/// }
+/// let dangling: &'static str = *pool.get();
+/// println!("{dangling}");
+/// ```
+struct PooledByValue;
+
+/// `EpochCell::swap` through a shortened `&EpochCell`.
+///
+/// ```compile_fail,E0597
+/// use std::sync::Arc;
+/// use thiscpu::EpochCell;
+/// let cell = EpochCell::new("static");
+/// {
+///     let s = String::from("freed before it is read");
+///     let short: &EpochCell<&str> = &cell;
+///     drop(short.swap(Arc::new(s.as_str())));
+/// }
+/// let dangling: &'static str = *cell.load();
+/// println!("{dangling}");
+/// ```
+struct EpochCellSwap;

@@ -93,10 +93,18 @@ use std::sync::Arc;
 #[doc(alias = "ArcSwap")]
 #[doc(alias = "rcu")]
 pub struct EpochCell<T> {
+    /// Never holds the null pointer.
+    core: Core<T>,
+}
+
+/// What [`EpochCell`] and [`EpochCellOption`] share: the reader counts, the phase, the
+/// pointer (`Arc::into_raw` of the value, or 0 for none in an [`EpochCellOption`]) and the
+/// writers' lock with the values they replaced.
+struct Core<T> {
     readers: ReaderCounts<2>,
     /// The phase new readers count themselves in: 0 or 1.
     phase: AtomicUsize,
-    /// `Arc::into_raw` of the current value.
+    /// `Arc::into_raw` of the current value, or 0 for none.
     current: AtomicUsize,
     /// Serializes writers, and holds the values they replaced that readers may still see.
     writers: Mutex<Vec<Retired>>,
@@ -108,10 +116,10 @@ pub struct EpochCell<T> {
     invariant: PhantomData<fn(T) -> T>,
 }
 
-// SAFETY: the cell holds an `Arc<T>`, which is `Send` and `Sync` when `T` is both.
-unsafe impl<T: Send + Sync> Send for EpochCell<T> {}
+// SAFETY: the cell holds `Arc<T>`s, which are `Send` and `Sync` when `T` is both.
+unsafe impl<T: Send + Sync> Send for Core<T> {}
 // SAFETY: readers share `&T` across threads and a writer may drop the `T` on any thread.
-unsafe impl<T: Send + Sync> Sync for EpochCell<T> {}
+unsafe impl<T: Send + Sync> Sync for Core<T> {}
 
 /// A value the cell replaced, which pinned readers may still see, and the phases whose drain
 /// it still waits for.
@@ -126,128 +134,110 @@ struct Retired {
 /// `Retired::waits_for` of a value just retired: both phases.
 const BOTH_PHASES: u8 = 0b11;
 
-impl<T> EpochCell<T> {
-    /// A cell holding `value`.
-    pub fn new(value: T) -> Self {
-        EpochCell::from_arc(Arc::new(value))
-    }
+/// `Arc::into_raw` of `value` as the cell stores it, 0 for none.
+fn into_raw<T>(value: Option<Arc<T>>) -> usize {
+    value.map_or(0, |value| Arc::into_raw(value) as usize)
+}
 
-    /// A cell holding `value`.
-    pub fn from_arc(value: Arc<T>) -> Self {
-        EpochCell {
+/// A pointer the cell stores, with a strong count added for the caller: the `Arc` that owns it.
+///
+/// # Safety
+/// `raw` is 0 or came from `Arc::into_raw`, and a count the caller does not own keeps it alive
+/// for the duration of the call (the cell's, or a pinned reader's hold on the cell's).
+unsafe fn counted<T>(raw: usize) -> Option<Arc<T>> {
+    (raw != 0).then(|| {
+        let raw = raw as *const T;
+        // SAFETY: the caller's contract; the count added is the one the `Arc` returned owns.
+        unsafe {
+            Arc::increment_strong_count(raw);
+            Arc::from_raw(raw)
+        }
+    })
+}
+
+impl<T> Core<T> {
+    fn new(value: Option<Arc<T>>) -> Self {
+        Core {
             readers: ReaderCounts::new(),
             phase: AtomicUsize::new(0),
-            current: AtomicUsize::new(Arc::into_raw(value) as usize),
+            current: AtomicUsize::new(into_raw(value)),
             writers: Mutex::new(Vec::new()),
             owns: PhantomData,
             invariant: PhantomData,
         }
     }
 
-    /// Pins this reader and borrows the current value until the guard is dropped. Never
-    /// waits.
+    /// Pins this reader and loads the pointer: `(phase, pointer)`. The caller unpins with
+    /// [`Core::unpin`] in that phase.
     #[inline]
-    pub fn load(&self) -> EpochGuard<'_, T> {
+    fn pin(&self) -> (usize, usize) {
         // Relaxed: a stale phase only sends this reader to the phase the writer drains first.
         let phase = self.phase.load(Ordering::Relaxed) & 1;
         self.readers.enter(phase);
         // The writer's fence orders this load after the entry; acquire: the value's contents.
-        let value = self.current.load(Ordering::SeqCst) as *const T;
-        EpochGuard {
-            cell: self,
-            phase,
-            value,
-        }
+        (phase, self.current.load(Ordering::SeqCst))
     }
 
-    /// The current value, as an `Arc` of its own (one reference count added).
-    pub fn load_full(&self) -> Arc<T> {
-        let guard = self.load();
-        // SAFETY: the pointer came from `Arc::into_raw`, and the cell's count keeps it alive
-        // while this reader is pinned.
-        unsafe { Arc::increment_strong_count(guard.value) };
-        // SAFETY: the count added above is the one this `Arc` owns.
-        unsafe { Arc::from_raw(guard.value) }
+    #[inline]
+    fn unpin(&self, phase: usize) {
+        self.readers.exit(phase);
     }
 
-    /// Replaces the value and returns the old one, without waiting for its readers: the cell
-    /// keeps a count of the old value until they have unpinned, so `Arc::try_unwrap` on it
-    /// may fail until then (as with `arc_swap`). Works while this thread holds a guard of
-    /// this cell.
-    ///
-    /// ```
-    /// use std::sync::Arc;
-    /// let cell = thiscpu::EpochCell::new(1);
-    /// let pinned = cell.load();
-    /// let old = cell.swap(Arc::new(2));
-    /// assert_eq!((*old, *pinned, *cell.load()), (1, 1, 2));
-    /// ```
-    pub fn swap(&self, value: Arc<T>) -> Arc<T> {
-        let new = Arc::into_raw(value) as usize;
-        let mut retired = self
-            .writers
+    /// The current value as an `Arc` of its own (one count added).
+    fn load_full(&self) -> Option<Arc<T>> {
+        let (phase, raw) = self.pin();
+        // SAFETY: the pointer is 0 or came from `Arc::into_raw`, and the cell's count keeps
+        // it alive while this reader is pinned.
+        let full = unsafe { counted(raw) };
+        self.unpin(phase);
+        full
+    }
+
+    fn lock_writers(&self) -> crate::sync::MutexGuard<'_, Vec<Retired>> {
+        self.writers
             .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
-        let old = self.current.swap(new, Ordering::SeqCst) as *const T;
-        // SAFETY: `old` came from `Arc::into_raw` and the cell's count keeps it alive; the
-        // count added here is the one `returned` owns (given back if a fence panics below).
-        let returned = unsafe {
-            Arc::increment_strong_count(old);
-            Arc::from_raw(old)
-        };
-        retired.push(Retired {
-            value: old as usize,
-            waits_for: BOTH_PHASES,
-        });
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// Stores `new` if the current pointer is `expected` (any pointer for `None`), and returns
+    /// the value found, with a count of its own: the old value on success. A `new` not stored
+    /// is dropped. Never waits for readers.
+    fn replace(&self, expected: Option<usize>, new: Option<Arc<T>>) -> Option<Arc<T>> {
+        let mut retired = self.lock_writers();
+        // Relaxed: writers are serialized by the lock, and only they store the pointer.
+        let found = self.current.load(Ordering::Relaxed);
+        if expected.is_some_and(|expected| expected != found) {
+            // SAFETY: `found` is the current pointer, alive by the cell's count while the lock
+            // keeps it current.
+            let previous = unsafe { counted(found) };
+            drop(retired);
+            return previous;
+        }
+        self.current.store(into_raw(new), Ordering::SeqCst);
+        // SAFETY: `found` was the current pointer; the cell's count, now on the list below,
+        // keeps it alive. The count added is the one `previous` owns (given back if a fence
+        // panics below).
+        let previous = unsafe { counted(found) };
+        if found != 0 {
+            retired.push(Retired {
+                value: found,
+                waits_for: BOTH_PHASES,
+            });
+        }
         let freed = self.advance(&mut retired);
         drop(retired);
         // Outside the lock: a value's drop may use the cell.
         drop(freed);
-        returned
+        previous
     }
 
-    /// Replaces the value; the old one is dropped once its readers have unpinned (by this
-    /// call, or a later one). Never waits for readers, its own thread's included:
-    ///
-    /// ```
-    /// let cell = thiscpu::EpochCell::new(1u64);
-    /// cell.store(*cell.load() + 1); // the guard lives to the end of the statement
-    /// assert_eq!(*cell.load(), 2);
-    /// ```
-    pub fn store(&self, value: impl Into<Arc<T>>) {
-        drop(self.swap(value.into()));
-    }
-
-    /// Drops the replaced values whose readers have all unpinned, without waiting for any
-    /// (at most two `membarrier` calls), and returns how many the cell still keeps. Stores
-    /// do this themselves; call it to let go of old values sooner where stores are rare.
-    ///
-    /// ```
-    /// let cell = thiscpu::EpochCell::new(String::from("old"));
-    /// let pinned = cell.load();
-    /// cell.store(String::from("new"));
-    /// assert_eq!(cell.retired(), 1); // `pinned` may still read "old"
-    /// drop(pinned);
-    /// assert_eq!(cell.reclaim(), 0);
-    /// ```
-    pub fn reclaim(&self) -> usize {
-        let mut retired = self
-            .writers
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner());
+    fn reclaim(&self) -> usize {
+        let mut retired = self.lock_writers();
         let freed = self.advance(&mut retired);
         let left = retired.len();
         drop(retired);
         drop(freed);
         left
-    }
-
-    /// Replaced values the cell still keeps for readers that may see them.
-    pub fn retired(&self) -> usize {
-        self.writers
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-            .len()
     }
 
     /// Checks the phases the retired values wait for, without waiting, and takes out those
@@ -257,12 +247,12 @@ impl<T> EpochCell<T> {
     /// are sent to the other one and that phase is checked: from the flip on, it holds only
     /// readers already inside, so a stream of readers cannot keep it from draining.
     fn advance(&self, retired: &mut Vec<Retired>) -> Vec<Arc<T>> {
+        let waiting = |retired: &[Retired], phase: usize| {
+            retired.iter().any(|r| r.waits_for & (1 << phase) != 0)
+        };
         for _ in 0..2 {
             let entered = self.phase.load(Ordering::Relaxed) & 1;
             let quiet = entered ^ 1;
-            let waiting = |retired: &[Retired], phase: usize| {
-                retired.iter().any(|r| r.waits_for & (1 << phase) != 0)
-            };
             if waiting(retired, quiet) {
                 if !self.readers.drained_unless_seen_inside(quiet) {
                     break;
@@ -291,39 +281,230 @@ impl<T> EpochCell<T> {
         freed
     }
 
+    fn mode(&self) -> &'static str {
+        if self.readers.by_sections() {
+            "rseq"
+        } else {
+            "atomic"
+        }
+    }
+}
+
+impl<T> Drop for Core<T> {
+    fn drop(&mut self) {
+        let retired = core::mem::take(&mut *self.lock_writers());
+        let values = retired
+            .iter()
+            .map(|r| r.value)
+            .chain(Some(*self.current.get_mut()).filter(|&raw| raw != 0));
+        for raw in values {
+            // SAFETY: the cell is dropped, so no reader is pinned (guards borrow it); its
+            // count of each value it holds, current or retired, is given up once.
+            drop(unsafe { Arc::from_raw(raw as *const T) });
+        }
+    }
+}
+
+/// A pointer to compare with a cell's current value in
+/// [`compare_and_swap`](EpochCell::compare_and_swap): an `&Arc<T>`, an [`EpochGuard`], or a
+/// raw pointer, as `arc_swap::AsRaw`. Sealed.
+pub trait AsRawPtr<T>: sealed::Sealed {
+    /// The address compared.
+    fn as_raw_ptr(&self) -> *const T;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl<T> Sealed for &std::sync::Arc<T> {}
+    impl<T> Sealed for &super::EpochGuard<'_, T> {}
+    impl<T> Sealed for *const T {}
+    impl<T> Sealed for *mut T {}
+}
+
+impl<T> AsRawPtr<T> for &Arc<T> {
+    fn as_raw_ptr(&self) -> *const T {
+        Arc::as_ptr(self)
+    }
+}
+
+impl<T> AsRawPtr<T> for &EpochGuard<'_, T> {
+    fn as_raw_ptr(&self) -> *const T {
+        self.value
+    }
+}
+
+impl<T> AsRawPtr<T> for *const T {
+    fn as_raw_ptr(&self) -> *const T {
+        *self
+    }
+}
+
+impl<T> AsRawPtr<T> for *mut T {
+    fn as_raw_ptr(&self) -> *const T {
+        self.cast_const()
+    }
+}
+
+impl<T> EpochCell<T> {
+    /// A cell holding `value`.
+    pub fn new(value: T) -> Self {
+        EpochCell::from_arc(Arc::new(value))
+    }
+
+    /// A cell holding `value`, as `arc_swap::ArcSwap::from_pointee`.
+    pub fn from_pointee(value: T) -> Self {
+        EpochCell::new(value)
+    }
+
+    /// A cell holding `value`.
+    pub fn from_arc(value: Arc<T>) -> Self {
+        EpochCell {
+            core: Core::new(Some(value)),
+        }
+    }
+
+    /// Pins this reader and borrows the current value until the guard is dropped. Never
+    /// waits.
+    #[inline]
+    pub fn load(&self) -> EpochGuard<'_, T> {
+        let (phase, value) = self.core.pin();
+        EpochGuard {
+            core: &self.core,
+            phase,
+            value: value as *const T,
+        }
+    }
+
+    /// The current value, as an `Arc` of its own (one reference count added).
+    pub fn load_full(&self) -> Arc<T> {
+        self.core
+            .load_full()
+            .expect("an EpochCell always holds a value")
+    }
+
+    /// Replaces the value and returns the old one, without waiting for its readers: the cell
+    /// keeps a count of the old value until they have unpinned, so `Arc::try_unwrap` on it
+    /// may fail until then (as with `arc_swap`). Works while this thread holds a guard of
+    /// this cell.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// let cell = thiscpu::EpochCell::new(1);
+    /// let pinned = cell.load();
+    /// let old = cell.swap(Arc::new(2));
+    /// assert_eq!((*old, *pinned, *cell.load()), (1, 1, 2));
+    /// ```
+    pub fn swap(&self, value: Arc<T>) -> Arc<T> {
+        self.core
+            .replace(None, Some(value))
+            .expect("an EpochCell always holds a value")
+    }
+
+    /// Replaces the value; the old one is dropped once its readers have unpinned (by this
+    /// call, or a later one). Never waits for readers, its own thread's included:
+    ///
+    /// ```
+    /// let cell = thiscpu::EpochCell::new(1u64);
+    /// cell.store(*cell.load() + 1); // the guard lives to the end of the statement
+    /// assert_eq!(*cell.load(), 2);
+    /// ```
+    pub fn store(&self, value: impl Into<Arc<T>>) {
+        drop(self.swap(value.into()));
+    }
+
+    /// Stores `new` if the current value is `current` (compared by address, as
+    /// `arc_swap::ArcSwap::compare_and_swap`), and returns the value found: the old one when
+    /// it was swapped (`Arc::ptr_eq` with `current`), else the one that stands. Never waits
+    /// for readers. Passing an `&Arc<T>` or an [`EpochGuard`] keeps the compared value alive,
+    /// so its address cannot have been reused by another value (no ABA); a raw pointer does
+    /// not.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// let cell = thiscpu::EpochCell::new(1);
+    /// let seen = cell.load_full();
+    /// let previous = cell.compare_and_swap(&seen, Arc::new(2));
+    /// assert!(Arc::ptr_eq(&previous, &seen)); // swapped
+    /// let previous = cell.compare_and_swap(&seen, Arc::new(3));
+    /// assert_eq!(*previous, 2); // not swapped: the value that stands
+    /// assert_eq!(*cell.load(), 2);
+    /// ```
+    pub fn compare_and_swap<C, N>(&self, current: C, new: N) -> Arc<T>
+    where
+        C: AsRawPtr<T>,
+        N: Into<Arc<T>>,
+    {
+        let expected = current.as_raw_ptr() as usize;
+        self.core
+            .replace(Some(expected), Some(new.into()))
+            .expect("an EpochCell always holds a value")
+    }
+
+    /// Read, copy, update: calls `update` with the current value and stores what it returns,
+    /// again with the newer value while another writer got in between (so `update` may run
+    /// more than once: keep it free of side effects), as `arc_swap::ArcSwap::rcu`. Returns
+    /// the value replaced.
+    ///
+    /// ```
+    /// let routes = thiscpu::EpochCell::new(vec!["/a"]);
+    /// let old = routes.rcu(|routes| {
+    ///     let mut routes = Vec::clone(routes);
+    ///     routes.push("/b");
+    ///     routes
+    /// });
+    /// assert_eq!((old.len(), routes.load().len()), (1, 2));
+    /// ```
+    pub fn rcu<R, F>(&self, mut update: F) -> Arc<T>
+    where
+        F: FnMut(&Arc<T>) -> R,
+        R: Into<Arc<T>>,
+    {
+        let mut current = self.load_full();
+        loop {
+            let previous = self.compare_and_swap(&current, update(&current));
+            if Arc::ptr_eq(&previous, &current) {
+                return previous;
+            }
+            current = previous;
+        }
+    }
+
+    /// Drops the replaced values whose readers have all unpinned, without waiting for any
+    /// (at most two `membarrier` calls), and returns how many the cell still keeps. Stores
+    /// do this themselves; call it to let go of old values sooner where stores are rare.
+    ///
+    /// ```
+    /// let cell = thiscpu::EpochCell::new(String::from("old"));
+    /// let pinned = cell.load();
+    /// cell.store(String::from("new"));
+    /// assert_eq!(cell.retired(), 1); // `pinned` may still read "old"
+    /// drop(pinned);
+    /// assert_eq!(cell.reclaim(), 0);
+    /// ```
+    pub fn reclaim(&self) -> usize {
+        self.core.reclaim()
+    }
+
+    /// Replaced values the cell still keeps for readers that may see them.
+    pub fn retired(&self) -> usize {
+        self.core.lock_writers().len()
+    }
+
     /// Whether readers pin with restartable sequences and writers fence with `membarrier`
     /// (else with `SeqCst` atomics and fences).
     pub fn uses_rseq(&self) -> bool {
-        self.readers.by_sections()
+        self.core.readers.by_sections()
     }
 
     /// Bytes of per-CPU reader counts this cell holds (besides itself and the value).
     pub fn counts_bytes(&self) -> usize {
-        self.readers.bytes()
+        self.core.readers.bytes()
     }
 
     /// Readers pinned now, from one unfenced look at the counts (a diagnostic).
     pub fn readers_inside(&self) -> u64 {
-        self.readers.inside(0).wrapping_add(self.readers.inside(1))
-    }
-}
-
-impl<T> Drop for EpochCell<T> {
-    fn drop(&mut self) {
-        let value = self.current.load(Ordering::Relaxed) as *const T;
-        // SAFETY: the cell is dropped, so no reader is pinned (guards borrow it); its count of
-        // the value is given up once.
-        drop(unsafe { Arc::from_raw(value) });
-        let retired = core::mem::take(
-            &mut *self
-                .writers
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()),
-        );
-        for r in retired {
-            // SAFETY: as above, for each value the cell retired and still counts.
-            drop(unsafe { Arc::from_raw(r.value as *const T) });
-        }
+        let readers = &self.core.readers;
+        readers.inside(0).wrapping_add(readers.inside(1))
     }
 }
 
@@ -333,20 +514,173 @@ impl<T: Default> Default for EpochCell<T> {
     }
 }
 
+impl<T> From<Arc<T>> for EpochCell<T> {
+    fn from(value: Arc<T>) -> Self {
+        EpochCell::from_arc(value)
+    }
+}
+
+impl<T> From<T> for EpochCell<T> {
+    fn from(value: T) -> Self {
+        EpochCell::new(value)
+    }
+}
+
 impl<T: core::fmt::Debug> core::fmt::Debug for EpochCell<T> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         f.debug_struct("EpochCell")
-            .field("mode", &if self.uses_rseq() { "rseq" } else { "atomic" })
+            .field("mode", &self.core.mode())
             .field("value", &&*self.load())
             .finish()
     }
 }
 
-/// A pinned reader's borrow of an [`EpochCell`]'s value; unpins when dropped (on any CPU or
-/// thread).
+/// An [`EpochCell`] that may hold no value, as `arc_swap::ArcSwapOption`: the same readers and
+/// writers, with `None` for an empty cell.
+///
+/// ```
+/// use std::sync::Arc;
+/// let cache = thiscpu::EpochCellOption::<String>::empty();
+/// assert!(cache.load().is_none());
+/// cache.store(Some(Arc::new(String::from("warm"))));
+/// assert_eq!(cache.load().as_deref().map(String::as_str), Some("warm"));
+/// let old = cache.swap(None);
+/// assert_eq!(old.as_deref().map(String::as_str), Some("warm"));
+/// ```
+pub struct EpochCellOption<T> {
+    core: Core<T>,
+}
+
+impl<T> EpochCellOption<T> {
+    /// A cell holding `value`, or nothing.
+    pub fn new(value: Option<Arc<T>>) -> Self {
+        EpochCellOption {
+            core: Core::new(value),
+        }
+    }
+
+    /// A cell holding nothing.
+    pub fn empty() -> Self {
+        EpochCellOption::new(None)
+    }
+
+    /// A cell holding `value`, as `arc_swap::ArcSwapOption::from_pointee`.
+    pub fn from_pointee(value: impl Into<Option<T>>) -> Self {
+        EpochCellOption::new(value.into().map(Arc::new))
+    }
+
+    /// Pins this reader and borrows the current value until the guard is dropped, or `None`
+    /// (unpinned at once) when the cell is empty. Never waits.
+    #[inline]
+    pub fn load(&self) -> Option<EpochGuard<'_, T>> {
+        let (phase, value) = self.core.pin();
+        if value == 0 {
+            self.core.unpin(phase);
+            return None;
+        }
+        Some(EpochGuard {
+            core: &self.core,
+            phase,
+            value: value as *const T,
+        })
+    }
+
+    /// The current value, as an `Arc` of its own, or `None`.
+    pub fn load_full(&self) -> Option<Arc<T>> {
+        self.core.load_full()
+    }
+
+    /// Replaces the value (or its absence) and returns the old one, without waiting for
+    /// readers, as [`EpochCell::swap`].
+    pub fn swap(&self, value: Option<Arc<T>>) -> Option<Arc<T>> {
+        self.core.replace(None, value)
+    }
+
+    /// Replaces the value (or its absence), as [`EpochCell::store`].
+    pub fn store(&self, value: Option<Arc<T>>) {
+        drop(self.swap(value));
+    }
+
+    /// Stores `new` if the current value is `current` (by address; `None` matches an empty
+    /// cell), and returns what was found, as [`EpochCell::compare_and_swap`].
+    pub fn compare_and_swap(
+        &self,
+        current: Option<&Arc<T>>,
+        new: Option<Arc<T>>,
+    ) -> Option<Arc<T>> {
+        let expected = current.map_or(0, |current| Arc::as_ptr(current) as usize);
+        self.core.replace(Some(expected), new)
+    }
+
+    /// Read, copy, update, as [`EpochCell::rcu`]; returns the value replaced.
+    pub fn rcu<F>(&self, mut update: F) -> Option<Arc<T>>
+    where
+        F: FnMut(&Option<Arc<T>>) -> Option<Arc<T>>,
+    {
+        let mut current = self.load_full();
+        loop {
+            let previous = self.compare_and_swap(current.as_ref(), update(&current));
+            let same = match (&previous, &current) {
+                (Some(previous), Some(current)) => Arc::ptr_eq(previous, current),
+                (None, None) => true,
+                _ => false,
+            };
+            if same {
+                return previous;
+            }
+            current = previous;
+        }
+    }
+
+    /// As [`EpochCell::reclaim`].
+    pub fn reclaim(&self) -> usize {
+        self.core.reclaim()
+    }
+
+    /// As [`EpochCell::retired`].
+    pub fn retired(&self) -> usize {
+        self.core.lock_writers().len()
+    }
+
+    /// As [`EpochCell::uses_rseq`].
+    pub fn uses_rseq(&self) -> bool {
+        self.core.readers.by_sections()
+    }
+}
+
+impl<T> Default for EpochCellOption<T> {
+    /// An empty cell.
+    fn default() -> Self {
+        EpochCellOption::empty()
+    }
+}
+
+impl<T> From<Option<Arc<T>>> for EpochCellOption<T> {
+    fn from(value: Option<Arc<T>>) -> Self {
+        EpochCellOption::new(value)
+    }
+}
+
+impl<T> From<Arc<T>> for EpochCellOption<T> {
+    fn from(value: Arc<T>) -> Self {
+        EpochCellOption::new(Some(value))
+    }
+}
+
+impl<T: core::fmt::Debug> core::fmt::Debug for EpochCellOption<T> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        f.debug_struct("EpochCellOption")
+            .field("mode", &self.core.mode())
+            .field("value", &self.load().as_deref())
+            .finish()
+    }
+}
+
+/// A pinned reader's borrow of an [`EpochCell`]'s (or [`EpochCellOption`]'s) value; unpins
+/// when dropped (on any CPU or thread).
 #[must_use = "the reader is unpinned when the guard is dropped"]
 pub struct EpochGuard<'a, T> {
-    cell: &'a EpochCell<T>,
+    core: &'a Core<T>,
     phase: usize,
     value: *const T,
 }
@@ -362,7 +696,7 @@ impl<T> core::ops::Deref for EpochGuard<'_, T> {
     #[inline]
     fn deref(&self) -> &T {
         // SAFETY: this reader is pinned in `phase`, and writers drop a value only after the
-        // readers that could have loaded it have unpinned.
+        // readers that could have loaded it have unpinned; the pointer is never null here.
         unsafe { &*self.value }
     }
 }
@@ -370,7 +704,7 @@ impl<T> core::ops::Deref for EpochGuard<'_, T> {
 impl<T> Drop for EpochGuard<'_, T> {
     #[inline]
     fn drop(&mut self) {
-        self.cell.readers.exit(self.phase);
+        self.core.unpin(self.phase);
     }
 }
 

@@ -180,7 +180,7 @@ pub use arch::model;
 
 pub use counter::{Adder, Counter};
 pub use cpu::{Source, current_cpu, current_node, getcpu, mm_cid, source};
-pub use epoch::{EpochCell, EpochGuard};
+pub use epoch::{AsRawPtr, EpochCell, EpochCellOption, EpochGuard};
 pub use histogram::Histogram;
 pub use mask::CpuMask;
 pub use ops::{ByCpu, ByMmCid, Spread};

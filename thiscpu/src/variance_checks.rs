@@ -128,3 +128,19 @@ struct PooledByValue;
 /// println!("{dangling}");
 /// ```
 struct EpochCellSwap;
+
+/// `EpochCellOption::store` through a shortened `&EpochCellOption`.
+///
+/// ```compile_fail,E0597
+/// use std::sync::Arc;
+/// use thiscpu::EpochCellOption;
+/// let cell = EpochCellOption::from_pointee("static");
+/// {
+///     let s = String::from("freed before it is read");
+///     let short: &EpochCellOption<&str> = &cell;
+///     short.store(Some(Arc::new(s.as_str())));
+/// }
+/// let dangling: &'static str = *cell.load().unwrap();
+/// println!("{dangling}");
+/// ```
+struct EpochCellOptionStore;

@@ -20,8 +20,8 @@ use std::rc::Rc;
 use std::sync::MutexGuard;
 use thiscpu::{
     Adder, ByCpu, ByMmCid, CachePadded, Counter, CpuMask, CpuNode, CpuSource, EpochCell,
-    EpochGuard, Histogram, PerCpu, Pool, Pooled, Registrar, RseqMode, RwLock, RwLockReadGuard,
-    RwLockWriteGuard, ShardGuard, Sharded, Source, Unavailable,
+    EpochCellOption, EpochGuard, Histogram, PerCpu, Pool, Pooled, Registrar, RseqMode, RwLock,
+    RwLockReadGuard, RwLockWriteGuard, ShardGuard, Sharded, Source, Unavailable,
 };
 
 fn send<T: ?Sized + Send>() {}
@@ -184,9 +184,14 @@ assert_not!(RwLock<u64>: RefUnwindSafe);
 
 #[test]
 fn epoch_cells_need_send_and_sync_values() {
-    send_sync_unpin!(EpochCell<String>, EpochGuard<'static, String>);
+    send_sync_unpin!(
+        EpochCell<String>,
+        EpochCellOption<String>,
+        EpochGuard<'static, String>
+    );
     // A store replaces the whole value: a panic cannot leave one half written.
     unwind_safe::<EpochCell<String>>();
+    unwind_safe::<EpochCellOption<String>>();
 }
 // Readers on every thread share `&T`, and the value is dropped by whichever writer replaces
 // it last, on any thread.
@@ -196,6 +201,9 @@ assert_not!(EpochCell<NotSync>: Send);
 assert_not!(EpochCell<NotSync>: Sync);
 assert_not!(EpochCell<SyncOnly>: Send);
 assert_not!(EpochCell<SyncOnly>: Sync);
+assert_not!(EpochCellOption<NotSync>: Send);
+assert_not!(EpochCellOption<NotSync>: Sync);
+assert_not!(EpochCellOption<SyncOnly>: Send);
 assert_not!(EpochGuard<'static, NotSync>: Send);
 assert_not!(EpochGuard<'static, NotSync>: Sync);
 

@@ -799,3 +799,118 @@ fn a_visiting_fence_does_not_skip_a_cpu_where_a_reader_may_run() {
     assert!(why.contains(&format!("CPU {reader_cpu}")), "{why}");
     assert!(!lock.is_write_locked());
 }
+
+/// `rcu` from several threads at once, each adding one many times: no update is lost, and
+/// every replaced value is dropped once its readers have left.
+#[test]
+fn rcu_from_several_threads_loses_no_update() {
+    let drops = AtomicUsize::new(0);
+    let cell = EpochCell::from_pointee(Counted {
+        generation: 0,
+        drops: &drops,
+    });
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get()) + 1;
+    const EACH: u64 = 300;
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                for _ in 0..EACH {
+                    cell.rcu(|current| Counted {
+                        generation: current.generation + 1,
+                        drops: &drops,
+                    });
+                }
+            });
+        }
+    });
+    let total = EACH * threads as u64;
+    assert_eq!(cell.load().generation, total, "an update was lost");
+    // Another writer in the middle of an update, every time: `rcu` tries again on its value.
+    let cell = EpochCell::new(0u64);
+    let mut calls = 0;
+    cell.rcu(|current| {
+        calls += 1;
+        if calls == 1 {
+            cell.store(**current + 10);
+        }
+        **current + 1
+    });
+    assert_eq!(
+        (*cell.load(), calls),
+        (11, 2),
+        "the other writer's update was lost"
+    );
+    let cell = EpochCell::from_pointee(Counted {
+        generation: total,
+        drops: &drops,
+    });
+    assert_eq!(cell.reclaim(), 0);
+    // Every value `rcu` built was stored or dropped: `total` stored, each replacing one, and
+    // those built for a lost race dropped at once.
+    assert!(drops.load(Ordering::SeqCst) as u64 >= total);
+}
+
+/// `compare_and_swap` compares by address: a stale `Arc` does not match, the value that
+/// stands is returned, and nothing is stored.
+#[test]
+fn compare_and_swap_stores_only_over_the_value_compared() {
+    let cell = EpochCell::from(Arc::new(1));
+    let first = cell.load_full();
+    let same_number = Arc::new(1);
+    let previous = cell.compare_and_swap(&same_number, Arc::new(9));
+    assert!(
+        Arc::ptr_eq(&previous, &first),
+        "an equal value at another address matched"
+    );
+    assert_eq!(*cell.load(), 1);
+    let guard = cell.load();
+    let previous = cell.compare_and_swap(&guard, 2);
+    assert!(Arc::ptr_eq(&previous, &first));
+    drop(guard);
+    assert_eq!(*cell.load(), 2);
+    let previous = cell.compare_and_swap(Arc::as_ptr(&first), 3);
+    assert_eq!(*previous, 2, "a stale pointer matched");
+    assert_eq!(*cell.load(), 2);
+}
+
+/// `EpochCellOption`: empty and full, swaps between them, readers of a value that is taken
+/// away keep it until they leave.
+#[test]
+fn an_optional_cell_holds_nothing_or_a_value() {
+    let drops = AtomicUsize::new(0);
+    let cell = thiscpu::EpochCellOption::<Counted>::default();
+    assert!(cell.load().is_none() && cell.load_full().is_none());
+    cell.store(Some(Arc::new(Counted {
+        generation: 1,
+        drops: &drops,
+    })));
+    let pinned = cell.load().expect("a value");
+    assert!(cell.swap(None).is_some());
+    assert!(cell.load().is_none());
+    assert_eq!(
+        pinned.generation, 1,
+        "a value taken away changed under its reader"
+    );
+    assert_eq!(drops.load(Ordering::SeqCst), 0, "dropped under its reader");
+    drop(pinned);
+    assert_eq!(cell.reclaim(), 0);
+    assert_eq!(drops.load(Ordering::SeqCst), 1);
+    let previous = cell.compare_and_swap(
+        None,
+        Some(Arc::new(Counted {
+            generation: 2,
+            drops: &drops,
+        })),
+    );
+    assert!(previous.is_none());
+    let old = cell.rcu(|current| {
+        Some(Arc::new(Counted {
+            generation: current.as_ref().map_or(0, |c| c.generation) + 1,
+            drops: &drops,
+        }))
+    });
+    assert_eq!(old.map(|old| old.generation), Some(2));
+    assert_eq!(cell.load().map(|c| c.generation), Some(3));
+    drop(cell);
+    assert_eq!(drops.load(Ordering::SeqCst), 3);
+}

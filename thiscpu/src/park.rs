@@ -1,5 +1,6 @@
-//! Sleeping until a 32-bit word changes: `futex` on Linux; under the model checker, a yield
-//! (loom runs its threads on one OS thread, where a sleep would never end).
+//! Sleeping until a 32-bit word changes: `futex` on Linux; under the model checker, the model
+//! machine's futex (loom runs its threads on one OS thread, where a real sleep would never end),
+//! which sleeps until woken, so that a wake-up the protocol forgets fails the check.
 //!
 //! # Safety
 //! `futex` reads the word at the address it is given; the word is a live atomic each time.
@@ -40,15 +41,16 @@ pub(crate) fn wake(word: &AtomicU32, count: i32) {
     }
 }
 
+/// The model kernel's futex, which keeps a waiter asleep until a wake of its word.
 #[cfg(thiscpu_model)]
 pub(crate) fn wait(word: &AtomicU32, expected: u32) {
-    if word.load(core::sync::atomic::Ordering::Relaxed) == expected {
-        loom::thread::yield_now();
-    }
+    crate::arch::model::futex_wait(word, expected);
 }
 
 #[cfg(thiscpu_model)]
-pub(crate) fn wake(_word: &AtomicU32, _count: i32) {}
+pub(crate) fn wake(word: &AtomicU32, count: i32) {
+    crate::arch::model::futex_wake(word, count);
+}
 
 /// Waits a little before a writer polls again for readers that do not wake it: yields at
 /// first, then sleeps from 20 µs doubling to 1 ms.

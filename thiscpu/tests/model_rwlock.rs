@@ -1,7 +1,8 @@
 //! Model checks of the reader counts under `RwLock` and `EpochCell`, over their interleavings,
 //! with loom: the real code runs on the model machine of `thiscpu::model`, where each reader's
-//! count is a section that commits or is aborted at every step before its commit, and the
-//! writer's `membarrier` ends the sections in flight.
+//! count is a section that commits or is aborted at every step before its commit, the
+//! writer's `membarrier` ends the sections in flight, and a thread asleep on the futex stays
+//! asleep until woken (a forgotten wake-up fails as a deadlock).
 //!
 //! Built only with the model's configuration:
 //! `RUSTFLAGS="--cfg thiscpu_model" CARGO_TARGET_DIR=target/model cargo test -p thiscpu
@@ -11,8 +12,10 @@
 #![cfg(thiscpu_model)]
 
 use loom::cell::UnsafeCell;
-use loom::sync::Arc;
 use loom::thread;
+// `std`'s: loom's, dropped while loom's report of a deadlock (a forgotten wake-up) unwinds,
+// panics again and aborts the test executable.
+use std::sync::Arc;
 use thiscpu::model::{self, explore};
 use thiscpu::{EpochCell, RwLock};
 

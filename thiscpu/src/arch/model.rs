@@ -36,6 +36,8 @@
 //! model CPU for `cpu_id` and `mm_cid`, so every model thread has a registered area and
 //! `registration` never runs. `mm_cid` is never reported usable, so by-`mm_cid` types spread
 //! by CPU. `membarrier` stands in for the system call of `fence` and always succeeds.
+//! `futex_wait` and `futex_wake` stand in for `park`'s futex: a waiter sleeps until a
+//! wake of its word, so a forgotten wake-up leaves it asleep, and loom reports the deadlock.
 
 use super::{AreaOffset, Outcome, StackHead, StackOutcome};
 use crate::abi::{self, offset};
@@ -58,6 +60,32 @@ struct Cpu {
 loom::lazy_static! {
     /// The model CPUs of the current execution (made anew for each one).
     static ref MACHINE: Vec<Cpu> = (0..MAX_CPUS).map(|_| Cpu { generation: Mutex::new(0) }).collect();
+}
+
+/// The futex of the model kernel: the threads asleep, each on the word at an address. A wait
+/// that took the lock compared its word under it, so a wake that takes the lock after a change
+/// to the word either finds the sleeper queued or was seen by its comparison.
+struct Futex {
+    sleepers: Vec<Sleeper>,
+    tickets: u64,
+}
+
+/// A thread asleep on a word until a wake takes its ticket out of the queue.
+struct Sleeper {
+    word: usize,
+    ticket: u64,
+    thread: loom::thread::Thread,
+}
+
+/// The kernel's side of the model machine (made anew for each execution).
+struct Kernel {
+    futex: Mutex<Futex>,
+}
+
+loom::lazy_static! {
+    static ref KERNEL: Kernel = Kernel {
+        futex: Mutex::new(Futex { sleepers: Vec::new(), tickets: 0 }),
+    };
 }
 
 loom::thread_local! {
@@ -147,6 +175,61 @@ pub(crate) fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), i32> {
         }
         _ => Err(libc::EINVAL),
     }
+}
+
+/// `FUTEX_WAIT`: sleeps while `word` holds `expected`, until a `futex_wake` of the word
+/// takes this thread out of the queue. The real call also returns on a signal; the model's
+/// never returns unwoken, since such a return would hide a wake-up the protocol forgot: a
+/// thread that nobody wakes stays asleep for ever, which loom reports as a deadlock.
+pub(crate) fn futex_wait(word: &loom::sync::atomic::AtomicU32, expected: u32) {
+    let ticket = {
+        let mut futex = lock_futex();
+        // Relaxed, as the kernel reads it: the lock, which wakes take too, is what orders this
+        // comparison with a change made before a wake.
+        if word.load(Ordering::Relaxed) != expected {
+            return;
+        }
+        let ticket = futex.tickets;
+        futex.tickets += 1;
+        futex.sleepers.push(Sleeper {
+            word: address(word),
+            ticket,
+            thread: loom::thread::current(),
+        });
+        ticket
+    };
+    loop {
+        loom::thread::park();
+        if !lock_futex().sleepers.iter().any(|s| s.ticket == ticket) {
+            return;
+        }
+    }
+}
+
+/// `FUTEX_WAKE`: wakes up to `count` threads asleep on `word`, the longest asleep first.
+pub(crate) fn futex_wake(word: &loom::sync::atomic::AtomicU32, count: i32) {
+    let word = address(word);
+    let mut futex = lock_futex();
+    let mut woken = 0;
+    futex.sleepers.retain(|sleeper| {
+        if sleeper.word != word || woken >= count {
+            return true;
+        }
+        woken += 1;
+        sleeper.thread.unpark();
+        false
+    });
+}
+
+fn address(word: &loom::sync::atomic::AtomicU32) -> usize {
+    core::ptr::from_ref(word).addr()
+}
+
+fn lock_futex() -> loom::sync::MutexGuard<'static, Futex> {
+    KERNEL
+        .futex
+        .lock()
+        .expect("no model thread panics in the futex")
 }
 
 /// The area's field `FIELD`: the model CPU for `cpu_id` and `mm_cid`, the real area's field

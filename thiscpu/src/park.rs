@@ -5,10 +5,10 @@
 //! # Safety
 //! `futex` reads the word at the address it is given; the word is a live atomic each time.
 
+#[cfg(thiscpu_model)]
+pub(crate) use crate::sync::atomic::AtomicU32;
 #[cfg(not(thiscpu_model))]
 pub(crate) use core::sync::atomic::AtomicU32;
-#[cfg(thiscpu_model)]
-pub(crate) use loom::sync::atomic::AtomicU32;
 
 /// Sleeps while `word` holds `expected` (or returns at once if it does not; spurious returns
 /// happen: callers check their condition again).

@@ -181,7 +181,7 @@ pub(crate) fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), i32> {
 /// takes this thread out of the queue. The real call also returns on a signal; the model's
 /// never returns unwoken, since such a return would hide a wake-up the protocol forgot: a
 /// thread that nobody wakes stays asleep for ever, which loom reports as a deadlock.
-pub(crate) fn futex_wait(word: &loom::sync::atomic::AtomicU32, expected: u32) {
+pub(crate) fn futex_wait(word: &crate::sync::atomic::AtomicU32, expected: u32) {
     let ticket = {
         let mut futex = lock_futex();
         // Relaxed, as the kernel reads it: the lock, which wakes take too, is what orders this
@@ -207,7 +207,7 @@ pub(crate) fn futex_wait(word: &loom::sync::atomic::AtomicU32, expected: u32) {
 }
 
 /// `FUTEX_WAKE`: wakes up to `count` threads asleep on `word`, the longest asleep first.
-pub(crate) fn futex_wake(word: &loom::sync::atomic::AtomicU32, count: i32) {
+pub(crate) fn futex_wake(word: &crate::sync::atomic::AtomicU32, count: i32) {
     let word = address(word);
     let mut futex = lock_futex();
     let mut woken = 0;
@@ -221,7 +221,7 @@ pub(crate) fn futex_wake(word: &loom::sync::atomic::AtomicU32, count: i32) {
     });
 }
 
-fn address(word: &loom::sync::atomic::AtomicU32) -> usize {
+fn address(word: &crate::sync::atomic::AtomicU32) -> usize {
     core::ptr::from_ref(word).addr()
 }
 

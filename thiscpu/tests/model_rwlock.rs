@@ -46,14 +46,34 @@ impl Pair {
     }
 }
 
+/// How a lock's readers count themselves and its writers fence.
+#[derive(Clone, Copy)]
+enum Mode {
+    /// Sections and `membarrier`, which the model machine always has.
+    Sections,
+    /// `SeqCst` atomic adds and `SeqCst` fences, as without rseq or `membarrier`.
+    Atomic,
+}
+
 fn new_lock() -> Arc<RwLock<Pair>> {
-    let lock = Arc::new(RwLock::new(Pair {
+    new_lock_in(Mode::Sections)
+}
+
+fn new_lock_in(mode: Mode) -> Arc<RwLock<Pair>> {
+    let pair = Pair {
         words: UnsafeCell::new([0, 0]),
-    }));
-    assert!(
-        lock.uses_rseq(),
-        "the model registers every thread and fences"
-    );
+    };
+    let lock = Arc::new(match mode {
+        Mode::Sections => RwLock::new(pair),
+        Mode::Atomic => RwLock::new_in_atomic_mode(pair),
+    });
+    match mode {
+        Mode::Sections => assert!(
+            lock.uses_rseq(),
+            "the model registers every thread and fences"
+        ),
+        Mode::Atomic => assert!(!lock.uses_rseq()),
+    }
     lock
 }
 
@@ -61,8 +81,19 @@ fn new_lock() -> Arc<RwLock<Pair>> {
 /// write, whole, and never at the same time as the writer writes.
 #[test]
 fn a_reader_and_a_writer_never_overlap() {
-    explore("a reader and a writer", || {
-        let lock = new_lock();
+    a_reader_and_a_writer("a reader and a writer", Mode::Sections);
+}
+
+/// The same in the atomic mode: the reader's `SeqCst` add and the writer's `SeqCst` fence
+/// stand for the sections and `membarrier`.
+#[test]
+fn a_reader_and_a_writer_never_overlap_in_the_atomic_mode() {
+    a_reader_and_a_writer("a reader and a writer, atomic mode", Mode::Atomic);
+}
+
+fn a_reader_and_a_writer(name: &str, mode: Mode) {
+    explore(name, move || {
+        let lock = new_lock_in(mode);
         let reader = {
             let lock = lock.clone();
             thread::spawn(move || {
@@ -109,8 +140,21 @@ fn a_reader_that_migrates_is_waited_for() {
 /// A blocking reader and a blocking writer: both finish, and the reader sees the value whole.
 #[test]
 fn a_blocked_reader_and_a_waiting_writer_both_finish() {
-    explore("a blocked reader and a waiting writer", || {
-        let lock = new_lock();
+    a_blocked_reader_and_a_waiting_writer("a blocked reader and a waiting writer", Mode::Sections);
+}
+
+/// The same in the atomic mode.
+#[test]
+fn a_blocked_reader_and_a_waiting_writer_both_finish_in_the_atomic_mode() {
+    a_blocked_reader_and_a_waiting_writer(
+        "a blocked reader and a waiting writer, atomic mode",
+        Mode::Atomic,
+    );
+}
+
+fn a_blocked_reader_and_a_waiting_writer(name: &str, mode: Mode) {
+    explore(name, move || {
+        let lock = new_lock_in(mode);
         let reader = {
             let lock = lock.clone();
             thread::spawn(move || {
@@ -176,8 +220,21 @@ fn an_epoch_reader_never_sees_its_value_dropped() {
 /// writer counts must never stand for the entry of a reader that holds on.
 #[test]
 fn two_readers_one_migrating_and_a_writer() {
-    explore("two readers, one migrating, and a writer", || {
-        let lock = new_lock();
+    two_readers_and_a_writer("two readers, one migrating, and a writer", Mode::Sections);
+}
+
+/// The same in the atomic mode, whose adds also go to the word of the reader's CPU.
+#[test]
+fn two_readers_one_migrating_and_a_writer_in_the_atomic_mode() {
+    two_readers_and_a_writer(
+        "two readers, one migrating, and a writer, atomic mode",
+        Mode::Atomic,
+    );
+}
+
+fn two_readers_and_a_writer(name: &str, mode: Mode) {
+    explore(name, move || {
+        let lock = new_lock_in(mode);
         let readers: Vec<_> = [(1, Some(0)), (0, None)]
             .into_iter()
             .map(|(enter, leave)| {

@@ -313,8 +313,9 @@ fn a_reader_asleep_behind_a_writer_is_woken() {
 }
 
 /// Two writers on two CPUs and a reader: the writers never hold the lock together nor with the
-/// reader (loom reports overlapping accesses to the value), every thread that sleeps is woken,
-/// and both writes land.
+/// reader (loom reports overlapping accesses to the value), a writer asleep behind the other is
+/// woken, and both writes land. The reader only tries: a blocking one takes the count of
+/// interleavings from about 60 000 to 400 000 (the blocking reader has checks of its own).
 #[test]
 fn two_writers_and_a_reader() {
     explore("two writers and a reader", || {
@@ -332,8 +333,10 @@ fn two_writers_and_a_reader() {
             let lock = lock.clone();
             thread::spawn(move || {
                 model::run_on(0);
-                let [a, b] = lock.read().read();
-                assert_eq!(a, b, "a half-written value");
+                if let Some(guard) = lock.try_read() {
+                    let [a, b] = guard.read();
+                    assert_eq!(a, b, "a half-written value");
+                }
             })
         };
         model::run_on(1);

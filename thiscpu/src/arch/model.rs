@@ -1,7 +1,7 @@
 //! A model machine for the model checker: the restartable sequences, the CPU a thread runs on
 //! and the `membarrier` fences, as loom steps, in builds with `RUSTFLAGS="--cfg thiscpu_model"`
-//! only (`arch` then takes the sections and `field_at` from here instead of the real
-//! architecture file, which still provides the rest of the contract).
+//! only (`arch` then takes the sections, `field_at` and `active_field` from here instead of the
+//! real architecture file, which still provides the rest of the contract).
 //!
 //! # The machine
 //! [`cpus`] model CPUs (2 unless a test sets another number with [`set_cpus`]). Each model
@@ -240,6 +240,12 @@ pub(crate) fn field_at<const FIELD: usize>(area: AreaOffset) -> i32 {
     } else {
         super::imp::field_at::<FIELD>(area)
     }
+}
+
+/// The active area's field `FIELD`, as [`field_at`] answers it: `current_cpu()` (the atomic
+/// mode's rows, the fallbacks) must see the model CPU too, not the CPU that runs the test.
+pub(crate) fn active_field<const FIELD: usize>() -> i32 {
+    field_at::<FIELD>(super::imp::area_offset())
 }
 
 /// A section in flight: the CPU it started on and that CPU's generation then.

@@ -35,7 +35,9 @@
 //! under the model) says that thiscpu registers every thread, and `field_at` answers the
 //! model CPU for `cpu_id` and `mm_cid`, so every model thread has a registered area and
 //! `registration` never runs. `mm_cid` is never reported usable, so by-`mm_cid` types spread
-//! by CPU. `membarrier` stands in for the system call of `fence` and always succeeds.
+//! by CPU. `membarrier` stands in for the system call of `fence` and succeeds unless a test
+//! calls [`refuse_membarrier`]; then `fence::visit_cpu` runs the thread on the CPU it fences
+//! (`visit`), as the real one does.
 //! `futex_wait` and `futex_wake` stand in for `park`'s futex: a waiter sleeps until a
 //! wake of its word, so a forgotten wake-up leaves it asleep, and loom reports the deadlock.
 
@@ -80,11 +82,15 @@ struct Sleeper {
 /// The kernel's side of the model machine (made anew for each execution).
 struct Kernel {
     futex: Mutex<Futex>,
+    /// Whether `membarrier` refuses fences now (see [`refuse_membarrier`]): a plain atomic,
+    /// since the kernel's filter is not memory that the protocols order.
+    fences_refused: core::sync::atomic::AtomicBool,
 }
 
 loom::lazy_static! {
     static ref KERNEL: Kernel = Kernel {
         futex: Mutex::new(Futex { sleepers: Vec::new(), tickets: 0 }),
+        fences_refused: core::sync::atomic::AtomicBool::new(false),
     };
 }
 
@@ -157,10 +163,28 @@ fn lock(cpu: u32) -> loom::sync::MutexGuard<'static, u64> {
         .expect("no model thread panics while it holds a CPU")
 }
 
+/// From now on in this execution, `membarrier` refuses fences with `EPERM`, as under a seccomp
+/// filter installed after start-up: objects made before keep their mode, and their writers
+/// fence by visiting every CPU ([`visit`]). Registering still succeeds (the process registered
+/// once, before).
+pub fn refuse_membarrier() {
+    KERNEL
+        .fences_refused
+        .store(true, core::sync::atomic::Ordering::Relaxed);
+}
+
 /// The `membarrier` system call of `fence`: registering succeeds, a fence of one CPU (beyond
 /// the model CPUs: none, as for an offline CPU) or of every CPU ends the sections in flight
-/// there, anything else is refused with `EINVAL`. Returns what the system call would.
+/// there unless [`refuse_membarrier`] was called, anything else is refused with `EINVAL`.
+/// Returns what the system call would.
 pub(crate) fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), i32> {
+    if cmd == abi::MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ
+        && KERNEL
+            .fences_refused
+            .load(core::sync::atomic::Ordering::Relaxed)
+    {
+        return Err(libc::EPERM);
+    }
     match (cmd, flags) {
         (abi::MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED_RSEQ, 0) => Ok(()),
         (abi::MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ, abi::MEMBARRIER_CMD_FLAG_CPU) => {
@@ -175,6 +199,20 @@ pub(crate) fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), i32> {
         }
         _ => Err(libc::EINVAL),
     }
+}
+
+/// `fence::visit_cpu`: the calling thread runs on `cpu` for a moment, then back where it was,
+/// which is all a visit guarantees: the arrival preempts the section in flight there (it aborts)
+/// and, with the CPU's lock, orders the visitor's earlier stores before what the CPU runs next.
+/// A CPU beyond the model's needs no visit (the kernel's `EINVAL`, which the visit takes as
+/// done).
+pub(crate) fn visit(cpu: u32) {
+    if cpu as usize >= cpus() {
+        return;
+    }
+    let home = current();
+    run_on(cpu);
+    run_on(home);
 }
 
 /// `FUTEX_WAIT`: sleeps while `word` holds `expected`, until a `futex_wake` of the word

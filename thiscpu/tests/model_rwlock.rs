@@ -53,6 +53,9 @@ enum Mode {
     Sections,
     /// `SeqCst` atomic adds and `SeqCst` fences, as without rseq or `membarrier`.
     Atomic,
+    /// Sections, with `membarrier` refused once the lock is made (a seccomp filter installed
+    /// later): writers fence by visiting every CPU.
+    Visiting,
 }
 
 fn new_lock() -> Arc<RwLock<Pair>> {
@@ -64,15 +67,18 @@ fn new_lock_in(mode: Mode) -> Arc<RwLock<Pair>> {
         words: UnsafeCell::new([0, 0]),
     };
     let lock = Arc::new(match mode {
-        Mode::Sections => RwLock::new(pair),
+        Mode::Sections | Mode::Visiting => RwLock::new(pair),
         Mode::Atomic => RwLock::new_in_atomic_mode(pair),
     });
     match mode {
-        Mode::Sections => assert!(
+        Mode::Sections | Mode::Visiting => assert!(
             lock.uses_rseq(),
             "the model registers every thread and fences"
         ),
         Mode::Atomic => assert!(!lock.uses_rseq()),
+    }
+    if let Mode::Visiting = mode {
+        model::refuse_membarrier();
     }
     lock
 }
@@ -89,6 +95,13 @@ fn a_reader_and_a_writer_never_overlap() {
 #[test]
 fn a_reader_and_a_writer_never_overlap_in_the_atomic_mode() {
     a_reader_and_a_writer("a reader and a writer, atomic mode", Mode::Atomic);
+}
+
+/// The same with `membarrier` refused after the lock was made: the writer's visits to each
+/// CPU stand for its fences.
+#[test]
+fn a_reader_and_a_writer_never_overlap_when_the_writer_visits() {
+    a_reader_and_a_writer("a reader and a writer, visiting", Mode::Visiting);
 }
 
 fn a_reader_and_a_writer(name: &str, mode: Mode) {
@@ -149,6 +162,15 @@ fn a_blocked_reader_and_a_waiting_writer_both_finish_in_the_atomic_mode() {
     a_blocked_reader_and_a_waiting_writer(
         "a blocked reader and a waiting writer, atomic mode",
         Mode::Atomic,
+    );
+}
+
+/// The same with `membarrier` refused after the lock was made.
+#[test]
+fn a_blocked_reader_and_a_waiting_writer_both_finish_when_the_writer_visits() {
+    a_blocked_reader_and_a_waiting_writer(
+        "a blocked reader and a waiting writer, visiting",
+        Mode::Visiting,
     );
 }
 
@@ -229,6 +251,16 @@ fn two_readers_one_migrating_and_a_writer_in_the_atomic_mode() {
     two_readers_and_a_writer(
         "two readers, one migrating, and a writer, atomic mode",
         Mode::Atomic,
+    );
+}
+
+/// The same with `membarrier` refused after the lock was made: the visits must end the
+/// sections in flight on each CPU, and order each CPU's counts before the writer's sums.
+#[test]
+fn two_readers_one_migrating_and_a_writer_that_visits() {
+    two_readers_and_a_writer(
+        "two readers, one migrating, and a writer, visiting",
+        Mode::Visiting,
     );
 }
 

@@ -382,3 +382,34 @@ fn two_writers_and_a_reader() {
         assert_eq!(lock.read().read(), [2, 2], "a write lost");
     });
 }
+
+/// A reader holds the lock on CPU 0 while a `try_write` on CPU 1 sets the flag, finds the
+/// reader inside and gives up, and a second reader on CPU 1 blocks behind that flag: the
+/// failed `try_write` must wake the second reader when it clears the flag.
+#[test]
+fn a_failed_try_write_wakes_the_readers_it_stopped() {
+    explore("a failed try_write and a reader asleep behind it", || {
+        let lock = new_lock();
+        // Not dropped while loom's report of a deadlock unwinds: its exit would be a loom step
+        // with no thread to run it, a second panic that aborts the test executable.
+        let holder = core::mem::ManuallyDrop::new(lock.read());
+        let writer = {
+            let lock = lock.clone();
+            thread::spawn(move || {
+                model::run_on(1);
+                assert!(lock.try_write().is_none(), "a writer with a reader inside");
+            })
+        };
+        let reader = {
+            let lock = lock.clone();
+            thread::spawn(move || {
+                model::run_on(1);
+                let [a, b] = lock.read().read();
+                assert_eq!(a, b, "a half-written value");
+            })
+        };
+        writer.join().unwrap();
+        reader.join().unwrap();
+        drop(core::mem::ManuallyDrop::into_inner(holder));
+    });
+}

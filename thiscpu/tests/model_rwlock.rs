@@ -350,8 +350,24 @@ fn a_reader_asleep_behind_a_writer_is_woken() {
 /// interleavings from about 60 000 to 400 000 (the blocking reader has checks of its own).
 #[test]
 fn two_writers_and_a_reader() {
-    explore("two writers and a reader", || {
-        let lock = new_lock();
+    two_writers_and_a_reader_in("two writers and a reader", Mode::Sections);
+}
+
+/// The same in the atomic mode.
+#[test]
+fn two_writers_and_a_reader_in_the_atomic_mode() {
+    two_writers_and_a_reader_in("two writers and a reader, atomic mode", Mode::Atomic);
+}
+
+/// The same with `membarrier` refused after the lock was made.
+#[test]
+fn two_writers_that_visit_and_a_reader() {
+    two_writers_and_a_reader_in("two writers and a reader, visiting", Mode::Visiting);
+}
+
+fn two_writers_and_a_reader_in(name: &str, mode: Mode) {
+    explore(name, move || {
+        let lock = new_lock_in(mode);
         let writer = {
             let lock = lock.clone();
             thread::spawn(move || {

@@ -296,7 +296,7 @@ impl<T> Drop for Core<T> {
         let values = retired
             .iter()
             .map(|r| r.value)
-            .chain(Some(*self.current.get_mut()).filter(|&raw| raw != 0));
+            .chain(Some(self.current.load(Ordering::Relaxed)).filter(|&raw| raw != 0));
         for raw in values {
             // SAFETY: the cell is dropped, so no reader is pinned (guards borrow it); its
             // count of each value it holds, current or retired, is given up once.

@@ -314,6 +314,7 @@ impl std::error::Error for VisitRefused {}
 
 /// The CPU the calling thread runs on, from the `getcpu` system call (never from rseq, which a
 /// thread without it lacks, nor from a vDSO whose answer nothing here can check).
+#[cfg(not(thiscpu_model))]
 fn kernel_cpu() -> Option<u32> {
     let mut cpu = u32::MAX;
     // SAFETY: getcpu writes one `unsigned int` through a valid pointer; the node and cache
@@ -330,6 +331,7 @@ fn kernel_cpu() -> Option<u32> {
 }
 
 /// How many times a visit re-pins a thread that something else moved away meanwhile.
+#[cfg(not(thiscpu_model))]
 const VISIT_TRIES: u32 = 8;
 
 /// Fences CPU `cpu` without `membarrier`, by running the calling thread there: when this returns
@@ -364,6 +366,18 @@ const VISIT_TRIES: u32 = 8;
 /// thiscpu::fence::visit_cpu(cpu).unwrap();
 /// ```
 pub fn visit_cpu(cpu: u32) -> Result<(), VisitRefused> {
+    #[cfg(thiscpu_model)]
+    {
+        crate::arch::model::visit(cpu);
+        Ok(())
+    }
+    #[cfg(not(thiscpu_model))]
+    visit_by_affinity(cpu)
+}
+
+/// The visit: pins the thread to `cpu` until the kernel shows it there.
+#[cfg(not(thiscpu_model))]
+fn visit_by_affinity(cpu: u32) -> Result<(), VisitRefused> {
     for _ in 0..VISIT_TRIES {
         // Restores the previous affinity when dropped.
         let _visiting = match crate::topology::pin_to_beyond_mask(cpu) {

@@ -1,13 +1,14 @@
-//! Sleeping until a 32-bit word changes: `futex` on Linux; under the model checker, a yield
-//! (loom runs its threads on one OS thread, where a sleep would never end).
+//! Sleeping until a 32-bit word changes: `futex` on Linux; under the model checker, the model
+//! machine's futex (loom runs its threads on one OS thread, where a real sleep would never end),
+//! which sleeps until woken, so that a wake-up the protocol forgets fails the check.
 //!
 //! # Safety
 //! `futex` reads the word at the address it is given; the word is a live atomic each time.
 
+#[cfg(thiscpu_model)]
+pub(crate) use crate::sync::atomic::AtomicU32;
 #[cfg(not(thiscpu_model))]
 pub(crate) use core::sync::atomic::AtomicU32;
-#[cfg(thiscpu_model)]
-pub(crate) use loom::sync::atomic::AtomicU32;
 
 /// Sleeps while `word` holds `expected` (or returns at once if it does not; spurious returns
 /// happen: callers check their condition again).
@@ -40,12 +41,13 @@ pub(crate) fn wake(word: &AtomicU32, count: i32) {
     }
 }
 
+/// The model kernel's futex, which keeps a waiter asleep until a wake of its word.
 #[cfg(thiscpu_model)]
 pub(crate) fn wait(word: &AtomicU32, expected: u32) {
-    if word.load(core::sync::atomic::Ordering::Relaxed) == expected {
-        loom::thread::yield_now();
-    }
+    crate::arch::model::futex_wait(word, expected);
 }
 
 #[cfg(thiscpu_model)]
-pub(crate) fn wake(_word: &AtomicU32, _count: i32) {}
+pub(crate) fn wake(word: &AtomicU32, count: i32) {
+    crate::arch::model::futex_wake(word, count);
+}

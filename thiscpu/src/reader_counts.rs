@@ -181,7 +181,7 @@ impl<const PHASES: usize> ReaderCounts<PHASES> {
         Self::in_mode(by_sections)
     }
 
-    fn in_mode(by_sections: bool) -> Self {
+    pub(crate) fn in_mode(by_sections: bool) -> Self {
         let words = Words::new();
         let section_rows = if by_sections { words.cpus } else { 0 };
         ReaderCounts {

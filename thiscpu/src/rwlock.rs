@@ -147,6 +147,19 @@ impl<T> RwLock<T> {
     }
 }
 
+#[cfg(thiscpu_model)]
+impl<T> RwLock<T> {
+    /// A lock in the atomic mode, which the model machine (rseq and `membarrier` everywhere)
+    /// would never choose: for the model checks of that mode.
+    #[doc(hidden)]
+    pub fn new_in_atomic_mode(value: T) -> Self {
+        RwLock {
+            readers: ReaderCounts::in_mode(false),
+            ..RwLock::new(value)
+        }
+    }
+}
+
 impl<T: Default> Default for RwLock<T> {
     fn default() -> Self {
         RwLock::new(T::default())

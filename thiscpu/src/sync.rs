@@ -10,13 +10,15 @@
 //! to a value that a protocol hands between threads.
 //!
 //! Under `--cfg thiscpu_model`:
-//! - [`atomic::AtomicU64`] and [`atomic::AtomicUsize`] are loom's, wrapped to keep an
-//!   `as_ptr`: the pointer it gives is the wrapper's own address, not a `u64`'s, and only the
-//!   model's sections read through it (`arch::model` turns it back into the atomic). Every word
-//!   a section addresses must therefore be one of these; a type whose words are still
-//!   `core`'s (`Counter`, `Histogram`, the dense rows) must not run under the model.
-//!   `AtomicBool`, `Ordering` and `fence` are loom's too; the other atomics stay `core`'s
-//!   (the process decision's statics need their `const fn new`).
+//! - [`atomic::AtomicU32`], [`atomic::AtomicU64`] and [`atomic::AtomicUsize`] are loom's,
+//!   wrapped to keep an `as_ptr`: the pointer it gives is the wrapper's own address, not an
+//!   integer's, and only the model's sections read through it (`arch::model` turns it back into
+//!   the atomic). Every word a section addresses must therefore be one of these; a type whose
+//!   words are still `core`'s (`Counter`, `Histogram`, the dense rows) must not run under the
+//!   model. The wrappers' `SeqCst` loads, stores, swaps, adds and compare-exchanges are a
+//!   `SeqCst` fence followed by the access (see `seq_cst_as_fence`); their other methods are
+//!   loom's. `AtomicBool`, `Ordering` and `fence` are loom's too; the other atomics stay
+//!   `core`'s (the process decision's statics need their `const fn new`).
 //! - [`Mutex`] is loom's: a `std` lock held by one model thread would block the whole model.
 //! - [`thread_local!`] is loom's: the model runs its threads on one OS thread.
 //! - [`yield_now`] lets the model run another thread; a waiting loop that spins without it
@@ -103,9 +105,62 @@ pub(crate) mod atomic {
                 /// # Safety
                 /// `ptr` came from `as_ptr` (or is its place in an array of this type), and the
                 /// atomic outlives `'a`.
+                #[allow(dead_code)]
                 pub(crate) unsafe fn from_ptr<'a>(ptr: *mut $int) -> &'a $name {
                     // SAFETY: the caller's contract: `ptr` is the address of a live `$name`.
                     unsafe { &*ptr.cast::<$name>() }
+                }
+
+                #[allow(dead_code)]
+                #[track_caller]
+                pub(crate) fn load(&self, order: Ordering) -> $int {
+                    self.0.load(seq_cst_as_fence(order, Ordering::Acquire))
+                }
+
+                #[allow(dead_code)]
+                #[track_caller]
+                pub(crate) fn store(&self, value: $int, order: Ordering) {
+                    self.0
+                        .store(value, seq_cst_as_fence(order, Ordering::Release))
+                }
+
+                #[allow(dead_code)]
+                #[track_caller]
+                pub(crate) fn swap(&self, value: $int, order: Ordering) -> $int {
+                    self.0
+                        .swap(value, seq_cst_as_fence(order, Ordering::AcqRel))
+                }
+
+                #[allow(dead_code)]
+                #[track_caller]
+                pub(crate) fn fetch_add(&self, value: $int, order: Ordering) -> $int {
+                    self.0
+                        .fetch_add(value, seq_cst_as_fence(order, Ordering::AcqRel))
+                }
+
+                #[allow(dead_code)]
+                #[track_caller]
+                pub(crate) fn compare_exchange(
+                    &self,
+                    current: $int,
+                    new: $int,
+                    success: Ordering,
+                    failure: Ordering,
+                ) -> Result<$int, $int> {
+                    if success == Ordering::SeqCst || failure == Ordering::SeqCst {
+                        fence(Ordering::SeqCst);
+                    }
+                    let success = if success == Ordering::SeqCst {
+                        Ordering::AcqRel
+                    } else {
+                        success
+                    };
+                    let failure = if failure == Ordering::SeqCst {
+                        Ordering::Acquire
+                    } else {
+                        failure
+                    };
+                    self.0.compare_exchange(current, new, success, failure)
                 }
             }
 
@@ -119,6 +174,26 @@ pub(crate) mod atomic {
         };
     }
 
+    /// A `SeqCst` access as loom can check it: a `SeqCst` fence, then the access with
+    /// `strong` (acquire, release, or both) ordering. loom models `SeqCst` fences, but treats
+    /// `SeqCst` accesses as acquire and release ones (besides a rule about `SeqCst` stores), so it
+    /// would report executions that the language forbids, where a writer's fence misses a
+    /// reader's `SeqCst` add and the reader's `SeqCst` load misses the writer's flag. The fence
+    /// before each access is how compilers implement `SeqCst` on POWER, so the executions
+    /// loom then explores are ones a real machine can run. It is stronger than the language
+    /// in one way: the fence also orders the thread's earlier non-`SeqCst` accesses before its
+    /// later ones, so a protocol that needs a fence there and has only a `SeqCst` access passes.
+    /// Other orderings are unchanged.
+    fn seq_cst_as_fence(order: Ordering, strong: Ordering) -> Ordering {
+        if order == Ordering::SeqCst {
+            fence(Ordering::SeqCst);
+            strong
+        } else {
+            order
+        }
+    }
+
+    addressable!(AtomicU32, u32);
     addressable!(AtomicU64, u64);
     addressable!(AtomicUsize, usize);
 }

@@ -101,7 +101,8 @@ pub(crate) use imp::*;
 pub mod model;
 #[cfg(thiscpu_model)]
 pub(crate) use model::{
-    field_at, load_add_store, load_cbeq_load_store, load_cbne_store, stack_pop, stack_push,
+    active_field, field_at, load_add_store, load_cbeq_load_store, load_cbne_store, stack_pop,
+    stack_push,
 };
 
 use crate::abi::Rseq;

@@ -1,7 +1,7 @@
 //! A model machine for the model checker: the restartable sequences, the CPU a thread runs on
 //! and the `membarrier` fences, as loom steps, in builds with `RUSTFLAGS="--cfg thiscpu_model"`
-//! only (`arch` then takes the sections and `field_at` from here instead of the real
-//! architecture file, which still provides the rest of the contract).
+//! only (`arch` then takes the sections, `field_at` and `active_field` from here instead of the
+//! real architecture file, which still provides the rest of the contract).
 //!
 //! # The machine
 //! [`cpus`] model CPUs (2 unless a test sets another number with [`set_cpus`]). Each model
@@ -35,7 +35,11 @@
 //! under the model) says that thiscpu registers every thread, and `field_at` answers the
 //! model CPU for `cpu_id` and `mm_cid`, so every model thread has a registered area and
 //! `registration` never runs. `mm_cid` is never reported usable, so by-`mm_cid` types spread
-//! by CPU. `membarrier` stands in for the system call of `fence` and always succeeds.
+//! by CPU. `membarrier` stands in for the system call of `fence` and succeeds unless a test
+//! calls [`refuse_membarrier`]; then `fence::visit_cpu` runs the thread on the CPU it fences
+//! (`visit`), as the real one does.
+//! `futex_wait` and `futex_wake` stand in for `park`'s futex: a waiter sleeps until a
+//! wake of its word, so a forgotten wake-up leaves it asleep, and loom reports the deadlock.
 
 use super::{AreaOffset, Outcome, StackHead, StackOutcome};
 use crate::abi::{self, offset};
@@ -58,6 +62,36 @@ struct Cpu {
 loom::lazy_static! {
     /// The model CPUs of the current execution (made anew for each one).
     static ref MACHINE: Vec<Cpu> = (0..MAX_CPUS).map(|_| Cpu { generation: Mutex::new(0) }).collect();
+}
+
+/// The futex of the model kernel: the threads asleep, each on the word at an address. A wait
+/// that took the lock compared its word under it, so a wake that takes the lock after a change
+/// to the word either finds the sleeper queued or was seen by its comparison.
+struct Futex {
+    sleepers: Vec<Sleeper>,
+    tickets: u64,
+}
+
+/// A thread asleep on a word until a wake takes its ticket out of the queue.
+struct Sleeper {
+    word: usize,
+    ticket: u64,
+    thread: loom::thread::Thread,
+}
+
+/// The kernel's side of the model machine (made anew for each execution).
+struct Kernel {
+    futex: Mutex<Futex>,
+    /// Whether `membarrier` refuses fences now (see [`refuse_membarrier`]): a plain atomic,
+    /// since the kernel's filter is not memory that the protocols order.
+    fences_refused: core::sync::atomic::AtomicBool,
+}
+
+loom::lazy_static! {
+    static ref KERNEL: Kernel = Kernel {
+        futex: Mutex::new(Futex { sleepers: Vec::new(), tickets: 0 }),
+        fences_refused: core::sync::atomic::AtomicBool::new(false),
+    };
 }
 
 loom::thread_local! {
@@ -129,10 +163,28 @@ fn lock(cpu: u32) -> loom::sync::MutexGuard<'static, u64> {
         .expect("no model thread panics while it holds a CPU")
 }
 
+/// From now on in this execution, `membarrier` refuses fences with `EPERM`, as under a seccomp
+/// filter installed after start-up: objects made before keep their mode, and their writers
+/// fence by visiting every CPU ([`visit`]). Registering still succeeds (the process registered
+/// once, before).
+pub fn refuse_membarrier() {
+    KERNEL
+        .fences_refused
+        .store(true, core::sync::atomic::Ordering::Relaxed);
+}
+
 /// The `membarrier` system call of `fence`: registering succeeds, a fence of one CPU (beyond
 /// the model CPUs: none, as for an offline CPU) or of every CPU ends the sections in flight
-/// there, anything else is refused with `EINVAL`. Returns what the system call would.
+/// there unless [`refuse_membarrier`] was called, anything else is refused with `EINVAL`.
+/// Returns what the system call would.
 pub(crate) fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), i32> {
+    if cmd == abi::MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ
+        && KERNEL
+            .fences_refused
+            .load(core::sync::atomic::Ordering::Relaxed)
+    {
+        return Err(libc::EPERM);
+    }
     match (cmd, flags) {
         (abi::MEMBARRIER_CMD_REGISTER_PRIVATE_EXPEDITED_RSEQ, 0) => Ok(()),
         (abi::MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ, abi::MEMBARRIER_CMD_FLAG_CPU) => {
@@ -149,6 +201,75 @@ pub(crate) fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), i32> {
     }
 }
 
+/// `fence::visit_cpu`: the calling thread runs on `cpu` for a moment, then back where it was,
+/// which is all a visit guarantees: the arrival preempts the section in flight there (it aborts)
+/// and, with the CPU's lock, orders the visitor's earlier stores before what the CPU runs next.
+/// A CPU beyond the model's needs no visit (the kernel's `EINVAL`, which the visit takes as
+/// done).
+pub(crate) fn visit(cpu: u32) {
+    if cpu as usize >= cpus() {
+        return;
+    }
+    let home = current();
+    run_on(cpu);
+    run_on(home);
+}
+
+/// `FUTEX_WAIT`: sleeps while `word` holds `expected`, until a `futex_wake` of the word
+/// takes this thread out of the queue. The real call also returns on a signal; the model's
+/// never returns unwoken, since such a return would hide a wake-up the protocol forgot: a
+/// thread that nobody wakes stays asleep for ever, which loom reports as a deadlock.
+pub(crate) fn futex_wait(word: &crate::sync::atomic::AtomicU32, expected: u32) {
+    let ticket = {
+        let mut futex = lock_futex();
+        // Relaxed, as the kernel reads it: the lock, which wakes take too, is what orders this
+        // comparison with a change made before a wake.
+        if word.load(Ordering::Relaxed) != expected {
+            return;
+        }
+        let ticket = futex.tickets;
+        futex.tickets += 1;
+        futex.sleepers.push(Sleeper {
+            word: address(word),
+            ticket,
+            thread: loom::thread::current(),
+        });
+        ticket
+    };
+    loop {
+        loom::thread::park();
+        if !lock_futex().sleepers.iter().any(|s| s.ticket == ticket) {
+            return;
+        }
+    }
+}
+
+/// `FUTEX_WAKE`: wakes up to `count` threads asleep on `word`, the longest asleep first.
+pub(crate) fn futex_wake(word: &crate::sync::atomic::AtomicU32, count: i32) {
+    let word = address(word);
+    let mut futex = lock_futex();
+    let mut woken = 0;
+    futex.sleepers.retain(|sleeper| {
+        if sleeper.word != word || woken >= count {
+            return true;
+        }
+        woken += 1;
+        sleeper.thread.unpark();
+        false
+    });
+}
+
+fn address(word: &crate::sync::atomic::AtomicU32) -> usize {
+    core::ptr::from_ref(word).addr()
+}
+
+fn lock_futex() -> loom::sync::MutexGuard<'static, Futex> {
+    KERNEL
+        .futex
+        .lock()
+        .expect("no model thread panics in the futex")
+}
+
 /// The area's field `FIELD`: the model CPU for `cpu_id` and `mm_cid`, the real area's field
 /// otherwise.
 pub(crate) fn field_at<const FIELD: usize>(area: AreaOffset) -> i32 {
@@ -157,6 +278,12 @@ pub(crate) fn field_at<const FIELD: usize>(area: AreaOffset) -> i32 {
     } else {
         super::imp::field_at::<FIELD>(area)
     }
+}
+
+/// The active area's field `FIELD`, as [`field_at`] answers it: `current_cpu()` (the atomic
+/// mode's rows, the fallbacks) must see the model CPU too, not the CPU that runs the test.
+pub(crate) fn active_field<const FIELD: usize>() -> i32 {
+    field_at::<FIELD>(super::imp::area_offset())
 }
 
 /// A section in flight: the CPU it started on and that CPU's generation then.

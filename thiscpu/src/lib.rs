@@ -187,7 +187,9 @@ pub use ops::{ByCpu, ByMmCid, Spread};
 pub use percpu::{CachePadded, PerCpu};
 pub use pool::{Pool, Pooled};
 pub use registration::{Registrar, RseqMode, Unavailable};
-pub use rwlock::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+pub use rwlock::{
+    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
+};
 pub use sharded::{ShardGuard, Sharded};
 pub use via::{CpuNode, CpuSource};
 

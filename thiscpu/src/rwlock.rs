@@ -8,6 +8,8 @@
 use crate::park::{self, AtomicU32};
 use crate::reader_counts::ReaderCounts;
 use core::cell::UnsafeCell;
+use core::marker::PhantomData;
+use core::ptr::NonNull;
 use core::sync::atomic::Ordering;
 
 /// `state`: a writer holds the lock or is waiting for the readers to leave.
@@ -115,12 +117,18 @@ const PHASE: usize = 0;
 /// system calls), or for long read sections that writers must wait out. `std::sync::RwLock` or
 /// `parking_lot::RwLock` serve those.
 pub struct RwLock<T: ?Sized> {
+    raw: Raw,
+    data: UnsafeCell<T>,
+}
+
+/// The lock without its data: what a guard needs to release it, whatever the data's type (a
+/// mapped guard no longer names `T`).
+struct Raw {
     readers: ReaderCounts<1>,
     /// `WRITER | PARKED`; written only by writers and by threads that go to sleep.
     state: AtomicU32,
     /// Bumped by a reader that leaves while a writer waits, to wake it.
     leaves: AtomicU32,
-    data: UnsafeCell<T>,
 }
 
 // SAFETY: the lock owns its `T`; sending the lock sends the `T`.
@@ -134,9 +142,11 @@ impl<T> RwLock<T> {
     /// [Modes](RwLock#modes)).
     pub fn new(value: T) -> Self {
         RwLock {
-            readers: ReaderCounts::new(),
-            state: AtomicU32::new(0),
-            leaves: AtomicU32::new(0),
+            raw: Raw {
+                readers: ReaderCounts::new(),
+                state: AtomicU32::new(0),
+                leaves: AtomicU32::new(0),
+            },
             data: UnsafeCell::new(value),
         }
     }
@@ -153,10 +163,9 @@ impl<T> RwLock<T> {
     /// would never choose: for the model checks of that mode.
     #[doc(hidden)]
     pub fn new_in_atomic_mode(value: T) -> Self {
-        RwLock {
-            readers: ReaderCounts::in_mode(false),
-            ..RwLock::new(value)
-        }
+        let mut lock = RwLock::new(value);
+        lock.raw.readers = ReaderCounts::in_mode(false);
+        lock
     }
 }
 
@@ -166,46 +175,32 @@ impl<T: Default> Default for RwLock<T> {
     }
 }
 
-impl<T: ?Sized> RwLock<T> {
-    /// Locks for reading, sleeping while a writer holds the lock or waits for it.
-    ///
-    /// Deadlocks if this thread holds the lock for writing, or for reading while a writer waits
-    /// (see [Recursion](RwLock#recursion-signals-fork)).
+impl Raw {
+    /// Counts this thread in as a reader unless a writer holds the lock or waits for it.
     #[inline]
-    pub fn read(&self) -> RwLockReadGuard<'_, T> {
-        loop {
-            if let Some(guard) = self.try_read() {
-                return guard;
-            }
-            self.wait_for_writer();
-        }
-    }
-
-    /// Locks for reading unless a writer holds the lock or waits for it.
-    ///
-    /// ```
-    /// let lock = thiscpu::RwLock::new(1);
-    /// let writing = lock.write();
-    /// assert!(lock.try_read().is_none());
-    /// drop(writing);
-    /// assert_eq!(*lock.try_read().unwrap(), 1);
-    /// ```
-    #[inline]
-    pub fn try_read(&self) -> Option<RwLockReadGuard<'_, T>> {
+    fn try_read(&self) -> bool {
         // A reader that sees the flag set stays out of the counts: counting in and out while a
         // writer drains would make every drain check of that writer see sums that moved, and
         // a thread polling `try_read` could keep the writer fencing for ever.
         if self.state.load(Ordering::Relaxed) & WRITER != 0 {
-            return None;
+            return false;
         }
         self.readers.enter(PHASE);
         // The writer's fence orders this load after the entry (see the type's documentation);
         // acquire: a clear flag stored by a writer's release publishes its data.
         if self.state.load(Ordering::SeqCst) & WRITER == 0 {
-            return Some(RwLockReadGuard { lock: self });
+            return true;
         }
         self.leave();
-        None
+        false
+    }
+
+    /// As `try_read`, sleeping while a writer is in the way.
+    #[inline]
+    fn read(&self) {
+        while !self.try_read() {
+            self.wait_while(WRITER);
+        }
     }
 
     /// A reader's exit: counted, then a waiting writer woken.
@@ -226,13 +221,13 @@ impl<T: ?Sized> RwLock<T> {
         park::wake(&self.leaves, 1);
     }
 
-    /// Sleeps until no writer holds the lock or waits for it.
+    /// Sleeps until none of `bits` is set in `state`.
     #[cold]
     #[inline(never)]
-    fn wait_for_writer(&self) {
+    fn wait_while(&self, bits: u32) {
         loop {
             let state = self.state.load(Ordering::Relaxed);
-            if state & WRITER == 0 {
+            if state & bits == 0 {
                 return;
             }
             if state & PARKED == 0
@@ -247,37 +242,103 @@ impl<T: ?Sized> RwLock<T> {
         }
     }
 
-    /// Locks for writing: waits for other writers, stops new readers, and waits for the
-    /// readers inside to leave. Deadlocks if this thread holds the lock.
-    pub fn write(&self) -> RwLockWriteGuard<'_, T> {
+    /// Takes `bit` (`WRITER`) if no writer holds the lock.
+    fn try_take(&self, bit: u32) -> bool {
         loop {
             let state = self.state.load(Ordering::Relaxed);
-            if state & WRITER == 0 {
-                if self
-                    .state
-                    .compare_exchange(state, state | WRITER, Ordering::SeqCst, Ordering::Relaxed)
-                    .is_ok()
-                {
-                    break;
-                }
-                continue;
+            if state & WRITER != 0 {
+                return false;
             }
-            self.wait_for_writer();
+            // Acquire: the last writer's release publishes its data to this holder. A failure
+            // is a sleeper setting `PARKED`: look again.
+            if self
+                .state
+                .compare_exchange(state, state | bit, Ordering::SeqCst, Ordering::Relaxed)
+                .is_ok()
+            {
+                return true;
+            }
         }
-        // The flag is this writer's: from here a panic (a fence that cannot be made) drops the
-        // guard, which releases the flag and wakes the sleepers, so the lock is left as it was
-        // found. The guard is handed out only once the readers have drained.
-        let writing = RwLockWriteGuard { lock: self };
+    }
+
+    /// As `try_take`, sleeping while another writer holds the lock.
+    fn take(&self, bit: u32) {
+        while !self.try_take(bit) {
+            self.wait_while(WRITER);
+        }
+    }
+
+    /// With `WRITER` set by this thread: fences, then waits for the readers inside to leave.
+    fn drain(&self) {
         // Readers that leave from now on see the flag and wake this writer (the fence orders
         // the flag before their exits' loads of it).
         self.readers.fence();
         loop {
             let leaves = self.leaves.load(Ordering::SeqCst);
             if self.readers.drained(PHASE) {
-                return writing;
+                return;
             }
             park::wait(&self.leaves, leaves);
         }
+    }
+
+    /// With `WRITER` held by this thread: leaves `state` at `keep` and wakes every sleeper
+    /// (readers and writers waiting for the flag to clear).
+    fn release_to(&self, keep: u32) {
+        // Release: readers that load the flag clear, and the next writer, see this writer's
+        // data.
+        if self.state.swap(keep, Ordering::SeqCst) & PARKED != 0 {
+            park::wake(&self.state, i32::MAX);
+        }
+    }
+
+    /// With `WRITER` held by this thread and the readers drained: counts this thread in as a
+    /// reader, then lets the others in.
+    fn downgrade_to_reader(&self) {
+        // No other writer can drain while this thread holds the flag, so entering with it
+        // set is safe; the entry is ordered before the release, which the next writer's
+        // acquire of the flag follows, so that writer's sums see this reader.
+        self.readers.enter(PHASE);
+        self.release_to(0);
+    }
+}
+
+impl<T: ?Sized> RwLock<T> {
+    /// Locks for reading, sleeping while a writer holds the lock or waits for it.
+    ///
+    /// Deadlocks if this thread holds the lock for writing, or for reading while a writer waits
+    /// (see [Recursion](RwLock#recursion-signals-fork)).
+    #[inline]
+    pub fn read(&self) -> RwLockReadGuard<'_, T> {
+        self.raw.read();
+        RwLockReadGuard { lock: self }
+    }
+
+    /// Locks for reading unless a writer holds the lock or waits for it.
+    ///
+    /// ```
+    /// let lock = thiscpu::RwLock::new(1);
+    /// let writing = lock.write();
+    /// assert!(lock.try_read().is_none());
+    /// drop(writing);
+    /// assert_eq!(*lock.try_read().unwrap(), 1);
+    /// ```
+    #[inline]
+    pub fn try_read(&self) -> Option<RwLockReadGuard<'_, T>> {
+        // Lazily: a guard made and dropped on failure would count an exit without its entry.
+        self.raw.try_read().then(|| RwLockReadGuard { lock: self })
+    }
+
+    /// Locks for writing: waits for other writers, stops new readers, and waits for the
+    /// readers inside to leave. Deadlocks if this thread holds the lock.
+    pub fn write(&self) -> RwLockWriteGuard<'_, T> {
+        self.raw.take(WRITER);
+        // The flag is this writer's: from here a panic (a fence that cannot be made) drops the
+        // guard, which releases the flag and wakes the sleepers, so the lock is left as it was
+        // found. The guard is handed out only once the readers have drained.
+        let writing = RwLockWriteGuard { lock: self };
+        self.raw.drain();
+        writing
     }
 
     /// Locks for writing if no other writer holds the lock and no reader is inside; never
@@ -292,30 +353,16 @@ impl<T: ?Sized> RwLock<T> {
     /// assert_eq!(*lock.read(), 2);
     /// ```
     pub fn try_write(&self) -> Option<RwLockWriteGuard<'_, T>> {
-        let state = self.state.load(Ordering::Relaxed);
-        if state & WRITER != 0
-            || self
-                .state
-                .compare_exchange(state, state | WRITER, Ordering::SeqCst, Ordering::Relaxed)
-                .is_err()
-        {
+        if !self.raw.try_take(WRITER) {
             return None;
         }
         // As in `write`: a panic in the fences releases the flag.
         let writing = RwLockWriteGuard { lock: self };
-        self.readers.fence();
-        if self.readers.drained(PHASE) {
+        if self.raw.fence_and_check() {
             return Some(writing);
         }
         drop(writing);
         None
-    }
-
-    fn release_writer(&self) {
-        // Release: readers that load the flag clear see the writer's data.
-        if self.state.swap(0, Ordering::SeqCst) & PARKED != 0 {
-            park::wake(&self.state, i32::MAX);
-        }
     }
 
     /// The value, through the exclusive borrow (no locking).
@@ -333,23 +380,31 @@ impl<T: ?Sized> RwLock<T> {
     /// }
     /// ```
     pub fn uses_rseq(&self) -> bool {
-        self.readers.by_sections()
+        self.raw.readers.by_sections()
     }
 
     /// Bytes of per-CPU reader counts this lock holds (besides itself and `T`).
     pub fn counts_bytes(&self) -> usize {
-        self.readers.bytes()
+        self.raw.readers.bytes()
     }
 
     /// Whether a writer holds the lock or waits for it now.
     pub fn is_write_locked(&self) -> bool {
-        self.state.load(Ordering::Relaxed) & WRITER != 0
+        self.raw.state.load(Ordering::Relaxed) & WRITER != 0
     }
 
     /// Readers inside now, from one unfenced look at the counts (a diagnostic; may be off
     /// while readers come and go).
     pub fn readers_inside(&self) -> u64 {
-        self.readers.inside(PHASE)
+        self.raw.readers.inside(PHASE)
+    }
+}
+
+impl Raw {
+    /// `try_write`'s single drain check: fence, then one look at the sums.
+    fn fence_and_check(&self) -> bool {
+        self.readers.fence();
+        self.readers.drained(PHASE)
     }
 }
 
@@ -372,6 +427,61 @@ pub struct RwLockReadGuard<'a, T: ?Sized> {
     lock: &'a RwLock<T>,
 }
 
+impl<'a, T: ?Sized> RwLockReadGuard<'a, T> {
+    /// A guard of a part of the data (a field, an element), which keeps the whole lock read
+    /// locked until dropped. An associated function, as `parking_lot`'s: `guard.map(..)` would
+    /// be a method of `T`.
+    ///
+    /// ```
+    /// use thiscpu::{RwLock, RwLockReadGuard};
+    /// let lock = RwLock::new((String::from("name"), 7));
+    /// let name = RwLockReadGuard::map(lock.read(), |pair| pair.0.as_str());
+    /// assert_eq!(&*name, "name");
+    /// assert!(lock.try_write().is_none(), "still read locked");
+    /// drop(name);
+    /// assert!(lock.try_write().is_some());
+    /// ```
+    pub fn map<U: ?Sized, F>(guard: Self, f: F) -> MappedRwLockReadGuard<'a, U>
+    where
+        F: FnOnce(&T) -> &U,
+    {
+        // A panic in `f` drops `guard`, which releases the lock.
+        let data = NonNull::from(f(&*guard));
+        let raw = &guard.lock.raw;
+        core::mem::forget(guard);
+        MappedRwLockReadGuard {
+            raw,
+            data,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// As [`map`](Self::map) where `f` may find no part: the original guard comes back then.
+    ///
+    /// ```
+    /// use thiscpu::{RwLock, RwLockReadGuard};
+    /// let lock = RwLock::new(vec![1, 2]);
+    /// let guard = RwLockReadGuard::try_map(lock.read(), |v| v.get(5)).unwrap_err();
+    /// let second = RwLockReadGuard::try_map(guard, |v| v.get(1)).unwrap();
+    /// assert_eq!(*second, 2);
+    /// ```
+    pub fn try_map<U: ?Sized, F>(guard: Self, f: F) -> Result<MappedRwLockReadGuard<'a, U>, Self>
+    where
+        F: FnOnce(&T) -> Option<&U>,
+    {
+        let Some(data) = f(&*guard).map(NonNull::from) else {
+            return Err(guard);
+        };
+        let raw = &guard.lock.raw;
+        core::mem::forget(guard);
+        Ok(MappedRwLockReadGuard {
+            raw,
+            data,
+            _borrow: PhantomData,
+        })
+    }
+}
+
 impl<T: ?Sized> core::ops::Deref for RwLockReadGuard<'_, T> {
     type Target = T;
     #[inline]
@@ -385,7 +495,7 @@ impl<T: ?Sized> core::ops::Deref for RwLockReadGuard<'_, T> {
 impl<T: ?Sized> Drop for RwLockReadGuard<'_, T> {
     #[inline]
     fn drop(&mut self) {
-        self.lock.leave();
+        self.lock.raw.leave();
     }
 }
 
@@ -399,6 +509,84 @@ impl<T: ?Sized + core::fmt::Debug> core::fmt::Debug for RwLockReadGuard<'_, T> {
 #[must_use = "the lock is released when the guard is dropped"]
 pub struct RwLockWriteGuard<'a, T: ?Sized> {
     lock: &'a RwLock<T>,
+}
+
+impl<'a, T: ?Sized> RwLockWriteGuard<'a, T> {
+    /// Turns the write lock into a read lock, atomically: no other writer gets the lock in
+    /// between, so the reader sees exactly what this writer left. Readers waiting for this
+    /// writer are let in. The writer counts itself as a reader before it releases the flag:
+    /// a writer that takes the flag next waits for it as for any reader.
+    ///
+    /// ```
+    /// use thiscpu::{RwLock, RwLockWriteGuard};
+    /// let lock = RwLock::new(1);
+    /// let mut writing = lock.write();
+    /// *writing = 2;
+    /// let reading = RwLockWriteGuard::downgrade(writing);
+    /// assert_eq!(*reading, 2);
+    /// assert!(lock.try_read().is_some(), "other readers get in");
+    /// assert!(lock.try_write().is_none(), "writers wait for the downgraded reader");
+    /// drop(reading);
+    /// assert!(lock.try_write().is_some());
+    /// ```
+    pub fn downgrade(guard: Self) -> RwLockReadGuard<'a, T> {
+        let lock = guard.lock;
+        core::mem::forget(guard);
+        lock.raw.downgrade_to_reader();
+        RwLockReadGuard { lock }
+    }
+
+    /// A guard of a part of the data, which keeps the whole lock write locked until dropped.
+    ///
+    /// ```
+    /// use thiscpu::{RwLock, RwLockWriteGuard};
+    /// let lock = RwLock::new((String::from("name"), 7));
+    /// let mut count = RwLockWriteGuard::map(lock.write(), |pair| &mut pair.1);
+    /// *count += 1;
+    /// drop(count);
+    /// assert_eq!(lock.read().1, 8);
+    /// ```
+    pub fn map<U: ?Sized, F>(guard: Self, f: F) -> MappedRwLockWriteGuard<'a, U>
+    where
+        F: FnOnce(&mut T) -> &mut U,
+    {
+        let mut guard = guard;
+        // A panic in `f` drops `guard`, which releases the lock.
+        let data = NonNull::from(f(&mut *guard));
+        let raw = &guard.lock.raw;
+        core::mem::forget(guard);
+        MappedRwLockWriteGuard {
+            raw,
+            data,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// As [`map`](Self::map) where `f` may find no part: the original guard comes back then.
+    ///
+    /// ```
+    /// use thiscpu::{RwLock, RwLockWriteGuard};
+    /// let lock = RwLock::new(vec![1, 2]);
+    /// let guard = RwLockWriteGuard::try_map(lock.write(), |v| v.get_mut(5)).unwrap_err();
+    /// *RwLockWriteGuard::try_map(guard, |v| v.get_mut(0)).unwrap() = 3;
+    /// assert_eq!(*lock.read(), [3, 2]);
+    /// ```
+    pub fn try_map<U: ?Sized, F>(guard: Self, f: F) -> Result<MappedRwLockWriteGuard<'a, U>, Self>
+    where
+        F: FnOnce(&mut T) -> Option<&mut U>,
+    {
+        let mut guard = guard;
+        let Some(data) = f(&mut *guard).map(NonNull::from) else {
+            return Err(guard);
+        };
+        let raw = &guard.lock.raw;
+        core::mem::forget(guard);
+        Ok(MappedRwLockWriteGuard {
+            raw,
+            data,
+            _borrow: PhantomData,
+        })
+    }
 }
 
 impl<T: ?Sized> core::ops::Deref for RwLockWriteGuard<'_, T> {
@@ -418,11 +606,169 @@ impl<T: ?Sized> core::ops::DerefMut for RwLockWriteGuard<'_, T> {
 
 impl<T: ?Sized> Drop for RwLockWriteGuard<'_, T> {
     fn drop(&mut self) {
-        self.lock.release_writer();
+        self.lock.raw.release_to(0);
     }
 }
 
 impl<T: ?Sized + core::fmt::Debug> core::fmt::Debug for RwLockWriteGuard<'_, T> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        (**self).fmt(f)
+    }
+}
+
+/// A read lock on an [`RwLock`] that reaches a part of its data, made by
+/// [`RwLockReadGuard::map`]: the whole lock stays read locked until it is dropped.
+#[must_use = "the lock is released when the guard is dropped"]
+pub struct MappedRwLockReadGuard<'a, U: ?Sized> {
+    raw: &'a Raw,
+    /// Points into the lock's data, which stays read locked while this guard lives.
+    data: NonNull<U>,
+    /// Shared access to a `U` for `'a`: covariant in `U`, as `&'a U` is (nothing is written
+    /// through it).
+    _borrow: PhantomData<&'a U>,
+}
+
+// SAFETY: the guard hands out `&U` on whichever thread holds it (needs `U: Sync`), and may
+// release the lock from another thread than the one that locked (the counts are per CPU, not
+// per thread).
+unsafe impl<U: ?Sized + Sync> Send for MappedRwLockReadGuard<'_, U> {}
+// SAFETY: a shared guard hands out `&U` to every thread that shares it.
+unsafe impl<U: ?Sized + Sync> Sync for MappedRwLockReadGuard<'_, U> {}
+
+impl<'a, U: ?Sized> MappedRwLockReadGuard<'a, U> {
+    /// A guard of a part of this part.
+    pub fn map<V: ?Sized, F>(guard: Self, f: F) -> MappedRwLockReadGuard<'a, V>
+    where
+        F: FnOnce(&U) -> &V,
+    {
+        let data = NonNull::from(f(&*guard));
+        let raw = guard.raw;
+        core::mem::forget(guard);
+        MappedRwLockReadGuard {
+            raw,
+            data,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// As [`map`](Self::map) where `f` may find no part: the original guard comes back then.
+    pub fn try_map<V: ?Sized, F>(guard: Self, f: F) -> Result<MappedRwLockReadGuard<'a, V>, Self>
+    where
+        F: FnOnce(&U) -> Option<&V>,
+    {
+        let Some(data) = f(&*guard).map(NonNull::from) else {
+            return Err(guard);
+        };
+        let raw = guard.raw;
+        core::mem::forget(guard);
+        Ok(MappedRwLockReadGuard {
+            raw,
+            data,
+            _borrow: PhantomData,
+        })
+    }
+}
+
+impl<U: ?Sized> core::ops::Deref for MappedRwLockReadGuard<'_, U> {
+    type Target = U;
+    #[inline]
+    fn deref(&self) -> &U {
+        // SAFETY: `data` came from a `&U` into the lock's data under a read lock that this
+        // guard still holds (it releases only when dropped), so no writer changes it.
+        unsafe { self.data.as_ref() }
+    }
+}
+
+impl<U: ?Sized> Drop for MappedRwLockReadGuard<'_, U> {
+    #[inline]
+    fn drop(&mut self) {
+        self.raw.leave();
+    }
+}
+
+impl<U: ?Sized + core::fmt::Debug> core::fmt::Debug for MappedRwLockReadGuard<'_, U> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        (**self).fmt(f)
+    }
+}
+
+/// A write lock on an [`RwLock`] that reaches a part of its data, made by
+/// [`RwLockWriteGuard::map`]: the whole lock stays write locked until it is dropped.
+#[must_use = "the lock is released when the guard is dropped"]
+pub struct MappedRwLockWriteGuard<'a, U: ?Sized> {
+    raw: &'a Raw,
+    /// Points into the lock's data, which this guard holds exclusively.
+    data: NonNull<U>,
+    /// Exclusive access to a `U` for `'a`: invariant in `U`, as `&'a mut U` is, since a `U`
+    /// is written through it (see `variance_checks`).
+    _borrow: PhantomData<&'a mut U>,
+}
+
+// SAFETY: the guard hands out `&mut U` on whichever thread holds it (needs `U: Send`), and
+// may release the lock from another thread than the one that locked.
+unsafe impl<U: ?Sized + Send> Send for MappedRwLockWriteGuard<'_, U> {}
+// SAFETY: a shared guard hands out only `&U`, to every thread that shares it.
+unsafe impl<U: ?Sized + Sync> Sync for MappedRwLockWriteGuard<'_, U> {}
+
+impl<'a, U: ?Sized> MappedRwLockWriteGuard<'a, U> {
+    /// A guard of a part of this part.
+    pub fn map<V: ?Sized, F>(guard: Self, f: F) -> MappedRwLockWriteGuard<'a, V>
+    where
+        F: FnOnce(&mut U) -> &mut V,
+    {
+        let mut guard = guard;
+        let data = NonNull::from(f(&mut *guard));
+        let raw = guard.raw;
+        core::mem::forget(guard);
+        MappedRwLockWriteGuard {
+            raw,
+            data,
+            _borrow: PhantomData,
+        }
+    }
+
+    /// As [`map`](Self::map) where `f` may find no part: the original guard comes back then.
+    pub fn try_map<V: ?Sized, F>(guard: Self, f: F) -> Result<MappedRwLockWriteGuard<'a, V>, Self>
+    where
+        F: FnOnce(&mut U) -> Option<&mut V>,
+    {
+        let mut guard = guard;
+        let Some(data) = f(&mut *guard).map(NonNull::from) else {
+            return Err(guard);
+        };
+        let raw = guard.raw;
+        core::mem::forget(guard);
+        Ok(MappedRwLockWriteGuard {
+            raw,
+            data,
+            _borrow: PhantomData,
+        })
+    }
+}
+
+impl<U: ?Sized> core::ops::Deref for MappedRwLockWriteGuard<'_, U> {
+    type Target = U;
+    fn deref(&self) -> &U {
+        // SAFETY: `data` came from a `&mut U` into the lock's data under the write lock that
+        // this guard still holds, and `&self` borrows the guard, so nothing writes meanwhile.
+        unsafe { self.data.as_ref() }
+    }
+}
+
+impl<U: ?Sized> core::ops::DerefMut for MappedRwLockWriteGuard<'_, U> {
+    fn deref_mut(&mut self) -> &mut U {
+        // SAFETY: as in `deref`; `&mut self` makes this borrow the only one.
+        unsafe { self.data.as_mut() }
+    }
+}
+
+impl<U: ?Sized> Drop for MappedRwLockWriteGuard<'_, U> {
+    fn drop(&mut self) {
+        self.raw.release_to(0);
+    }
+}
+
+impl<U: ?Sized + core::fmt::Debug> core::fmt::Debug for MappedRwLockWriteGuard<'_, U> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         (**self).fmt(f)
     }
@@ -438,18 +784,18 @@ mod tests {
         // thread polling `try_read` (or `Debug`) could keep it fencing for ever.
         let lock = RwLock::new(1);
         let writing = lock.write();
-        let before = lock.readers.entries(PHASE);
+        let before = lock.raw.readers.entries(PHASE);
         for _ in 0..100 {
             assert!(lock.try_read().is_none());
         }
         assert!(format!("{lock:?}").contains("<write-locked>"));
         assert_eq!(
-            lock.readers.entries(PHASE),
+            lock.raw.readers.entries(PHASE),
             before,
             "turned-away readers counted"
         );
         drop(writing);
         assert_eq!(*lock.try_read().unwrap(), 1);
-        assert_eq!(lock.readers.entries(PHASE), before + 1);
+        assert_eq!(lock.raw.readers.entries(PHASE), before + 1);
     }
 }

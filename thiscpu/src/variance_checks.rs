@@ -12,7 +12,8 @@
 //!   through `&self`. A `T` that can be written through `&T` (a `Cell`, a lock) is itself
 //!   invariant, and makes them so.
 //! - `RwLockReadGuard` and `EpochGuard` only read (they are invariant anyway, through the
-//!   borrow of their lock or cell).
+//!   borrow of their lock or cell). `MappedRwLockReadGuard<'_, U>` only reads too, and is
+//!   covariant in `U`, as `&U` is.
 //! - `Counter<S>`, `Adder<'_, S>` and `ops::Position<S>` hold no `T`: `S` is a sealed marker
 //!   of the spread. The covariance of `Adder`, `mask::Iter` and `fence::TakenOver` in their
 //!   lifetime only lets a borrow end sooner.
@@ -50,6 +51,24 @@ struct RwLockWrite;
 /// println!("{dangling}");
 /// ```
 struct RwLockWriteGuardByValue;
+
+/// A `MappedRwLockWriteGuard` shortened by value: it holds a pointer into the lock, not the
+/// lock, so its invariance must come from the guard itself.
+///
+/// ```compile_fail,E0597
+/// use thiscpu::{MappedRwLockWriteGuard, RwLock, RwLockWriteGuard};
+/// let lock = RwLock::new(("static", 0));
+/// {
+///     let s = String::from("freed before it is read");
+///     let guard: MappedRwLockWriteGuard<'_, &'static str> =
+///         RwLockWriteGuard::map(lock.write(), |pair| &mut pair.0);
+///     let mut short: MappedRwLockWriteGuard<'_, &str> = guard;
+///     *short = s.as_str();
+/// }
+/// let dangling: &'static str = lock.read().0;
+/// println!("{dangling}");
+/// ```
+struct MappedRwLockWriteGuardByValue;
 
 /// `Sharded::with_current` through a shortened `&Sharded`.
 ///

@@ -20,8 +20,9 @@ use std::rc::Rc;
 use std::sync::MutexGuard;
 use thiscpu::{
     Adder, ByCpu, ByMmCid, CachePadded, Counter, CpuMask, CpuNode, CpuSource, EpochCell,
-    EpochCellOption, EpochGuard, Histogram, PerCpu, Pool, Pooled, Registrar, RseqMode, RwLock,
-    RwLockReadGuard, RwLockWriteGuard, ShardGuard, Sharded, Source, Unavailable,
+    EpochCellOption, EpochGuard, Histogram, MappedRwLockReadGuard, MappedRwLockWriteGuard, PerCpu,
+    Pool, Pooled, Registrar, RseqMode, RwLock, RwLockReadGuard, RwLockWriteGuard, ShardGuard,
+    Sharded, Source, Unavailable,
 };
 
 fn send<T: ?Sized + Send>() {}
@@ -163,10 +164,17 @@ fn rwlocks_are_sync_for_send_and_sync_values() {
         RwLock<String>,
         RwLockReadGuard<'static, String>,
         RwLockWriteGuard<'static, String>,
+        MappedRwLockReadGuard<'static, String>,
+        MappedRwLockWriteGuard<'static, String>,
     );
     // A lock may move with its value.
     send::<RwLock<NotSync>>();
     owned_unwind_safe::<RwLock<u64>>();
+    // A mapped guard no longer names the lock's type: its bounds are its part's. A mapped read
+    // guard hands out only `&U`, wherever it is sent; a mapped write guard shared hands out
+    // only `&U` too.
+    send::<MappedRwLockReadGuard<'static, SyncOnly>>();
+    sync::<MappedRwLockWriteGuard<'static, SyncOnly>>();
 }
 // Readers on several threads share `&T`, and a writer gets `&mut T` on any thread.
 assert_not!(RwLock<NotSync>: Sync);
@@ -179,6 +187,13 @@ assert_not!(RwLockReadGuard<'static, NotSync>: Sync);
 assert_not!(RwLockWriteGuard<'static, NotSync>: Send);
 assert_not!(RwLockWriteGuard<'static, NotSync>: Sync);
 assert_not!(RwLockWriteGuard<'static, SyncOnly>: Send);
+// A mapped read guard hands out `&U` on the thread it is sent to or shared with; a mapped
+// write guard hands out `&mut U` where it is sent and `&U` where it is shared.
+assert_not!(MappedRwLockReadGuard<'static, NotSync>: Send);
+assert_not!(MappedRwLockReadGuard<'static, NotSync>: Sync);
+assert_not!(MappedRwLockWriteGuard<'static, NotSend>: Send);
+assert_not!(MappedRwLockWriteGuard<'static, SyncOnly>: Send);
+assert_not!(MappedRwLockWriteGuard<'static, NotSync>: Sync);
 // No poisoning: a writer that panics leaves its partial update to the next readers.
 assert_not!(RwLock<u64>: RefUnwindSafe);
 

@@ -17,7 +17,7 @@ use loom::thread;
 // panics again and aborts the test executable.
 use std::sync::Arc;
 use thiscpu::model::{self, explore};
-use thiscpu::{EpochCell, RwLock};
+use thiscpu::{EpochCell, RwLock, RwLockWriteGuard};
 
 /// Two words a writer sets one after the other: loom reports a reader's access that is not
 /// ordered with a writer's (a reader inside while the writer writes), and the reader checks
@@ -464,5 +464,32 @@ fn a_failed_try_write_wakes_the_readers_it_stopped() {
         writer.join().unwrap();
         reader.join().unwrap();
         drop(core::mem::ManuallyDrop::into_inner(holder));
+    });
+}
+
+/// A writer on CPU 1 downgrades its lock while a second writer on CPU 0 races for it: the
+/// second writer must not get in between (loom reports its write overlapping the downgraded
+/// reader's read), the downgraded reader sees its own write, and both writers finish (the
+/// downgraded reader's exit wakes the second writer if it waits).
+#[test]
+fn a_downgrade_lets_no_writer_in_between() {
+    explore("a downgrade and a racing writer", || {
+        let lock = new_lock();
+        let writer = {
+            let lock = lock.clone();
+            thread::spawn(move || {
+                model::run_on(0);
+                lock.write().write(2);
+            })
+        };
+        model::run_on(1);
+        let guard = lock.write();
+        guard.write(1);
+        let guard = RwLockWriteGuard::downgrade(guard);
+        assert_eq!(guard.read(), [1, 1], "a writer got in between");
+        drop(guard);
+        writer.join().unwrap();
+        let [a, b] = lock.read().read();
+        assert_eq!(a, b, "a half-written value");
     });
 }

@@ -914,3 +914,173 @@ fn an_optional_cell_holds_nothing_or_a_value() {
     drop(cell);
     assert_eq!(drops.load(Ordering::SeqCst), 3);
 }
+
+/// How long a test leaves a thread to reach its blocking call before checking that it blocks.
+const SETTLE: Duration = Duration::from_millis(100);
+
+#[test]
+fn a_downgraded_writer_keeps_other_writers_out_and_lets_readers_in() {
+    use std::sync::mpsc;
+    use thiscpu::RwLockWriteGuard;
+    let lock = Arc::new(RwLock::new(0u64));
+    let mut writing = lock.write();
+    *writing = 1;
+    let writer = {
+        let lock = lock.clone();
+        std::thread::spawn(move || *lock.write() = 2)
+    };
+    let (read_tx, read_rx) = mpsc::channel();
+    let reader = {
+        let lock = lock.clone();
+        std::thread::spawn(move || read_tx.send(*lock.read()).unwrap())
+    };
+    std::thread::sleep(SETTLE);
+    let reading = RwLockWriteGuard::downgrade(writing);
+    // The waiting writer wakes with the downgrade and takes the flag, and must then wait for
+    // this reader; the waiting reader may get in before it does.
+    std::thread::sleep(SETTLE);
+    assert_eq!(
+        *reading, 1,
+        "a writer got in while the downgraded reader held on"
+    );
+    assert!(lock.try_write().is_none());
+    drop(reading);
+    writer.join().unwrap();
+    assert!(
+        [1, 2].contains(&read_rx.recv().unwrap()),
+        "the reader saw neither value"
+    );
+    reader.join().unwrap();
+    assert_eq!(*lock.read(), 2);
+    assert_eq!(
+        lock.readers_inside(),
+        0,
+        "the downgraded reader left twice or never"
+    );
+}
+
+#[test]
+fn a_downgraded_writer_lets_a_waiting_reader_in_while_it_reads() {
+    use std::sync::mpsc;
+    use thiscpu::RwLockWriteGuard;
+    let lock = Arc::new(RwLock::new(0u64));
+    let mut writing = lock.write();
+    *writing = 1;
+    let (read_tx, read_rx) = mpsc::channel();
+    let reader = {
+        let lock = lock.clone();
+        std::thread::spawn(move || read_tx.send(*lock.read()).unwrap())
+    };
+    std::thread::sleep(SETTLE);
+    assert!(
+        read_rx.try_recv().is_err(),
+        "a reader got in under the writer"
+    );
+    let reading = RwLockWriteGuard::downgrade(writing);
+    assert_eq!(
+        read_rx.recv_timeout(Duration::from_secs(10)),
+        Ok(1),
+        "the waiting reader was not let in beside the downgraded one"
+    );
+    drop(reading);
+    reader.join().unwrap();
+    assert!(lock.try_write().is_some());
+}
+
+#[test]
+fn mapped_guards_hold_the_lock_until_dropped_and_release_it_once() {
+    use thiscpu::{
+        MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockWriteGuard,
+    };
+    let lock = RwLock::new((String::from("name"), vec![1u64, 2, 3]));
+
+    let name = RwLockReadGuard::map(lock.read(), |(name, _)| name.as_str());
+    let first = MappedRwLockReadGuard::map(name, |name| &name[..1]);
+    assert_eq!(&*first, "n");
+    assert!(
+        lock.try_write().is_none(),
+        "a mapped read guard let a writer in"
+    );
+    assert!(
+        lock.try_read().is_some(),
+        "a mapped read guard kept readers out"
+    );
+    drop(first);
+    assert_eq!(lock.readers_inside(), 0);
+    assert!(
+        lock.try_write().is_some(),
+        "a mapped read guard not released"
+    );
+
+    let missing = RwLockReadGuard::try_map(lock.read(), |(_, values)| values.get(9));
+    let guard = missing.unwrap_err();
+    assert!(
+        lock.try_write().is_none(),
+        "try_map's failure released the lock"
+    );
+    let found = RwLockReadGuard::try_map(guard, |(_, values)| values.get(1)).unwrap();
+    let found = MappedRwLockReadGuard::try_map(found, |_| None::<&u64>).unwrap_err();
+    assert_eq!(*found, 2);
+    drop(found);
+    assert_eq!(lock.readers_inside(), 0);
+
+    let mut values = RwLockWriteGuard::map(lock.write(), |(_, values)| values);
+    values.push(4);
+    assert!(
+        lock.try_read().is_none(),
+        "a mapped write guard let a reader in"
+    );
+    let mut last = MappedRwLockWriteGuard::try_map(values, |values| values.last_mut()).unwrap();
+    *last = 5;
+    drop(last);
+    assert_eq!(lock.read().1, [1, 2, 3, 5]);
+    let guard = RwLockWriteGuard::try_map(lock.write(), |(_, values)| values.get_mut(9));
+    let guard = guard.unwrap_err();
+    assert!(
+        lock.try_read().is_none(),
+        "try_map's failure released the lock"
+    );
+    drop(guard);
+    assert!(
+        lock.try_write().is_some(),
+        "a mapped write guard not released"
+    );
+    assert!(lock.try_read().is_some());
+}
+
+#[test]
+fn a_panic_while_mapping_releases_the_lock() {
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    use thiscpu::{RwLockReadGuard, RwLockWriteGuard};
+    let lock = RwLock::new(1u64);
+    let mapping = catch_unwind(AssertUnwindSafe(|| {
+        RwLockWriteGuard::map(lock.write(), |_| -> &mut u64 { panic!("mapping") })
+    }));
+    assert!(mapping.is_err());
+    assert!(lock.try_read().is_some(), "the write lock stayed held");
+    let mapping = catch_unwind(AssertUnwindSafe(|| {
+        RwLockReadGuard::map(lock.read(), |_| -> &u64 { panic!("mapping") })
+    }));
+    assert!(mapping.is_err());
+    assert_eq!(lock.readers_inside(), 0);
+    assert!(lock.try_write().is_some(), "the read lock stayed held");
+}
+
+#[test]
+fn mapped_guards_may_be_dropped_on_another_thread() {
+    use thiscpu::{RwLockReadGuard, RwLockWriteGuard};
+    let lock = RwLock::new([7u64, 8]);
+    std::thread::scope(|scope| {
+        let second = RwLockReadGuard::map(lock.read(), |pair| &pair[1]);
+        scope.spawn(move || assert_eq!(*second, 8)).join().unwrap();
+        assert!(lock.try_write().is_some());
+        let mut first = RwLockWriteGuard::map(lock.write(), |pair| &mut pair[0]);
+        scope
+            .spawn(move || {
+                *first = 9;
+            })
+            .join()
+            .unwrap();
+    });
+    assert_eq!(*lock.read(), [9, 8]);
+}

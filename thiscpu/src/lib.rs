@@ -188,7 +188,8 @@ pub use percpu::{CachePadded, PerCpu};
 pub use pool::{Pool, Pooled};
 pub use registration::{Registrar, RseqMode, Unavailable};
 pub use rwlock::{
-    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLock, RwLockReadGuard, RwLockWriteGuard,
+    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLock, RwLockReadGuard,
+    RwLockUpgradableReadGuard, RwLockWriteGuard,
 };
 pub use sharded::{ShardGuard, Sharded};
 pub use via::{CpuNode, CpuSource};

@@ -16,6 +16,9 @@ use core::sync::atomic::Ordering;
 const WRITER: u32 = 1;
 /// `state`: some thread sleeps on `state` until the writer is gone.
 const PARKED: u32 = 2;
+/// `state`: an upgradable reader holds the lock. Writers and upgradable readers take this bit
+/// or `WRITER` only while both are clear; readers ignore it.
+const UPGRADABLE: u32 = 4;
 
 /// The only reader-writer lock phase: readers are stopped by the flag, not by phases.
 const PHASE: usize = 0;
@@ -56,6 +59,20 @@ const PHASE: usize = 0;
 /// The protocol is checked by a model checker over its interleavings, with every section
 /// committing or aborting at each step (tests/model_rwlock.rs).
 ///
+/// # Upgradable reads
+/// [`upgradable_read`](RwLock::upgradable_read) is one writer-class holder among readers: a
+/// bit of `state`, `UPGRADABLE`, that writers and upgradable readers take (with the same
+/// compare-exchange, only while neither it nor `WRITER` is set) and readers ignore. The
+/// upgradable reader is not counted in the per-CPU counts: its bit alone keeps writers out,
+/// and readers come and go beside it at their usual cost. Upgrading flips `UPGRADABLE` to
+/// `WRITER` in one atomic step (no writer-class holder can get in between, as `state` never
+/// has neither), then fences and waits for the readers to drain exactly as
+/// [`write`](RwLock::write) does, with the same ordering argument: the flag is set before the
+/// fence, readers that enter after it see the flag, and the drain counts the rest out. A
+/// failed [`try_upgrade`](RwLockUpgradableReadGuard::try_upgrade) flips back and wakes the
+/// readers it stopped. Downgrading to a reader counts the holder in before its bit is
+/// released, as [`RwLockWriteGuard::downgrade`] does, so the next writer waits for it.
+///
 /// # Progress and fairness
 /// Writers are not starved by readers: once a writer set the flag, new readers wait (and
 /// [`try_read`](RwLock::try_read) fails without touching the counts), and the writer waits
@@ -76,7 +93,9 @@ const PHASE: usize = 0;
 /// # Recursion, signals, fork
 /// - Taking a read lock while holding one on the same thread works while no writer waits, and
 ///   deadlocks when one does (the new read waits for the writer, which waits for the first
-///   read). Do not lock recursively; take [`try_read`](RwLock::try_read) where unsure.
+///   read). Do not lock recursively; take [`try_read`](RwLock::try_read) where unsure. A
+///   read taken while holding an upgradable read works (readers ignore its bit), but
+///   upgrading while holding that read deadlocks (the upgrade waits for it).
 /// - A signal handler may use [`try_read`](RwLock::try_read): it is async-signal-safe (a load,
 ///   restartable sequences or atomic adds, no allocation, no lock). [`try_write`] is too
 ///   while `membarrier` works (system calls and atomics only); where `membarrier` was refused
@@ -125,7 +144,8 @@ pub struct RwLock<T: ?Sized> {
 /// mapped guard no longer names `T`).
 struct Raw {
     readers: ReaderCounts<1>,
-    /// `WRITER | PARKED`; written only by writers and by threads that go to sleep.
+    /// `WRITER | UPGRADABLE | PARKED`; written only by writer-class holders (writers and
+    /// upgradable readers) and by threads that go to sleep.
     state: AtomicU32,
     /// Bumped by a reader that leaves while a writer waits, to wake it.
     leaves: AtomicU32,
@@ -242,11 +262,12 @@ impl Raw {
         }
     }
 
-    /// Takes `bit` (`WRITER`) if no writer holds the lock.
+    /// Takes `bit` (`WRITER` or `UPGRADABLE`) if no writer-class holder has the lock: the two
+    /// exclude each other, readers only look at `WRITER`.
     fn try_take(&self, bit: u32) -> bool {
         loop {
             let state = self.state.load(Ordering::Relaxed);
-            if state & WRITER != 0 {
+            if state & (WRITER | UPGRADABLE) != 0 {
                 return false;
             }
             // Acquire: the last writer's release publishes its data to this holder. A failure
@@ -261,10 +282,10 @@ impl Raw {
         }
     }
 
-    /// As `try_take`, sleeping while another writer holds the lock.
+    /// As `try_take`, sleeping while another writer-class holder has the lock.
     fn take(&self, bit: u32) {
         while !self.try_take(bit) {
-            self.wait_while(WRITER);
+            self.wait_while(WRITER | UPGRADABLE);
         }
     }
 
@@ -282,8 +303,9 @@ impl Raw {
         }
     }
 
-    /// With `WRITER` held by this thread: leaves `state` at `keep` and wakes every sleeper
-    /// (readers and writers waiting for the flag to clear).
+    /// With `WRITER` or `UPGRADABLE` held by this thread: leaves `state` at `keep` and wakes
+    /// every sleeper (readers waiting for `WRITER` to clear, writer-class holders waiting for
+    /// both bits to clear: one wake serves all, and those still blocked sleep again).
     fn release_to(&self, keep: u32) {
         // Release: readers that load the flag clear, and the next writer, see this writer's
         // data.
@@ -292,10 +314,10 @@ impl Raw {
         }
     }
 
-    /// With `WRITER` held by this thread and the readers drained: counts this thread in as a
-    /// reader, then lets the others in.
+    /// With `WRITER` (and the readers drained) or `UPGRADABLE` held by this thread: counts
+    /// this thread in as a reader, then lets the others in.
     fn downgrade_to_reader(&self) {
-        // No other writer can drain while this thread holds the flag, so entering with it
+        // No other writer can drain while this thread holds its bit, so entering with the flag
         // set is safe; the entry is ordered before the release, which the next writer's
         // acquire of the flag follows, so that writer's sums see this reader.
         self.readers.enter(PHASE);
@@ -365,6 +387,36 @@ impl<T: ?Sized> RwLock<T> {
         None
     }
 
+    /// Locks for an upgradable read: shares the lock with readers, and excludes writers and
+    /// other upgradable readers (see [Upgradable reads](RwLock#upgradable-reads)). Sleeps
+    /// while a writer or another upgradable reader holds the lock. Deadlocks if this thread
+    /// holds it for writing or upgradable reading.
+    ///
+    /// ```
+    /// use thiscpu::{RwLock, RwLockUpgradableReadGuard};
+    /// let cache = RwLock::new(vec![1, 2]);
+    /// let reading = cache.upgradable_read();
+    /// assert!(cache.try_read().is_some(), "readers share the lock");
+    /// assert!(cache.try_upgradable_read().is_none(), "one upgradable reader at a time");
+    /// if !reading.contains(&3) {
+    ///     // No writer got in since the check: the write is decided on what was read.
+    ///     RwLockUpgradableReadGuard::upgrade(reading).push(3);
+    /// }
+    /// assert_eq!(*cache.read(), [1, 2, 3]);
+    /// ```
+    pub fn upgradable_read(&self) -> RwLockUpgradableReadGuard<'_, T> {
+        self.raw.take(UPGRADABLE);
+        RwLockUpgradableReadGuard { lock: self }
+    }
+
+    /// Locks for an upgradable read unless a writer or another upgradable reader holds the
+    /// lock; never sleeps, never fences.
+    pub fn try_upgradable_read(&self) -> Option<RwLockUpgradableReadGuard<'_, T>> {
+        self.raw
+            .try_take(UPGRADABLE)
+            .then(|| RwLockUpgradableReadGuard { lock: self })
+    }
+
     /// The value, through the exclusive borrow (no locking).
     pub fn get_mut(&mut self) -> &mut T {
         self.data.get_mut()
@@ -401,6 +453,15 @@ impl<T: ?Sized> RwLock<T> {
 }
 
 impl Raw {
+    /// With `UPGRADABLE` held by this thread: trades it for `WRITER`, which stops new readers;
+    /// the caller then drains them as a writer does. No writer-class holder can take either
+    /// bit in between, since the state never has neither.
+    fn upgrade(&self) {
+        // Sleepers may set `PARKED` meanwhile: flip the two bits in one atomic step.
+        let old = self.state.fetch_xor(UPGRADABLE | WRITER, Ordering::SeqCst);
+        debug_assert_eq!(old & (UPGRADABLE | WRITER), UPGRADABLE);
+    }
+
     /// `try_write`'s single drain check: fence, then one look at the sums.
     fn fence_and_check(&self) -> bool {
         self.readers.fence();
@@ -536,6 +597,29 @@ impl<'a, T: ?Sized> RwLockWriteGuard<'a, T> {
         RwLockReadGuard { lock }
     }
 
+    /// Turns the write lock into an upgradable read lock, atomically: no writer gets in
+    /// between, readers are let in, and the guard may be upgraded again later.
+    ///
+    /// ```
+    /// use thiscpu::{RwLock, RwLockWriteGuard};
+    /// let lock = RwLock::new(1);
+    /// let mut writing = lock.write();
+    /// *writing = 2;
+    /// let reading = RwLockWriteGuard::downgrade_to_upgradable(writing);
+    /// assert_eq!(*lock.try_read().unwrap(), 2, "readers get in");
+    /// assert!(lock.try_write().is_none(), "writers do not");
+    /// drop(reading);
+    /// assert!(lock.try_write().is_some());
+    /// ```
+    pub fn downgrade_to_upgradable(guard: Self) -> RwLockUpgradableReadGuard<'a, T> {
+        let lock = guard.lock;
+        core::mem::forget(guard);
+        // The upgradable reader is not counted: its bit keeps writers out, and readers ignore
+        // it. Release: readers that now load the flag clear see this writer's data.
+        lock.raw.release_to(UPGRADABLE);
+        RwLockUpgradableReadGuard { lock }
+    }
+
     /// A guard of a part of the data, which keeps the whole lock write locked until dropped.
     ///
     /// ```
@@ -611,6 +695,102 @@ impl<T: ?Sized> Drop for RwLockWriteGuard<'_, T> {
 }
 
 impl<T: ?Sized + core::fmt::Debug> core::fmt::Debug for RwLockWriteGuard<'_, T> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        (**self).fmt(f)
+    }
+}
+
+/// An upgradable read lock on an [`RwLock`], made by [`RwLock::upgradable_read`]: shared
+/// access to the data, beside readers, with no writer and no other upgradable reader until it
+/// is dropped, upgraded or downgraded. It may be dropped on another CPU or thread than the one
+/// that locked.
+#[must_use = "the lock is released when the guard is dropped"]
+pub struct RwLockUpgradableReadGuard<'a, T: ?Sized> {
+    lock: &'a RwLock<T>,
+}
+
+impl<'a, T: ?Sized> RwLockUpgradableReadGuard<'a, T> {
+    /// Turns the upgradable read lock into a write lock: stops new readers, and waits for the
+    /// readers inside to leave, as [`RwLock::write`] does. No writer gets in between, so what
+    /// this guard read still holds when the write guard is handed out. Deadlocks if this
+    /// thread also holds a read lock of the lock.
+    pub fn upgrade(guard: Self) -> RwLockWriteGuard<'a, T> {
+        let lock = guard.lock;
+        core::mem::forget(guard);
+        lock.raw.upgrade();
+        // As in `write`: a panic in the fences drops the write guard, which releases the lock.
+        let writing = RwLockWriteGuard { lock };
+        lock.raw.drain();
+        writing
+    }
+
+    /// Upgrades if no reader is inside; never sleeps, but fences (two `membarrier` calls with
+    /// rseq). The upgradable guard comes back otherwise, and the readers this attempt stopped
+    /// are let in again.
+    ///
+    /// ```
+    /// use thiscpu::{RwLock, RwLockUpgradableReadGuard};
+    /// let lock = RwLock::new(1);
+    /// let upgradable = lock.upgradable_read();
+    /// let reading = lock.read();
+    /// let upgradable = RwLockUpgradableReadGuard::try_upgrade(upgradable).unwrap_err();
+    /// drop(reading);
+    /// *RwLockUpgradableReadGuard::try_upgrade(upgradable).unwrap() = 2;
+    /// assert_eq!(*lock.read(), 2);
+    /// ```
+    pub fn try_upgrade(guard: Self) -> Result<RwLockWriteGuard<'a, T>, Self> {
+        let lock = guard.lock;
+        core::mem::forget(guard);
+        lock.raw.upgrade();
+        // As in `try_write`: a panic in the fences drops the write guard, which releases the
+        // lock.
+        let writing = RwLockWriteGuard { lock };
+        if lock.raw.fence_and_check() {
+            return Ok(writing);
+        }
+        core::mem::forget(writing);
+        // Back to `UPGRADABLE`, waking the readers that saw `WRITER` and went to sleep.
+        lock.raw.release_to(UPGRADABLE);
+        Err(RwLockUpgradableReadGuard { lock })
+    }
+
+    /// Turns the upgradable read lock into a read lock, letting writers and upgradable readers
+    /// in (once this reader leaves, for writers).
+    ///
+    /// ```
+    /// use thiscpu::{RwLock, RwLockUpgradableReadGuard};
+    /// let lock = RwLock::new(1);
+    /// let reading = RwLockUpgradableReadGuard::downgrade(lock.upgradable_read());
+    /// assert!(lock.try_upgradable_read().is_some());
+    /// assert!(lock.try_write().is_none(), "a writer waits for the reader");
+    /// drop(reading);
+    /// assert!(lock.try_write().is_some());
+    /// ```
+    pub fn downgrade(guard: Self) -> RwLockReadGuard<'a, T> {
+        let lock = guard.lock;
+        core::mem::forget(guard);
+        lock.raw.downgrade_to_reader();
+        RwLockReadGuard { lock }
+    }
+}
+
+impl<T: ?Sized> core::ops::Deref for RwLockUpgradableReadGuard<'_, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        // SAFETY: this holder's bit keeps every writer out (writers and upgrades take the lock
+        // only while neither bit is set), and the acquire that took it saw the last writer's
+        // release; readers beside it only read.
+        unsafe { &*self.lock.data.get() }
+    }
+}
+
+impl<T: ?Sized> Drop for RwLockUpgradableReadGuard<'_, T> {
+    fn drop(&mut self) {
+        self.lock.raw.release_to(0);
+    }
+}
+
+impl<T: ?Sized + core::fmt::Debug> core::fmt::Debug for RwLockUpgradableReadGuard<'_, T> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
         (**self).fmt(f)
     }

@@ -21,8 +21,8 @@ use std::sync::MutexGuard;
 use thiscpu::{
     Adder, ByCpu, ByMmCid, CachePadded, Counter, CpuMask, CpuNode, CpuSource, EpochCell,
     EpochCellOption, EpochGuard, Histogram, MappedRwLockReadGuard, MappedRwLockWriteGuard, PerCpu,
-    Pool, Pooled, Registrar, RseqMode, RwLock, RwLockReadGuard, RwLockWriteGuard, ShardGuard,
-    Sharded, Source, Unavailable,
+    Pool, Pooled, Registrar, RseqMode, RwLock, RwLockReadGuard, RwLockUpgradableReadGuard,
+    RwLockWriteGuard, ShardGuard, Sharded, Source, Unavailable,
 };
 
 fn send<T: ?Sized + Send>() {}
@@ -164,6 +164,7 @@ fn rwlocks_are_sync_for_send_and_sync_values() {
         RwLock<String>,
         RwLockReadGuard<'static, String>,
         RwLockWriteGuard<'static, String>,
+        RwLockUpgradableReadGuard<'static, String>,
         MappedRwLockReadGuard<'static, String>,
         MappedRwLockWriteGuard<'static, String>,
     );
@@ -187,6 +188,10 @@ assert_not!(RwLockReadGuard<'static, NotSync>: Sync);
 assert_not!(RwLockWriteGuard<'static, NotSync>: Send);
 assert_not!(RwLockWriteGuard<'static, NotSync>: Sync);
 assert_not!(RwLockWriteGuard<'static, SyncOnly>: Send);
+// An upgradable guard hands out `&T`, and `&mut T` once upgraded, on any thread.
+assert_not!(RwLockUpgradableReadGuard<'static, NotSync>: Send);
+assert_not!(RwLockUpgradableReadGuard<'static, NotSync>: Sync);
+assert_not!(RwLockUpgradableReadGuard<'static, SyncOnly>: Send);
 // A mapped read guard hands out `&U` on the thread it is sent to or shared with; a mapped
 // write guard hands out `&mut U` where it is sent and `&U` where it is shared.
 assert_not!(MappedRwLockReadGuard<'static, NotSync>: Send);

@@ -17,7 +17,7 @@ use loom::thread;
 // panics again and aborts the test executable.
 use std::sync::Arc;
 use thiscpu::model::{self, explore};
-use thiscpu::{EpochCell, RwLock, RwLockWriteGuard};
+use thiscpu::{EpochCell, RwLock, RwLockUpgradableReadGuard, RwLockWriteGuard};
 
 /// Two words a writer sets one after the other: loom reports a reader's access that is not
 /// ordered with a writer's (a reader inside while the writer writes), and the reader checks
@@ -491,5 +491,88 @@ fn a_downgrade_lets_no_writer_in_between() {
         writer.join().unwrap();
         let [a, b] = lock.read().read();
         assert_eq!(a, b, "a half-written value");
+    });
+}
+
+/// A reader holds the lock while an upgradable reader tries to upgrade, finds the reader inside
+/// and gives up, and a second reader on CPU 1 blocks behind the flag the attempt set: the
+/// failed `try_upgrade` must wake it when it flips back to an upgradable read, while the
+/// upgradable guard is still held (its release would wake the sleeper too, and hide the bug).
+#[test]
+fn a_failed_try_upgrade_wakes_the_readers_it_stopped() {
+    explore("a failed try_upgrade and a reader asleep behind it", || {
+        let lock = new_lock();
+        // Neither guard is dropped while loom's report of a deadlock unwinds (see the failed
+        // `try_write`).
+        let holder = core::mem::ManuallyDrop::new(lock.read());
+        model::run_on(0);
+        let upgradable = lock.upgradable_read();
+        let reader = {
+            let lock = lock.clone();
+            thread::spawn(move || {
+                model::run_on(1);
+                let [a, b] = lock.read().read();
+                assert_eq!(a, b, "a half-written value");
+            })
+        };
+        let Err(upgradable) = RwLockUpgradableReadGuard::try_upgrade(upgradable) else {
+            panic!("an upgrade with a reader inside");
+        };
+        let upgradable = core::mem::ManuallyDrop::new(upgradable);
+        reader.join().unwrap();
+        drop(core::mem::ManuallyDrop::into_inner(upgradable));
+        drop(core::mem::ManuallyDrop::into_inner(holder));
+    });
+}
+
+/// An upgradable reader on CPU 0 reads, upgrades and writes what it read plus one, while a
+/// writer on CPU 1 does the same with a write lock: the writer never gets in between the
+/// upgradable read and its upgrade (loom reports overlapping accesses; a lost update fails the
+/// final check), and whichever waits for the other is woken.
+#[test]
+fn an_upgrader_racing_a_writer_loses_no_update() {
+    explore("an upgrader racing a writer", || {
+        let lock = new_lock();
+        let upgrader = {
+            let lock = lock.clone();
+            thread::spawn(move || {
+                model::run_on(0);
+                let upgradable = lock.upgradable_read();
+                let [a, _] = upgradable.read();
+                RwLockUpgradableReadGuard::upgrade(upgradable).write(a + 1);
+            })
+        };
+        model::run_on(1);
+        {
+            let guard = lock.write();
+            let [a, _] = guard.read();
+            guard.write(a + 1);
+        }
+        upgrader.join().unwrap();
+        assert_eq!(lock.read().read(), [2, 2], "an update lost");
+    });
+}
+
+/// A reader on CPU 0 holds the lock (it may migrate to CPU 1 before it leaves) while an
+/// upgradable reader on CPU 1 upgrades: the upgrade must wait for the reader to leave (loom
+/// reports the write overlapping its read) and be woken by its exit.
+#[test]
+fn an_upgrade_while_a_reader_holds_waits_for_it() {
+    explore("an upgrade while a reader holds", || {
+        let lock = new_lock();
+        let reader = {
+            let lock = lock.clone();
+            thread::spawn(move || {
+                model::run_on(0);
+                let guard = lock.read();
+                model::run_on(1);
+                let [a, b] = guard.read();
+                assert_eq!(a, b, "a half-written value");
+            })
+        };
+        model::run_on(1);
+        let upgradable = lock.upgradable_read();
+        RwLockUpgradableReadGuard::upgrade(upgradable).write(1);
+        reader.join().unwrap();
     });
 }

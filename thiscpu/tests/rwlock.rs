@@ -1084,3 +1084,122 @@ fn mapped_guards_may_be_dropped_on_another_thread() {
     });
     assert_eq!(*lock.read(), [9, 8]);
 }
+
+#[test]
+fn an_upgradable_read_shares_with_readers_and_excludes_writers() {
+    use thiscpu::RwLockUpgradableReadGuard;
+    let lock = Arc::new(RwLock::new(1u64));
+    let upgradable = lock.upgradable_read();
+    assert_eq!(*lock.try_read().unwrap(), 1, "a reader kept out");
+    assert!(
+        lock.try_upgradable_read().is_none(),
+        "two upgradable readers"
+    );
+    assert!(
+        lock.try_write().is_none(),
+        "a writer beside an upgradable reader"
+    );
+    let writer = {
+        let lock = lock.clone();
+        std::thread::spawn(move || *lock.write() = 3)
+    };
+    std::thread::sleep(SETTLE);
+    assert_eq!(
+        *upgradable, 1,
+        "a writer got in beside the upgradable reader"
+    );
+    let mut writing = RwLockUpgradableReadGuard::upgrade(upgradable);
+    *writing = 2;
+    drop(writing);
+    writer.join().unwrap();
+    assert_eq!(*lock.read(), 3);
+    assert_eq!(lock.readers_inside(), 0);
+    assert!(!lock.is_write_locked());
+}
+
+#[test]
+fn an_upgrade_waits_for_the_readers_inside() {
+    use std::sync::mpsc;
+    use thiscpu::RwLockUpgradableReadGuard;
+    let lock = Arc::new(RwLock::new(1u64));
+    let (entered_tx, entered_rx) = mpsc::channel();
+    let leaving = Arc::new(AtomicBool::new(false));
+    let reader = {
+        let lock = lock.clone();
+        let leaving = leaving.clone();
+        std::thread::spawn(move || {
+            let reading = lock.read();
+            entered_tx.send(()).unwrap();
+            std::thread::sleep(SETTLE);
+            let seen = *reading;
+            leaving.store(true, Ordering::SeqCst);
+            drop(reading);
+            seen
+        })
+    };
+    entered_rx.recv().unwrap();
+    let upgradable = lock.upgradable_read();
+    let upgradable = RwLockUpgradableReadGuard::try_upgrade(upgradable).unwrap_err();
+    assert!(
+        lock.try_read().is_some(),
+        "a failed try_upgrade left readers out"
+    );
+    let mut writing = RwLockUpgradableReadGuard::upgrade(upgradable);
+    assert!(
+        leaving.load(Ordering::SeqCst),
+        "an upgrade got in beside a reader"
+    );
+    *writing = 2;
+    assert_eq!(
+        reader.join().unwrap(),
+        1,
+        "the reader saw the upgraded write"
+    );
+}
+
+#[test]
+fn upgradable_readers_lose_no_update_among_writers() {
+    use thiscpu::RwLockUpgradableReadGuard;
+    const THREADS: u64 = 4;
+    const ROUNDS: u64 = 300;
+    let lock = RwLock::new(0u64);
+    std::thread::scope(|scope| {
+        for thread in 0..THREADS {
+            let lock = &lock;
+            scope.spawn(move || {
+                for _ in 0..ROUNDS {
+                    if thread % 2 == 0 {
+                        let reading = lock.upgradable_read();
+                        let seen = *reading;
+                        std::thread::yield_now();
+                        *RwLockUpgradableReadGuard::upgrade(reading) = seen + 1;
+                    } else {
+                        *lock.write() += 1;
+                    }
+                }
+            });
+        }
+    });
+    assert_eq!(*lock.read(), THREADS * ROUNDS, "an update lost");
+}
+
+#[test]
+fn downgrades_of_an_upgradable_read_and_to_one() {
+    use thiscpu::{RwLockUpgradableReadGuard, RwLockWriteGuard};
+    let lock = RwLock::new(1u64);
+    let mut writing = lock.write();
+    *writing = 2;
+    let upgradable = RwLockWriteGuard::downgrade_to_upgradable(writing);
+    assert_eq!(*lock.try_read().unwrap(), 2);
+    assert!(lock.try_write().is_none());
+    assert!(lock.try_upgradable_read().is_none());
+    let reading = RwLockUpgradableReadGuard::downgrade(upgradable);
+    assert!(lock.try_upgradable_read().is_some());
+    assert!(
+        lock.try_write().is_none(),
+        "a writer beside the downgraded reader"
+    );
+    drop(reading);
+    assert_eq!(lock.readers_inside(), 0);
+    assert_eq!(*lock.try_write().unwrap(), 2);
+}

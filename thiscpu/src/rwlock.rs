@@ -11,6 +11,7 @@ use core::cell::UnsafeCell;
 use core::marker::PhantomData;
 use core::ptr::NonNull;
 use core::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
 
 /// `state`: a writer holds the lock or is waiting for the readers to leave.
 const WRITER: u32 = 1;
@@ -215,11 +216,17 @@ impl Raw {
         false
     }
 
-    /// As `try_read`, sleeping while a writer is in the way.
+    /// As `try_read`, sleeping while a writer is in the way, until `deadline` if there is one;
+    /// false if it passed first.
     #[inline]
-    fn read(&self) {
-        while !self.try_read() {
-            self.wait_while(WRITER);
+    fn read_until(&self, deadline: Option<Instant>) -> bool {
+        loop {
+            if self.try_read() {
+                return true;
+            }
+            if !self.wait_while(WRITER, deadline) {
+                return false;
+            }
         }
     }
 
@@ -241,14 +248,15 @@ impl Raw {
         park::wake(&self.leaves, 1);
     }
 
-    /// Sleeps until none of `bits` is set in `state`.
+    /// Sleeps until none of `bits` is set in `state`; false if `deadline` passed first (its
+    /// `PARKED` may stay set: the next release then wakes nobody, harmlessly).
     #[cold]
     #[inline(never)]
-    fn wait_while(&self, bits: u32) {
+    fn wait_while(&self, bits: u32, deadline: Option<Instant>) -> bool {
         loop {
             let state = self.state.load(Ordering::Relaxed);
             if state & bits == 0 {
-                return;
+                return true;
             }
             if state & PARKED == 0
                 && self
@@ -258,7 +266,9 @@ impl Raw {
             {
                 continue;
             }
-            park::wait(&self.state, state | PARKED);
+            if !sleep(&self.state, state | PARKED, deadline) {
+                return false;
+            }
         }
     }
 
@@ -282,24 +292,34 @@ impl Raw {
         }
     }
 
-    /// As `try_take`, sleeping while another writer-class holder has the lock.
-    fn take(&self, bit: u32) {
-        while !self.try_take(bit) {
-            self.wait_while(WRITER | UPGRADABLE);
+    /// As `try_take`, sleeping while another writer-class holder has the lock, until
+    /// `deadline` if there is one; false if it passed first.
+    fn take(&self, bit: u32, deadline: Option<Instant>) -> bool {
+        loop {
+            if self.try_take(bit) {
+                return true;
+            }
+            if !self.wait_while(WRITER | UPGRADABLE, deadline) {
+                return false;
+            }
         }
     }
 
-    /// With `WRITER` set by this thread: fences, then waits for the readers inside to leave.
-    fn drain(&self) {
+    /// With `WRITER` set by this thread: fences, then waits for the readers inside to leave,
+    /// until `deadline` if there is one; false if it passed first (the flag stays set: the
+    /// caller releases it).
+    fn drain(&self, deadline: Option<Instant>) -> bool {
         // Readers that leave from now on see the flag and wake this writer (the fence orders
         // the flag before their exits' loads of it).
         self.readers.fence();
         loop {
             let leaves = self.leaves.load(Ordering::SeqCst);
             if self.readers.drained(PHASE) {
-                return;
+                return true;
             }
-            park::wait(&self.leaves, leaves);
+            if !sleep(&self.leaves, leaves, deadline) {
+                return false;
+            }
         }
     }
 
@@ -325,6 +345,22 @@ impl Raw {
     }
 }
 
+/// Sleeps on `word` while it holds `expected`, until `deadline` if there is one; false if it
+/// has passed (spurious returns happen: callers look again).
+fn sleep(word: &AtomicU32, expected: u32, deadline: Option<Instant>) -> bool {
+    match deadline {
+        None => park::wait(word, expected),
+        Some(deadline) => {
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            park::wait_timeout(word, expected, deadline - now);
+        }
+    }
+    true
+}
+
 impl<T: ?Sized> RwLock<T> {
     /// Locks for reading, sleeping while a writer holds the lock or waits for it.
     ///
@@ -332,7 +368,7 @@ impl<T: ?Sized> RwLock<T> {
     /// (see [Recursion](RwLock#recursion-signals-fork)).
     #[inline]
     pub fn read(&self) -> RwLockReadGuard<'_, T> {
-        self.raw.read();
+        self.raw.read_until(None);
         RwLockReadGuard { lock: self }
     }
 
@@ -354,13 +390,73 @@ impl<T: ?Sized> RwLock<T> {
     /// Locks for writing: waits for other writers, stops new readers, and waits for the
     /// readers inside to leave. Deadlocks if this thread holds the lock.
     pub fn write(&self) -> RwLockWriteGuard<'_, T> {
-        self.raw.take(WRITER);
+        self.raw.take(WRITER, None);
         // The flag is this writer's: from here a panic (a fence that cannot be made) drops the
         // guard, which releases the flag and wakes the sleepers, so the lock is left as it was
         // found. The guard is handed out only once the readers have drained.
         let writing = RwLockWriteGuard { lock: self };
-        self.raw.drain();
+        self.raw.drain(None);
         writing
+    }
+
+    /// As [`read`](RwLock::read), giving up after `timeout`. A timeout too large for an
+    /// [`Instant`] waits for as long as it takes.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let lock = thiscpu::RwLock::new(1);
+    /// let writing = lock.write();
+    /// assert!(lock.try_read_for(Duration::from_millis(10)).is_none());
+    /// drop(writing);
+    /// assert_eq!(*lock.try_read_for(Duration::from_millis(10)).unwrap(), 1);
+    /// ```
+    pub fn try_read_for(&self, timeout: Duration) -> Option<RwLockReadGuard<'_, T>> {
+        match Instant::now().checked_add(timeout) {
+            Some(deadline) => self.try_read_until(deadline),
+            None => Some(self.read()),
+        }
+    }
+
+    /// As [`read`](RwLock::read), giving up at `deadline`.
+    pub fn try_read_until(&self, deadline: Instant) -> Option<RwLockReadGuard<'_, T>> {
+        self.raw
+            .read_until(Some(deadline))
+            .then(|| RwLockReadGuard { lock: self })
+    }
+
+    /// As [`write`](RwLock::write), giving up after `timeout`. A write that times out while
+    /// the readers drain releases the flag and wakes the readers it stopped: the lock is left
+    /// as it was found.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// let lock = thiscpu::RwLock::new(1);
+    /// let reading = lock.read();
+    /// assert!(lock.try_write_for(Duration::from_millis(10)).is_none());
+    /// assert!(lock.try_read().is_some(), "readers are let in again");
+    /// drop(reading);
+    /// *lock.try_write_for(Duration::from_millis(10)).unwrap() = 2;
+    /// ```
+    pub fn try_write_for(&self, timeout: Duration) -> Option<RwLockWriteGuard<'_, T>> {
+        match Instant::now().checked_add(timeout) {
+            Some(deadline) => self.try_write_until(deadline),
+            None => Some(self.write()),
+        }
+    }
+
+    /// As [`write`](RwLock::write), giving up at `deadline` (see
+    /// [`try_write_for`](RwLock::try_write_for)).
+    pub fn try_write_until(&self, deadline: Instant) -> Option<RwLockWriteGuard<'_, T>> {
+        if !self.raw.take(WRITER, Some(deadline)) {
+            return None;
+        }
+        // As in `write`; and a drain that times out drops the guard the same way.
+        let writing = RwLockWriteGuard { lock: self };
+        if self.raw.drain(Some(deadline)) {
+            return Some(writing);
+        }
+        drop(writing);
+        None
     }
 
     /// Locks for writing if no other writer holds the lock and no reader is inside; never
@@ -405,8 +501,29 @@ impl<T: ?Sized> RwLock<T> {
     /// assert_eq!(*cache.read(), [1, 2, 3]);
     /// ```
     pub fn upgradable_read(&self) -> RwLockUpgradableReadGuard<'_, T> {
-        self.raw.take(UPGRADABLE);
+        self.raw.take(UPGRADABLE, None);
         RwLockUpgradableReadGuard { lock: self }
+    }
+
+    /// As [`upgradable_read`](RwLock::upgradable_read), giving up after `timeout`.
+    pub fn try_upgradable_read_for(
+        &self,
+        timeout: Duration,
+    ) -> Option<RwLockUpgradableReadGuard<'_, T>> {
+        match Instant::now().checked_add(timeout) {
+            Some(deadline) => self.try_upgradable_read_until(deadline),
+            None => Some(self.upgradable_read()),
+        }
+    }
+
+    /// As [`upgradable_read`](RwLock::upgradable_read), giving up at `deadline`.
+    pub fn try_upgradable_read_until(
+        &self,
+        deadline: Instant,
+    ) -> Option<RwLockUpgradableReadGuard<'_, T>> {
+        self.raw
+            .take(UPGRADABLE, Some(deadline))
+            .then(|| RwLockUpgradableReadGuard { lock: self })
     }
 
     /// Locks for an upgradable read unless a writer or another upgradable reader holds the
@@ -720,8 +837,62 @@ impl<'a, T: ?Sized> RwLockUpgradableReadGuard<'a, T> {
         lock.raw.upgrade();
         // As in `write`: a panic in the fences drops the write guard, which releases the lock.
         let writing = RwLockWriteGuard { lock };
-        lock.raw.drain();
+        lock.raw.drain(None);
         writing
+    }
+
+    /// As [`upgrade`](Self::upgrade), giving up after `timeout`: the upgradable guard comes
+    /// back then, and the readers the attempt stopped are let in again.
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use thiscpu::{RwLock, RwLockUpgradableReadGuard};
+    /// let lock = RwLock::new(1);
+    /// let upgradable = lock.upgradable_read();
+    /// let reading = lock.read();
+    /// let wait = Duration::from_millis(10);
+    /// let upgradable = RwLockUpgradableReadGuard::try_upgrade_for(upgradable, wait).unwrap_err();
+    /// drop(reading);
+    /// *RwLockUpgradableReadGuard::try_upgrade_for(upgradable, wait).unwrap() = 2;
+    /// ```
+    pub fn try_upgrade_for(
+        guard: Self,
+        timeout: Duration,
+    ) -> Result<RwLockWriteGuard<'a, T>, Self> {
+        match Instant::now().checked_add(timeout) {
+            Some(deadline) => Self::try_upgrade_until(guard, deadline),
+            None => Ok(Self::upgrade(guard)),
+        }
+    }
+
+    /// As [`upgrade`](Self::upgrade), giving up at `deadline` (see
+    /// [`try_upgrade_for`](Self::try_upgrade_for)).
+    pub fn try_upgrade_until(
+        guard: Self,
+        deadline: Instant,
+    ) -> Result<RwLockWriteGuard<'a, T>, Self> {
+        Self::upgrade_unless(guard, |raw| raw.drain(Some(deadline)))
+    }
+
+    /// Upgrades, fences and keeps the write lock if `drained` says the readers left; flips back
+    /// to the upgradable read otherwise.
+    fn upgrade_unless(
+        guard: Self,
+        drained: impl FnOnce(&Raw) -> bool,
+    ) -> Result<RwLockWriteGuard<'a, T>, Self> {
+        let lock = guard.lock;
+        core::mem::forget(guard);
+        lock.raw.upgrade();
+        // As in `try_write`: a panic in the fences drops the write guard, which releases the
+        // lock.
+        let writing = RwLockWriteGuard { lock };
+        if drained(&lock.raw) {
+            return Ok(writing);
+        }
+        core::mem::forget(writing);
+        // Back to `UPGRADABLE`, waking the readers that saw `WRITER` and went to sleep.
+        lock.raw.release_to(UPGRADABLE);
+        Err(RwLockUpgradableReadGuard { lock })
     }
 
     /// Upgrades if no reader is inside; never sleeps, but fences (two `membarrier` calls with
@@ -739,19 +910,7 @@ impl<'a, T: ?Sized> RwLockUpgradableReadGuard<'a, T> {
     /// assert_eq!(*lock.read(), 2);
     /// ```
     pub fn try_upgrade(guard: Self) -> Result<RwLockWriteGuard<'a, T>, Self> {
-        let lock = guard.lock;
-        core::mem::forget(guard);
-        lock.raw.upgrade();
-        // As in `try_write`: a panic in the fences drops the write guard, which releases the
-        // lock.
-        let writing = RwLockWriteGuard { lock };
-        if lock.raw.fence_and_check() {
-            return Ok(writing);
-        }
-        core::mem::forget(writing);
-        // Back to `UPGRADABLE`, waking the readers that saw `WRITER` and went to sleep.
-        lock.raw.release_to(UPGRADABLE);
-        Err(RwLockUpgradableReadGuard { lock })
+        Self::upgrade_unless(guard, Raw::fence_and_check)
     }
 
     /// Turns the upgradable read lock into a read lock, letting writers and upgradable readers

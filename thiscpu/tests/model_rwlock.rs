@@ -576,3 +576,34 @@ fn an_upgrade_while_a_reader_holds_waits_for_it() {
         reader.join().unwrap();
     });
 }
+
+/// A reader holds the lock while a timed write on CPU 1 sets the flag and times out waiting for
+/// it (the model machine has no clock: a zero timeout), and a second reader on CPU 1 blocks
+/// behind that flag: the timed-out write must release the flag and wake the second reader.
+#[test]
+fn a_timed_out_write_wakes_the_readers_it_stopped() {
+    explore("a timed-out write and a reader asleep behind it", || {
+        let lock = new_lock();
+        // Not dropped while loom's report of a deadlock unwinds (see the failed `try_write`).
+        let holder = core::mem::ManuallyDrop::new(lock.read());
+        let writer = {
+            let lock = lock.clone();
+            thread::spawn(move || {
+                model::run_on(1);
+                let writing = lock.try_write_for(std::time::Duration::ZERO);
+                assert!(writing.is_none(), "a writer with a reader inside");
+            })
+        };
+        let reader = {
+            let lock = lock.clone();
+            thread::spawn(move || {
+                model::run_on(1);
+                let [a, b] = lock.read().read();
+                assert_eq!(a, b, "a half-written value");
+            })
+        };
+        writer.join().unwrap();
+        reader.join().unwrap();
+        drop(core::mem::ManuallyDrop::into_inner(holder));
+    });
+}

@@ -1203,3 +1203,70 @@ fn downgrades_of_an_upgradable_read_and_to_one() {
     assert_eq!(lock.readers_inside(), 0);
     assert_eq!(*lock.try_write().unwrap(), 2);
 }
+
+#[test]
+fn timed_locks_give_up_at_their_deadline_and_leave_the_lock_as_found() {
+    use std::sync::mpsc;
+    let lock = Arc::new(RwLock::new(1u64));
+    let wait = Duration::from_millis(50);
+
+    let writing = lock.write();
+    let start = Instant::now();
+    assert!(lock.try_read_for(wait).is_none(), "a read beside a writer");
+    assert!(start.elapsed() >= wait, "gave up early");
+    assert!(lock.try_write_for(wait).is_none(), "two writers");
+    assert!(lock.try_upgradable_read_for(wait).is_none());
+    assert!(lock.try_read_until(Instant::now()).is_none());
+    drop(writing);
+
+    // A write that times out while a reader stays inside: readers that slept behind its flag
+    // are woken, and the lock is as before.
+    let reading = lock.read();
+    let (read_tx, read_rx) = mpsc::channel();
+    let sleeper = {
+        let lock = lock.clone();
+        std::thread::spawn(move || {
+            let start = Instant::now();
+            while start.elapsed() < Duration::from_secs(10) {
+                // Sleeps behind the timed write's flag if it comes while the flag is set.
+                if read_tx.send(*lock.read()).is_err() {
+                    break;
+                }
+            }
+        })
+    };
+    read_rx.recv().unwrap();
+    let start = Instant::now();
+    assert!(
+        lock.try_write_for(wait).is_none(),
+        "a write beside a reader"
+    );
+    assert!(start.elapsed() >= wait, "gave up early");
+    assert!(!lock.is_write_locked(), "a timed-out write kept its flag");
+    for _ in 0..3 {
+        assert_eq!(
+            read_rx.recv_timeout(Duration::from_secs(10)),
+            Ok(1),
+            "a reader left asleep behind a timed-out write"
+        );
+    }
+    drop(reading);
+    drop(read_rx);
+    sleeper.join().unwrap();
+
+    // A reader that leaves in time lets the timed write in, and wakes it.
+    let reading = lock.read();
+    let writer = {
+        let lock = lock.clone();
+        std::thread::spawn(move || {
+            lock.try_write_for(Duration::from_secs(10))
+                .map(|mut writing| *writing = 2)
+                .is_some()
+        })
+    };
+    std::thread::sleep(SETTLE);
+    drop(reading);
+    assert!(writer.join().unwrap(), "a timed write not let in");
+    assert_eq!(*lock.read(), 2);
+    assert_eq!(*lock.try_read_for(Duration::MAX).unwrap(), 2);
+}

@@ -94,9 +94,16 @@ const PHASE: usize = 0;
 /// # Recursion, signals, fork
 /// - Taking a read lock while holding one on the same thread works while no writer waits, and
 ///   deadlocks when one does (the new read waits for the writer, which waits for the first
-///   read). Do not lock recursively; take [`try_read`](RwLock::try_read) where unsure. A
-///   read taken while holding an upgradable read works (readers ignore its bit), but
-///   upgrading while holding that read deadlocks (the upgrade waits for it).
+///   read). Do not lock recursively; take [`try_read`](RwLock::try_read) where unsure, or pass
+///   the `&T` of the guard already held down to the code that would lock again. A read taken
+///   while holding an upgradable read works (readers ignore its bit), but upgrading while
+///   holding that read deadlocks (the upgrade waits for it).
+/// - There is no `read_recursive` (`parking_lot`'s read that gets in past a waiting writer
+///   while readers hold the lock). The writer learns that the readers are out only from its
+///   drain check; a reader let in past the flag after that check would share the data with
+///   the writer. Telling such a reader from one that entered before the check would take a
+///   fence or a shared atomic read-modify-write in every read, the cost this lock exists to
+///   avoid, or a per-thread record of held locks in every read; neither is paid for one use.
 /// - A signal handler may use [`try_read`](RwLock::try_read): it is async-signal-safe (a load,
 ///   restartable sequences or atomic adds, no allocation, no lock). [`try_write`] is too
 ///   while `membarrier` works (system calls and atomics only); where `membarrier` was refused
@@ -131,6 +138,29 @@ const PHASE: usize = 0;
 ///   words of many locks share its cache lines, never another CPU's, and a CPU that never
 ///   reads a lock leaves its page unbacked.
 ///
+/// # Statics and const
+/// [`RwLock::new`] is not a `const fn`, so a lock cannot initialize a `static` directly: it
+/// allocates the lock's per-CPU counts in the dense per-CPU arena and decides the lock's mode
+/// (whether the process has rseq and `membarrier`), neither of which can run at compile time.
+/// Allocating on first use instead would put a check of the counts (a load and a branch, and a
+/// one-time initialization race to settle) in every read. A static lock is a
+/// [`std::sync::LazyLock`], which makes it on first use: its own check (a load and a branch
+/// per access) is then paid by the locks in statics only, not by every lock:
+///
+/// ```
+/// use std::sync::LazyLock;
+/// use thiscpu::RwLock;
+///
+/// static NAMES: LazyLock<RwLock<Vec<String>>> = LazyLock::new(|| RwLock::new(Vec::new()));
+///
+/// NAMES.write().push("first".to_owned());
+/// assert_eq!(NAMES.read().len(), 1);
+/// ```
+///
+/// For the same reason the lock does not implement `lock_api`'s raw traits (whose `RawRwLock`
+/// asks for a `const INIT`); the guards' API (mapping, upgrading, downgrading, timed locks)
+/// is written here instead.
+///
 /// # When not to use it
 /// Where writes are more than about one in ten thousand reads (see the break-even table in the
 /// README), where the write latency matters (a writer waits for the slowest reader and makes
@@ -160,7 +190,8 @@ unsafe impl<T: ?Sized + Send + Sync> Sync for RwLock<T> {}
 
 impl<T> RwLock<T> {
     /// A lock holding `value`. Allocates the per-CPU counts and decides the lock's mode (see
-    /// [Modes](RwLock#modes)).
+    /// [Modes](RwLock#modes)); not a `const fn` for that reason (see
+    /// [Statics and const](RwLock#statics-and-const) for a `static` lock).
     pub fn new(value: T) -> Self {
         RwLock {
             raw: Raw {

@@ -147,6 +147,7 @@ pub mod metrics;
 #[allow(unsafe_code)]
 pub mod ops;
 #[allow(unsafe_code)]
+mod os;
 mod park;
 mod percpu;
 #[allow(unsafe_code)]

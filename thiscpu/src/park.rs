@@ -1,8 +1,6 @@
-//! Sleeping until a 32-bit word changes: `futex` on Linux; under the model checker, a yield
-//! (loom runs its threads on one OS thread, where a sleep would never end).
-//!
-//! # Safety
-//! `futex` reads the word at the address it is given; the word is a live atomic each time.
+//! Sleeping until a 32-bit word changes: `futex` on Linux, a `Mutex` and `Condvar` elsewhere
+//! (`os`); under the model checker, a yield (loom runs its threads on one OS thread, where a
+//! sleep would never end).
 
 #[cfg(not(thiscpu_model))]
 pub(crate) use core::sync::atomic::AtomicU32;
@@ -13,31 +11,13 @@ pub(crate) use loom::sync::atomic::AtomicU32;
 /// happen: callers check their condition again).
 #[cfg(not(thiscpu_model))]
 pub(crate) fn wait(word: &AtomicU32, expected: u32) {
-    // SAFETY: FUTEX_WAIT reads the aligned `u32` at `word`, a live atomic, and compares it;
-    // the timeout pointer is null (no timeout); the other arguments are unused.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
-            expected,
-            core::ptr::null::<libc::timespec>(),
-        );
-    }
+    crate::os::wait(word, expected);
 }
 
 /// Wakes up to `count` threads sleeping on `word`.
 #[cfg(not(thiscpu_model))]
 pub(crate) fn wake(word: &AtomicU32, count: i32) {
-    // SAFETY: FUTEX_WAKE only uses the address as a key; it reads no memory.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
-            count,
-        );
-    }
+    crate::os::wake(word, count);
 }
 
 #[cfg(thiscpu_model)]

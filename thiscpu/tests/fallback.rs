@@ -1,5 +1,8 @@
 //! The other ways to ask "which CPU": each `via::` source against the kernel's own answer, and
 //! the fallback chain's choice against what the machine offers.
+//!
+//! The sources compared are Linux's (`thiscpu_linux`, set by the build script); tests/portable.rs checks the other targets' source.
+#![cfg(thiscpu_linux)]
 
 mod common;
 

@@ -330,7 +330,9 @@ pub fn rseq_turned_off_by_env() -> bool {
 /// Who should register rseq in this process, worked out from what the test can see itself:
 /// the environment, glibc's `__rseq_size`, and the kernel's answer to a probe.
 pub fn registrar_from_environment() -> thiscpu::Registrar {
-    if rseq_turned_off_by_env() {
+    // `thiscpu_rseq` (from thiscpu's build script): Linux with an architecture port, and no
+    // `--cfg thiscpu_portable`. Elsewhere nobody registers.
+    if !cfg!(thiscpu_rseq) || rseq_turned_off_by_env() {
         thiscpu::Registrar::None
     } else if glibc_symbol::<u32>(c"__rseq_size").is_some_and(|size| size > 0) {
         thiscpu::Registrar::Glibc

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::Barrier;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
 use std::time::Duration;
-use thiscpu::{CpuNode, topology, via};
+use thiscpu::{CpuNode, topology};
 
 /// Every check that must hold for a thread pinned to `cpu`.
 #[cfg(thiscpu_linux)]
@@ -27,9 +27,13 @@ fn check_pinned(cpu: u32, who: &str) {
         assert_eq!(thiscpu::current_cpu(), cpu, "current_cpu(), {at}");
         assert_eq!(thiscpu::getcpu(), expected, "getcpu(), {at}");
         assert_eq!(thiscpu::current_node(), node, "current_node(), {at}");
-        assert_eq!(via::syscall(), Some(expected), "via::syscall(), {at}");
+        assert_eq!(
+            thiscpu::via::syscall(),
+            Some(expected),
+            "via::syscall(), {at}"
+        );
         assert_eq!(kernel_getcpu(), (cpu, node), "getcpu syscall, {at}");
-        if let Some(glibc) = via::sched_getcpu() {
+        if let Some(glibc) = thiscpu::via::sched_getcpu() {
             assert_eq!(glibc, cpu, "sched_getcpu(), {at}");
         }
         match thiscpu::mm_cid() {

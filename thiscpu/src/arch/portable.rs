@@ -105,7 +105,7 @@ pub(crate) fn area_offset_of<const AREA: usize>() -> AreaOffset {
 /// The 32-bit field `FIELD` of the area at `offset`.
 #[inline(always)]
 pub(crate) fn field_at<const FIELD: usize>(offset: AreaOffset) -> i32 {
-    const { assert!(FIELD % 4 == 0 && FIELD + 4 <= abi::ORIGINAL_AREA_SIZE as usize) };
+    const { assert!(FIELD.is_multiple_of(4) && FIELD + 4 <= abi::ORIGINAL_AREA_SIZE as usize) };
     let area = super::area_at(offset.area_start());
     // SAFETY: an `AreaOffset` here is always 0, and `area_at(0)` is the calling thread's blank
     // area (or the static image), live and never written; FIELD is an aligned 32-bit field

@@ -85,6 +85,8 @@ fn sources_answer_for_the_moving_thread_too() {
 
 /// A refused `getcpu` system call is reported as such, and the library still answers with a
 /// valid CPU.
+// Its seccomp filter is written for the architectures with an rseq port (`thiscpu_rseq`).
+#[cfg(thiscpu_rseq)]
 #[test]
 fn getcpu_refused_by_seccomp_is_reported() {
     if std::env::var_os(SECCOMP_CHILD).is_some() {
@@ -107,6 +109,7 @@ fn getcpu_refused_by_seccomp_is_reported() {
 }
 
 /// The errno of the raw `getcpu` system call, `None` if it succeeds.
+#[cfg(thiscpu_rseq)]
 fn kernel_getcpu_errno() -> Option<i32> {
     let (mut cpu, mut node) = (0u32, 0u32);
     // SAFETY: getcpu writes two `unsigned int`s through valid pointers; the cache may be null.

@@ -9,9 +9,9 @@
 //! which chooses `rseq.rs` or `no_rseq.rs`. `cpu_number.rs` holds the CPU numbers that other
 //! systems' libraries give, each where it exists.
 //!
-//! Under `--cfg thiscpu_portable` a Linux build takes `no_rseq.rs` and the CPU number of Linux
-//! without a port (glibc's `sched_getcpu`), and keeps `linux.rs`; `portable.rs` is compiled
-//! into the tests on Linux too, so that its services run here.
+//! Under `--cfg thiscpu_portable` a Linux build takes `portable.rs` and `no_rseq.rs`, the path
+//! of every other system, with glibc's `sched_getcpu` for the CPU number; `portable.rs` is also
+//! compiled into the unit tests of a plain Linux build, so that its own tests run there too.
 
 #[cfg(thiscpu_linux)]
 #[path = "linux.rs"]

@@ -52,7 +52,11 @@ fn every_source_agrees_with_the_kernel_when_pinned() {
 #[test]
 fn the_fallback_is_the_first_source_the_machine_offers() {
     let source = thiscpu::source();
-    let expected = if via::rdpid().is_some() {
+    // Without an rseq port (`thiscpu_rseq` unset by the build script) glibc's `sched_getcpu`
+    // comes first: it reads glibc's rseq area where the kernel fills it.
+    let expected = if !cfg!(thiscpu_rseq) && via::sched_getcpu().is_some() {
+        CpuSource::SchedGetcpu
+    } else if via::rdpid().is_some() {
         CpuSource::Rdpid
     } else if via::vdso().is_some() {
         CpuSource::Vdso

@@ -276,7 +276,8 @@ pub(crate) unsafe fn free(slot: NonNull<u8>, size: usize, align: usize) {
     BYTES_IN_USE.fetch_sub(size, Ordering::Relaxed);
 }
 
-#[cfg(test)]
+// The test forks, which is Unix's.
+#[cfg(all(test, unix))]
 mod tests {
     use super::{ARENA, alloc, free};
     use std::sync::Barrier;

@@ -169,6 +169,8 @@ fn per_cpu_lists_never_lose_or_duplicate_a_node() {
 /// instrumented build (`--cfg thiscpu_inject`) defers it to the first call here. Run in a fresh
 /// process, pinned to the last allowed CPU, whose number differs from the lone thread's
 /// concurrency id (0) on any machine with two CPUs or more.
+// Pins with `sched_setaffinity`: Linux only.
+#[cfg(target_os = "linux")]
 #[test]
 fn a_first_increment_by_mm_cid_lands_on_the_concurrency_id() {
     const CHILD: &str = "THISCPU_COUNTER_TEST_FIRST_INCREMENT";

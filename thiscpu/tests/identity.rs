@@ -1,5 +1,8 @@
 //! CPU identity: `current_cpu`, `getcpu`, `current_node` and `mm_cid` against the kernel's own
 //! answers and `/sys`, pinned, unpinned, while being migrated, and inside a signal handler.
+//!
+//! Linux only: it compares with `/proc`, `/sys` and Linux's system calls (tests/common).
+#![cfg(target_os = "linux")]
 
 mod common;
 

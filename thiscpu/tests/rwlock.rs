@@ -2,6 +2,9 @@
 //! through a stream of readers, readers that move between CPUs, `fork` with the lock held,
 //! signal handlers, a thousand threads, the atomic mode without rseq or `membarrier` (child
 //! processes), and a reader without rseq while `membarrier` is refused after construction.
+//!
+//! Linux only: it compares with `/proc`, `/sys` and Linux's system calls (tests/common).
+#![cfg(target_os = "linux")]
 
 mod common;
 

@@ -8,6 +8,9 @@
 //! exited. `.ci/run` runs this file in every environment and once built with
 //! `--cfg thiscpu_inject`, where more tests drive aborts and re-enter the fences' registration
 //! from a signal handler.
+//!
+//! Linux only: it compares with `/proc`, `/sys` and Linux's system calls (tests/common).
+#![cfg(target_os = "linux")]
 
 mod common;
 

@@ -1,5 +1,8 @@
 //! The `/sys` topology as thiscpu reads it, against `/sys` read by the test; the calling
 //! thread's affinity against `/proc/thread-self/status`.
+//!
+//! Linux only: it compares with `/proc`, `/sys` and Linux's system calls (tests/common).
+#![cfg(target_os = "linux")]
 
 mod common;
 

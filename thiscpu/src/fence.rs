@@ -1,5 +1,9 @@
 //! Cross-CPU fences for restartable sequences: `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ)`.
 //!
+//! Linux only: on other systems, which have no restartable sequences either, every function
+//! here returns its error ([`FenceUnavailable`] with `ENOSYS`, [`VisitRefused`] since no thread
+//! can be moved), and the types that use fences keep their atomic modes.
+//!
 //! A fence of CPU `c` returns only once no restartable sequence of this process that started
 //! on `c` before the call can still commit: the kernel interrupts `c` if it runs one of this
 //! process's threads (the interrupt aborts a section in progress), and a thread preempted

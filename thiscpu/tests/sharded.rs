@@ -475,13 +475,15 @@ fn thread_cpu_time() -> Duration {
 }
 
 /// The calling thread's voluntary context switches so far: one per sleep that blocked.
+// `ru_nvcsw` is a C `long`: 32 bits on 32-bit targets, where the conversion is not useless.
+#[allow(clippy::useless_conversion)]
 fn voluntary_switches() -> i64 {
     // SAFETY: `rusage` is plain integers, for which zero is a valid value.
     let mut usage: libc::rusage = unsafe { core::mem::zeroed() };
     // SAFETY: getrusage writes one rusage through a valid pointer.
     let ret = unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) };
     assert_eq!(ret, 0);
-    usage.ru_nvcsw
+    i64::from(usage.ru_nvcsw)
 }
 
 /// A holder keeps the shard of CPU `c` while another thread on `c` wants it: the waiter gets

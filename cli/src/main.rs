@@ -1,18 +1,32 @@
 //! The `thiscpu` command: which CPU am I on, how fast can a program ask, and how do two runs
 //! compare. Dispatch only: the command line is parsed in `args`, the work is in the modules.
+//!
+//! Linux only: its benchmarks and stress tests measure and move threads with Linux's
+//! interfaces. Built for another system it says so and exits with status 1; the library and
+//! its integrations do not depend on it.
 
+#[cfg(target_os = "linux")]
 mod args;
+#[cfg(target_os = "linux")]
 mod bench;
+#[cfg(target_os = "linux")]
 mod error;
+#[cfg(target_os = "linux")]
 mod info;
+#[cfg(target_os = "linux")]
 mod machine;
+#[cfg(target_os = "linux")]
 mod report;
+#[cfg(target_os = "linux")]
 mod stress;
 
+#[cfg(target_os = "linux")]
 use args::Command;
+#[cfg(target_os = "linux")]
 use error::Error;
 
 /// The bare command: one line, where this thread runs and who said so.
+#[cfg(target_os = "linux")]
 fn where_am_i() -> Result<(), Error> {
     let here = thiscpu::getcpu();
     println!(
@@ -25,6 +39,7 @@ fn where_am_i() -> Result<(), Error> {
 }
 
 /// `thiscpu report`: a recorded report printed again, and/or a README's blocks refreshed.
+#[cfg(target_os = "linux")]
 fn report_command(
     file: Option<&std::path::Path>,
     readme: Option<&std::path::Path>,
@@ -50,6 +65,7 @@ fn report_command(
     Ok(())
 }
 
+#[cfg(target_os = "linux")]
 fn main() {
     // Die quietly on a closed pipe (`thiscpu info | head -1`) like other Unix tools, instead
     // of failing a write.
@@ -88,4 +104,10 @@ fn main() {
         eprintln!("thiscpu: {error}");
         std::process::exit(error.status());
     }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn main() {
+    eprintln!("the thiscpu command supports Linux only; the thiscpu library runs everywhere");
+    std::process::exit(1);
 }

@@ -3,6 +3,9 @@
 //!
 //! Benchmarks run with `--quick` (a few seconds): these tests check shapes and plumbing,
 //! never timings.
+//!
+//! Linux only, like the command.
+#![cfg(target_os = "linux")]
 
 use serde_json::Value;
 use std::path::{Path, PathBuf};

@@ -1,6 +1,9 @@
 //! `thiscpu stress`: a short run is exact and says so in its JSON; bad input exits with
 //! status 2 and a one-line message; thousands of threads take time in proportion to what was
 //! asked; a thread the system refuses is a one-line error from `stress` and `bench` alike.
+//!
+//! Linux only, like the command.
+#![cfg(target_os = "linux")]
 
 use serde_json::Value;
 use std::os::unix::process::CommandExt;

@@ -11,6 +11,10 @@
 //!
 //! Only one run (of either stress) at a time in a process: the signal handler is process-wide
 //! and reaches the run's counter through a static; a second run waits for the first.
+//!
+//! Linux only (signals, `sched_setaffinity` on other threads, `gettid`), like the command that
+//! runs it: elsewhere the crate is empty.
+#![cfg(target_os = "linux")]
 
 mod counter;
 mod gate;

@@ -2,6 +2,9 @@
 //! `--cfg thiscpu_inject`) delays inside the sections. `.ci/run` runs this file in every
 //! environment (glibc's registration, thiscpu's own, `THISCPU_RSEQ=off`, linked statically)
 //! and once built with `--cfg thiscpu_inject`.
+//!
+//! Linux only, like the crate.
+#![cfg(target_os = "linux")]
 
 use std::time::Duration;
 use thiscpu_stress::{StressConfig, StressReport, run_counter};

@@ -1,6 +1,9 @@
 //! `Pool`: every object in exactly one place under migration, signals, thread churn, drains and
 //! (built with `--cfg thiscpu_inject`) delays inside the sections. `.ci/run` runs this file in
 //! every environment and once built with `--cfg thiscpu_inject`.
+//!
+//! Linux only, like the crate.
+#![cfg(target_os = "linux")]
 
 use std::time::Duration;
 use thiscpu_stress::{PoolStressConfig, PoolStressReport, StressConfig, run_pool};

@@ -31,8 +31,8 @@ pub(crate) const UNDECIDED: i32 = 0;
 /// The word's value once the value is published.
 const DECIDED: i32 = -1;
 
-/// Who a caller is, and whether a claimant still exists: thread ids from the kernel in the
-/// library, plain numbers in the model checks.
+/// Who a caller is, and whether a claimant still exists: `os::Threads` in the library, plain
+/// numbers in the model checks.
 pub(crate) trait Claimants {
     /// The calling thread's id: positive, unique among the process's live threads.
     fn me(&self) -> i32;
@@ -135,26 +135,5 @@ impl Drop for HandBackOnUnwind<'_> {
         let _ = self
             .0
             .compare_exchange(self.1, UNDECIDED, Ordering::Release, Ordering::Relaxed);
-    }
-}
-
-/// The kernel's thread ids.
-pub(crate) struct Threads;
-
-impl Claimants for Threads {
-    fn me(&self) -> i32 {
-        // SAFETY: `gettid` has no precondition.
-        unsafe { libc::syscall(libc::SYS_gettid) as i32 }
-    }
-
-    fn is_gone(&self, id: i32) -> bool {
-        // SAFETY: signal 0 only checks that the thread exists in this thread group; nothing
-        // is delivered.
-        let ret = unsafe { libc::syscall(libc::SYS_tgkill, libc::getpid(), id, 0) };
-        ret != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
-    }
-
-    fn pause(&self) {
-        std::thread::yield_now();
     }
 }

@@ -143,11 +143,9 @@ extern "C" fn after_fork() {
 
 fn register_fork_handlers() {
     FORK_HANDLERS.call_once(|| {
-        // SAFETY: the handlers are functions of this library that take the arena's lock and
-        // release it. In a library loaded with `dlopen`, glibc unregisters them when it is
-        // unloaded (`pthread_atfork` records the caller's object). A failure (ENOMEM) leaves
-        // no handler: a child forked while another thread holds the lock then hangs on it.
-        unsafe { libc::pthread_atfork(Some(before_fork), Some(after_fork), Some(after_fork)) };
+        // The handlers take the arena's lock and release it. Where registering fails (ENOMEM),
+        // a child forked while another thread holds the lock hangs on it.
+        crate::os::at_fork(before_fork, after_fork);
     });
 }
 static SLOTS_IN_USE: AtomicUsize = AtomicUsize::new(0);
@@ -196,30 +194,11 @@ pub fn stats() -> DenseStats {
 
 fn reserve_range(rows: usize) -> NonNull<u8> {
     let length = rows * STRIDE;
-    // SAFETY: an anonymous private mapping at an address of the kernel's choice; MAP_NORESERVE
-    // commits nothing, pages are backed on first write (and read as zero before).
-    let address = unsafe {
-        libc::mmap(
-            core::ptr::null_mut(),
-            length,
-            libc::PROT_READ | libc::PROT_WRITE,
-            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
-            -1,
-            0,
-        )
-    };
-    if address == libc::MAP_FAILED {
+    crate::os::reserve_zeroed(length).unwrap_or_else(|| {
         std::alloc::handle_alloc_error(
             std::alloc::Layout::from_size_align(length, MAX_ALIGN).expect("range layout"),
-        );
-    }
-    // With transparent huge pages set to "always", one CPU's first write could back a 2 MiB
-    // page spanning the rows of 32 CPUs; rows must be backed page by page, by their own CPU.
-    // SAFETY: advice on the mapping just made; failure (no THP support) changes nothing.
-    unsafe {
-        libc::madvise(address, length, libc::MADV_NOHUGEPAGE);
-    }
-    NonNull::new(address.cast()).expect("mmap returned null")
+        )
+    })
 }
 
 /// A slot: `size` bytes at the same offset in every row, zero in every row when handed out.
@@ -297,7 +276,8 @@ pub(crate) unsafe fn free(slot: NonNull<u8>, size: usize, align: usize) {
     BYTES_IN_USE.fetch_sub(size, Ordering::Relaxed);
 }
 
-#[cfg(test)]
+// The test forks, which is Unix's.
+#[cfg(all(test, unix))]
 mod tests {
     use super::{ARENA, alloc, free};
     use std::sync::Barrier;

@@ -1,5 +1,9 @@
 //! Cross-CPU fences for restartable sequences: `membarrier(MEMBARRIER_CMD_PRIVATE_EXPEDITED_RSEQ)`.
 //!
+//! Linux only: on other systems, which have no restartable sequences either, every function
+//! here returns its error ([`FenceUnavailable`] with `ENOSYS`, [`VisitRefused`] since no thread
+//! can be moved), and the types that use fences keep their atomic modes.
+//!
 //! A fence of CPU `c` returns only once no restartable sequence of this process that started
 //! on `c` before the call can still commit: the kernel interrupts `c` if it runs one of this
 //! process's threads (the interrupt aborts a section in progress), and a thread preempted
@@ -86,19 +90,10 @@ impl core::fmt::Display for FenceUnavailable {
 
 impl std::error::Error for FenceUnavailable {}
 
+/// `membarrier` on Linux; `ENOSYS` elsewhere.
 #[cfg(not(thiscpu_model))]
 fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), FenceUnavailable> {
-    // SAFETY: membarrier takes three integers and touches no user memory.
-    let ret = unsafe { libc::syscall(libc::SYS_membarrier, cmd, flags, cpu) };
-    if ret == 0 {
-        Ok(())
-    } else {
-        Err(FenceUnavailable {
-            errno: std::io::Error::last_os_error()
-                .raw_os_error()
-                .unwrap_or(libc::ENOSYS),
-        })
-    }
+    crate::os::membarrier(cmd, flags, cpu).map_err(FenceUnavailable::refused)
 }
 
 /// The model machine's fences, under the model checker.
@@ -145,7 +140,7 @@ fn registration_attempt() -> Result<(), FenceUnavailable> {
 /// assert_eq!(thiscpu::fence::register(), thiscpu::fence::register());
 /// ```
 pub fn register() -> Result<(), FenceUnavailable> {
-    let decided = REGISTRATION.get_or_decide(&decided_once::Threads, || {
+    let decided = REGISTRATION.get_or_decide(&crate::os::Threads, || {
         inject::signal_in_registration();
         registration_attempt()
     });
@@ -316,18 +311,7 @@ impl std::error::Error for VisitRefused {}
 /// thread without it lacks, nor from a vDSO whose answer nothing here can check).
 #[cfg(not(thiscpu_model))]
 fn kernel_cpu() -> Option<u32> {
-    let mut cpu = u32::MAX;
-    // SAFETY: getcpu writes one `unsigned int` through a valid pointer; the node and cache
-    // arguments may be null.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_getcpu,
-            &raw mut cpu,
-            core::ptr::null_mut::<u32>(),
-            core::ptr::null_mut::<libc::c_void>(),
-        )
-    };
-    (ret == 0).then_some(cpu)
+    crate::os::getcpu_syscall().map(|(cpu, _)| cpu)
 }
 
 /// How many times a visit re-pins a thread that something else moved away meanwhile.
@@ -362,8 +346,11 @@ const VISIT_TRIES: u32 = 8;
 /// change.
 ///
 /// ```
-/// let cpu = thiscpu::topology::allowed_cpus().unwrap()[0];
-/// thiscpu::fence::visit_cpu(cpu).unwrap();
+/// match thiscpu::topology::allowed_cpus() {
+///     Ok(allowed) => thiscpu::fence::visit_cpu(allowed[0]).unwrap(),
+///     // Off Linux no thread can be moved, so none can visit.
+///     Err(_) => assert!(thiscpu::fence::visit_cpu(0).is_err()),
+/// }
 /// ```
 pub fn visit_cpu(cpu: u32) -> Result<(), VisitRefused> {
     #[cfg(thiscpu_model)]
@@ -405,7 +392,9 @@ fn visit_by_affinity(cpu: u32) -> Result<(), VisitRefused> {
 /// data indexed by `mm_cid`. Costs two migrations per CPU.
 ///
 /// ```
-/// thiscpu::fence::visit_all().unwrap();
+/// // Visits need pinning, which Linux alone offers.
+/// let can_pin = thiscpu::topology::allowed_cpus().is_ok();
+/// assert_eq!(thiscpu::fence::visit_all().is_ok(), can_pin);
 /// ```
 pub fn visit_all() -> Result<(), VisitRefused> {
     let possible = crate::topology::possible_cpus() as u32;
@@ -427,9 +416,11 @@ pub fn visit_all() -> Result<(), VisitRefused> {
 /// ```
 /// use core::sync::atomic::AtomicU64;
 /// let flag = AtomicU64::new(0);
-/// let taken = thiscpu::fence::take_over_by_visiting(Some(0), &flag, 0, 1).unwrap();
-/// assert_eq!(flag.load(core::sync::atomic::Ordering::Relaxed), 1);
-/// drop(taken);
+/// // Visits need pinning, which Linux alone offers; a refusal leaves `flag` as it was.
+/// if let Ok(taken) = thiscpu::fence::take_over_by_visiting(Some(0), &flag, 0, 1) {
+///     assert_eq!(flag.load(core::sync::atomic::Ordering::Relaxed), 1);
+///     drop(taken);
+/// }
 /// assert_eq!(flag.load(core::sync::atomic::Ordering::Relaxed), 0);
 /// ```
 pub fn take_over_by_visiting(
@@ -491,7 +482,8 @@ mod inject {
     pub(super) fn signal_in_registration() {}
 }
 
-#[cfg(test)]
+// The tests pin threads: affinity is Linux's (`thiscpu_linux`, set by the build script).
+#[cfg(all(test, thiscpu_linux))]
 mod tests {
     use super::*;
     use crate::topology;

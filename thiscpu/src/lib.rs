@@ -38,6 +38,26 @@
 //! Every type keeps working down this chain: without rseq, [`Counter`] adds atomically to the
 //! word of the CPU the fallback reports. Exact, but no faster than an atomic.
 //!
+//! # Platforms
+//! The same API builds on every target with `std`; only the cost changes. Restartable
+//! sequences are used on Linux x86_64, aarch64 and riscv64. Everywhere else nobody registers
+//! ([`Unavailable::NotPorted`]), every per-CPU update is an atomic read-modify-write on the
+//! current CPU's slot, and `Sharded`, `RwLock` and `EpochCell` run in their atomic modes.
+//!
+//! | target | "which CPU" ([`CpuSource`]) | notes |
+//! |---|---|---|
+//! | Linux x86_64, aarch64, riscv64 | rseq; else `rdpid`, vDSO, system call | the fast path |
+//! | Linux, other architectures | glibc's `sched_getcpu` (reads glibc's rseq area, 2.35+) | |
+//! | macOS 11+, iOS 14.2+ | `pthread_cpu_number_np` | |
+//! | Windows | `GetCurrentProcessorNumberEx`, groups made one index | |
+//! | FreeBSD 13.1+ | `sched_getcpu` | |
+//! | others (wasm, ...) | a per-thread index, so threads still spread | |
+//!
+//! Off Linux, [`topology`] counts CPUs with `std::thread::available_parallelism` and the
+//! system's configured processors and puts every CPU on node 0; [`topology::pin_to`] and
+//! [`topology::allowed_cpus`] return an error of kind `Unsupported`; the [`fence`] functions
+//! return their "unavailable" errors. The `thiscpu` command is Linux only.
+//!
 //! # What is inside
 //! - [`current_cpu`], [`getcpu`], [`current_node`], [`mm_cid`]: where this thread runs.
 //! - [`Counter`]: an exact per-CPU counter whose `add` is one restartable sequence.
@@ -117,6 +137,9 @@
 
 #![cfg_attr(docsrs, feature(doc_cfg))]
 #![deny(unsafe_code)]
+// clippy 1.96 asks for `const` initialisers on Windows although every `thread_local!` here has
+// one: std's macro expands differently there (keyed TLS), and the lint misreads it.
+#![cfg_attr(windows, allow(clippy::missing_const_for_thread_local))]
 
 #[doc(hidden)]
 #[allow(unsafe_code)]
@@ -147,6 +170,7 @@ pub mod metrics;
 #[allow(unsafe_code)]
 pub mod ops;
 #[allow(unsafe_code)]
+mod os;
 mod park;
 mod percpu;
 #[allow(unsafe_code)]

@@ -100,6 +100,10 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The word a gauge lives in: `metrics`' own atomic, which implements its `GaugeFn` (the
+/// standard library's `AtomicU64` on 64-bit targets, `portable-atomic`'s on 32-bit ones).
+type GaugeWord = metrics::atomics::AtomicU64;
 use std::sync::{Arc, Mutex, PoisonError, RwLock, Weak};
 
 /// A per-CPU `metrics` counter: [`increment`](CounterFn::increment) is one
@@ -265,7 +269,7 @@ struct Shared {
     /// Tells this recorder's entries apart in the per-thread caches; never reused.
     id: u64,
     counters: RwLock<KeyMap<Arc<PerCpuCounter>>>,
-    gauges: RwLock<KeyMap<Arc<AtomicU64>>>,
+    gauges: RwLock<KeyMap<Arc<GaugeWord>>>,
     histograms: RwLock<KeyMap<Arc<MetricsHistogram>>>,
     descriptions: Mutex<Vec<Description>>,
     /// Bucket bounds of every histogram, checked by `Histogram::new`.
@@ -485,7 +489,7 @@ impl Recorder for PerCpuRecorder {
 
     fn register_gauge(&self, key: &Key, _metadata: &Metadata<'_>) -> Gauge {
         Gauge::from_arc(get_or_insert(&self.shared.gauges, key, || {
-            AtomicU64::new(0.0f64.to_bits())
+            GaugeWord::new(0.0f64.to_bits())
         }))
     }
 

@@ -752,6 +752,7 @@ impl<T: core::fmt::Debug> core::fmt::Debug for ShardGuard<'_, T> {
 mod tests {
     use super::*;
     use std::sync::mpsc;
+    #[cfg(thiscpu_linux)]
     use std::sync::{Arc, Barrier};
 
     #[test]
@@ -783,6 +784,8 @@ mod tests {
             .unwrap_or_else(|_| panic!("{what}: no answer within 10 s"))
     }
 
+    // Pins threads: affinity is Linux's (`thiscpu_linux`, set by the build script).
+    #[cfg(thiscpu_linux)]
     #[test]
     fn a_cpu_beyond_the_shards_takes_a_shard_instead_of_waiting_for_ever() {
         let allowed = topology::allowed_cpus().unwrap();
@@ -805,6 +808,8 @@ mod tests {
         assert_eq!(*sharded.lock(0).unwrap(), 2);
     }
 
+    // Pins threads: affinity is Linux's (`thiscpu_linux`, set by the build script).
+    #[cfg(thiscpu_linux)]
     #[test]
     fn a_concurrency_id_beyond_the_shards_takes_a_shard_instead_of_waiting_for_ever() {
         let allowed = topology::allowed_cpus().unwrap();

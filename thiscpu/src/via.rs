@@ -1,15 +1,23 @@
 //! Every other way to ask "which CPU am I on", for comparison and for environments without
-//! rseq: the system call, the vDSO, glibc's `sched_getcpu`, and the CPU's own instructions.
-//! Each function answers independently of which one the process chose as its fallback
-//! (`Process::fallback`, chosen once by the registration, which is the only caller of
-//! `choose_fallback`).
+//! rseq: the system call, the vDSO, glibc's `sched_getcpu`, the CPU's own instructions,
+//! macOS's `pthread_cpu_number_np`, Windows's `GetCurrentProcessorNumberEx`, and a per-thread
+//! index where the system tells nothing. Each function exists on every target and answers
+//! `None` where its system lacks it; each answers independently of which one the process chose
+//! as its fallback (`Process::fallback`, chosen once by the registration, which is the only
+//! caller of `choose_fallback`).
 //!
-//! # Safety
-//! This module calls the vDSO's `getcpu` through a pointer that `dlsym` returned for that
-//! symbol; each block states why it holds.
+//! | system | fallback, in order of preference |
+//! |---|---|
+//! | Linux x86_64, aarch64, riscv64 (rseq first) | `rdpid`, vDSO, system call |
+//! | Linux, other architectures | `sched_getcpu`, vDSO, system call |
+//! | macOS 11+, iOS 14.2+ | `pthread_cpu_number_np` |
+//! | Windows | `GetCurrentProcessorNumberEx` |
+//! | FreeBSD 13.1+ | `sched_getcpu` |
+//! | others (wasm, ...) | the thread's index |
 
 use crate::arch;
-use core::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use crate::os;
+use core::sync::atomic::{AtomicU8, Ordering};
 
 /// A CPU and the NUMA node it belongs to, read together.
 ///
@@ -42,6 +50,17 @@ pub enum CpuSource {
     Vdso,
     /// The `getcpu` system call.
     Syscall,
+    /// `sched_getcpu` of the C library: glibc's on Linux without an rseq port (which reads
+    /// glibc's rseq area, 2.35+), FreeBSD's (13.1+).
+    SchedGetcpu,
+    /// `pthread_cpu_number_np` (macOS 11+, iOS 14.2+).
+    PthreadCpuNumber,
+    /// `GetCurrentProcessorNumberEx` (Windows), processor groups made one flat index.
+    ProcessorNumber,
+    /// No CPU number from the system: each thread keeps an index of its own, given in the
+    /// order threads first ask, folded into the possible CPUs. Threads still spread over the
+    /// per-CPU slots; the slot says nothing about the CPU.
+    ThreadIndex,
 }
 
 impl CpuSource {
@@ -54,6 +73,10 @@ impl CpuSource {
             CpuSource::Rdpid => "rdpid",
             CpuSource::Vdso => "vdso",
             CpuSource::Syscall => "syscall",
+            CpuSource::SchedGetcpu => "sched_getcpu",
+            CpuSource::PthreadCpuNumber => "pthread_cpu_number_np",
+            CpuSource::ProcessorNumber => "GetCurrentProcessorNumberEx",
+            CpuSource::ThreadIndex => "thread index",
         }
     }
 }
@@ -70,8 +93,6 @@ impl core::fmt::Display for CpuSource {
     }
 }
 
-static VDSO_GETCPU: AtomicUsize = AtomicUsize::new(0);
-
 /// The `getcpu` system call (about a hundred nanoseconds on a VM), or `None` if it failed
 /// (refused by a seccomp filter).
 ///
@@ -82,58 +103,7 @@ static VDSO_GETCPU: AtomicUsize = AtomicUsize::new(0);
 /// ```
 #[inline(never)]
 pub fn syscall() -> Option<CpuNode> {
-    let mut cpu = 0u32;
-    let mut node = 0u32;
-    // SAFETY: getcpu writes two `unsigned int`s through valid pointers; the third
-    // argument (the unused cache) may be null.
-    let ret = unsafe {
-        libc::syscall(
-            libc::SYS_getcpu,
-            &mut cpu,
-            &mut node,
-            core::ptr::null_mut::<u8>(),
-        )
-    };
-    (ret == 0).then_some(CpuNode { cpu, node })
-}
-
-type VdsoGetcpu = unsafe extern "C" fn(*mut u32, *mut u32, *mut libc::c_void) -> libc::c_long;
-
-fn vdso_getcpu_fn() -> Option<VdsoGetcpu> {
-    const MISSING: usize = 1;
-    let mut address = VDSO_GETCPU.load(Ordering::Relaxed);
-    if address == 0 {
-        address = lookup_vdso_getcpu().unwrap_or(MISSING);
-        VDSO_GETCPU.store(address, Ordering::Relaxed);
-    }
-    if address == MISSING {
-        return None;
-    }
-    // SAFETY: `address` came from `dlsym` for `__vdso_getcpu`, whose C type is
-    // `long (unsigned *cpu, unsigned *node, void *cache)`.
-    Some(unsafe { core::mem::transmute::<usize, VdsoGetcpu>(address) })
-}
-
-fn lookup_vdso_getcpu() -> Option<usize> {
-    // SAFETY: glibc lists the vDSO among the loaded objects; RTLD_NOLOAD only looks it up.
-    let handle = unsafe {
-        libc::dlopen(
-            c"linux-vdso.so.1".as_ptr(),
-            libc::RTLD_LAZY | libc::RTLD_NOLOAD,
-        )
-    };
-    if handle.is_null() {
-        return None;
-    }
-    let mut symbol = core::ptr::null_mut();
-    for name in [c"__vdso_getcpu", c"__kernel_getcpu"] {
-        // SAFETY: `handle` is a valid handle from dlopen; `name` is NUL-terminated.
-        symbol = unsafe { libc::dlsym(handle, name.as_ptr()) };
-        if !symbol.is_null() {
-            break;
-        }
-    }
-    (!symbol.is_null()).then_some(symbol as usize)
+    os::getcpu_syscall().map(|(cpu, node)| CpuNode { cpu, node })
 }
 
 /// `getcpu` in the vDSO, or `None` where the vDSO has none (aarch64, valgrind).
@@ -145,21 +115,78 @@ fn lookup_vdso_getcpu() -> Option<usize> {
 /// ```
 #[inline]
 pub fn vdso() -> Option<CpuNode> {
-    let getcpu = vdso_getcpu_fn()?;
-    let mut cpu = 0u32;
-    let mut node = 0u32;
-    // SAFETY: the vDSO function writes two `unsigned int`s through valid pointers and
-    // accepts a null cache.
-    let ret = unsafe { getcpu(&mut cpu, &mut node, core::ptr::null_mut()) };
-    (ret == 0).then_some(CpuNode { cpu, node })
+    os::vdso_getcpu().map(|(cpu, node)| CpuNode { cpu, node })
 }
 
-/// glibc's `sched_getcpu` (which itself reads rseq when glibc registered it), or `None`
-/// if it failed.
+/// The C library's `sched_getcpu`: glibc's on Linux (which itself reads rseq when glibc
+/// registered it), FreeBSD's (13.1+). `None` if it failed, or on other systems.
+///
+/// ```
+/// if let Some(cpu) = thiscpu::via::sched_getcpu() {
+///     assert!((cpu as usize) < thiscpu::topology::possible_cpus());
+/// }
+/// ```
 #[inline]
 pub fn sched_getcpu() -> Option<u32> {
-    // SAFETY: no precondition.
-    u32::try_from(unsafe { libc::sched_getcpu() }).ok()
+    os::cpu_number::sched_getcpu()
+}
+
+/// `pthread_cpu_number_np` on macOS 11+ and iOS 14.2+ (a read of a value the kernel keeps for
+/// the thread, no system call). `None` on other systems and older releases.
+///
+/// ```
+/// if let Some(cpu) = thiscpu::via::pthread_cpu_number() {
+///     assert!((cpu as usize) < thiscpu::topology::possible_cpus());
+/// }
+/// ```
+#[inline]
+pub fn pthread_cpu_number() -> Option<u32> {
+    os::cpu_number::pthread_cpu_number()
+}
+
+/// `GetCurrentProcessorNumberEx` on Windows, as one flat index over the processor groups
+/// (the processors of the groups before the thread's, plus its number in its group). `None` on
+/// other systems.
+///
+/// ```
+/// if let Some(cpu) = thiscpu::via::processor_number() {
+///     assert!((cpu as usize) < thiscpu::topology::possible_cpus());
+/// }
+/// ```
+#[inline]
+pub fn processor_number() -> Option<u32> {
+    os::cpu_number::processor_number()
+}
+
+/// The calling thread's index, folded into the possible CPUs: threads are numbered in the
+/// order they first ask, and keep their number. What answers where the system tells no CPU;
+/// every system has it.
+///
+/// ```
+/// let index = thiscpu::via::thread_index();
+/// assert_eq!(thiscpu::via::thread_index(), index);
+/// assert!((index as usize) < thiscpu::topology::possible_cpus());
+/// ```
+#[inline]
+pub fn thread_index() -> u32 {
+    fold(os::cpu_number::thread_index())
+}
+
+/// A CPU number in range of the per-CPU structures: a system's number can exceed the count the
+/// standard library reports (CPUs outside the process's share), and any slot is a valid one
+/// for an atomic update.
+#[inline]
+fn fold(cpu: u32) -> u32 {
+    let possible = crate::topology::possible_cpus() as u32;
+    if cpu < possible { cpu } else { cpu % possible }
+}
+
+/// A CPU number from a system without nodes (or whose nodes `/sys` does not tell), with its
+/// node from the topology (0 where there is none).
+fn on_its_node(cpu: u32) -> CpuNode {
+    let cpu = fold(cpu);
+    let node = crate::topology::node_of_cpu(cpu).unwrap_or(0);
+    CpuNode { cpu, node }
 }
 
 const UNKNOWN: u8 = 0;
@@ -227,15 +254,31 @@ pub fn rdtscp() -> Option<CpuNode> {
     native(arch::NATIVE_CPU_READ_WITH_CLOCK, &HAS)
 }
 
-/// The best source that answers without rseq on this machine: the CPU's own instruction where
-/// it agrees with the kernel, then the vDSO, then the system call. Probes each once.
+/// The best source that answers without rseq on this machine: the first of the system's list
+/// (`os::CPU_SOURCES`) that answers, or its last. Probes each once.
 pub(crate) fn choose_fallback() -> CpuSource {
-    if rdpid().is_some() {
-        CpuSource::Rdpid
-    } else if vdso().is_some() {
-        CpuSource::Vdso
-    } else {
-        CpuSource::Syscall
+    let (last, others) = os::CPU_SOURCES
+        .split_last()
+        .expect("every system lists a source");
+    others
+        .iter()
+        .copied()
+        .find(|&source| answer(source).is_some())
+        .unwrap_or(*last)
+}
+
+/// What `source` answers now, `None` where it failed or does not exist here.
+#[inline]
+fn answer(source: CpuSource) -> Option<CpuNode> {
+    match source {
+        CpuSource::Rdpid => rdpid(),
+        CpuSource::Vdso => vdso(),
+        CpuSource::Syscall => syscall(),
+        CpuSource::SchedGetcpu => sched_getcpu().map(on_its_node),
+        CpuSource::PthreadCpuNumber => pthread_cpu_number().map(on_its_node),
+        CpuSource::ProcessorNumber => processor_number().map(on_its_node),
+        CpuSource::ThreadIndex => Some(on_its_node(thread_index())),
+        CpuSource::RseqGlibc | CpuSource::RseqThiscpu => None,
     }
 }
 
@@ -249,8 +292,8 @@ pub(crate) fn fallback_cpu_node(source: CpuSource) -> CpuNode {
             let (cpu, node) = (native.read)();
             CpuNode { cpu, node }
         }),
-        CpuSource::Vdso => vdso(),
-        _ => None,
+        CpuSource::Syscall => None,
+        other => answer(other),
     };
     answer
         .or_else(syscall)

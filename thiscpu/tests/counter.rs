@@ -169,6 +169,8 @@ fn per_cpu_lists_never_lose_or_duplicate_a_node() {
 /// instrumented build (`--cfg thiscpu_inject`) defers it to the first call here. Run in a fresh
 /// process, pinned to the last allowed CPU, whose number differs from the lone thread's
 /// concurrency id (0) on any machine with two CPUs or more.
+// Pins with `sched_setaffinity`: Linux only.
+#[cfg(target_os = "linux")]
 #[test]
 fn a_first_increment_by_mm_cid_lands_on_the_concurrency_id() {
     const CHILD: &str = "THISCPU_COUNTER_TEST_FIRST_INCREMENT";
@@ -223,6 +225,9 @@ fn a_first_increment_by_mm_cid_lands_on_the_concurrency_id() {
 /// An adder made on one thread and sent to fresh ones (whose first add registers them), by CPU
 /// and by concurrency id, while the threads are moved between CPUs: every add is counted, and
 /// the adder and the counter's own adds share the words.
+// Pins threads: affinity is Linux's (`thiscpu_linux`, set by the build script); elsewhere
+// `pin_to` returns `Unsupported` (tests/portable.rs).
+#[cfg(thiscpu_linux)]
 #[test]
 fn an_adder_sent_to_fresh_threads_counts_exactly_while_they_migrate() {
     fn run<S: thiscpu::Spread>(counter: &Counter<S>) {

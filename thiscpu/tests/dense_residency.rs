@@ -1,5 +1,8 @@
 //! Slots of a CPU that never ran the program are not backed by memory. Alone in its own test
 //! binary, so that no other test's counters share (and touch) its pages.
+//!
+//! Linux only: it compares with `/proc`, `/sys` and Linux's system calls (tests/common).
+#![cfg(target_os = "linux")]
 
 mod common;
 

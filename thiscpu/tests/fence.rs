@@ -1,6 +1,9 @@
 //! Cross-CPU fences and the pool's drain: exact over millions of operations while another
 //! thread keeps draining every CPU's cache; and the drain's fallback where membarrier is
 //! refused (`THISCPU_MEMBARRIER=off`, run in a child process).
+//!
+//! Linux only: it compares with `/proc`, `/sys` and Linux's system calls (tests/common).
+#![cfg(target_os = "linux")]
 
 mod common;
 

@@ -1,5 +1,8 @@
 //! CPU identity: `current_cpu`, `getcpu`, `current_node` and `mm_cid` against the kernel's own
 //! answers and `/sys`, pinned, unpinned, while being migrated, and inside a signal handler.
+//!
+//! Linux only: it compares with `/proc`, `/sys` and Linux's system calls (tests/common).
+#![cfg(target_os = "linux")]
 
 mod common;
 
@@ -8,9 +11,10 @@ use std::sync::Arc;
 use std::sync::Barrier;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering, fence};
 use std::time::Duration;
-use thiscpu::{CpuNode, topology, via};
+use thiscpu::{CpuNode, topology};
 
 /// Every check that must hold for a thread pinned to `cpu`.
+#[cfg(thiscpu_linux)]
 fn check_pinned(cpu: u32, who: &str) {
     let node = topology::node_of_cpu(cpu)
         .unwrap_or_else(|| panic!("{who}: CPU {cpu} is allowed but has no node in /sys"));
@@ -26,9 +30,13 @@ fn check_pinned(cpu: u32, who: &str) {
         assert_eq!(thiscpu::current_cpu(), cpu, "current_cpu(), {at}");
         assert_eq!(thiscpu::getcpu(), expected, "getcpu(), {at}");
         assert_eq!(thiscpu::current_node(), node, "current_node(), {at}");
-        assert_eq!(via::syscall(), Some(expected), "via::syscall(), {at}");
+        assert_eq!(
+            thiscpu::via::syscall(),
+            Some(expected),
+            "via::syscall(), {at}"
+        );
         assert_eq!(kernel_getcpu(), (cpu, node), "getcpu syscall, {at}");
-        if let Some(glibc) = via::sched_getcpu() {
+        if let Some(glibc) = thiscpu::via::sched_getcpu() {
             assert_eq!(glibc, cpu, "sched_getcpu(), {at}");
         }
         match thiscpu::mm_cid() {
@@ -51,6 +59,9 @@ fn check_pinned(cpu: u32, who: &str) {
     }
 }
 
+// Pins threads: affinity is Linux's (`thiscpu_linux`, set by the build script); elsewhere
+// `pin_to` returns `Unsupported` (tests/portable.rs).
+#[cfg(thiscpu_linux)]
 #[test]
 fn pinned_to_each_allowed_cpu_every_answer_agrees() {
     let _serial = serial();

@@ -3,6 +3,9 @@
 //!
 //! One test in this file on purpose: the kernel's bound follows the most threads the process
 //! has had (it keeps a high-water mark), so no other test may start and end threads here.
+//!
+//! Linux only: it compares with `/proc`, `/sys` and Linux's system calls (tests/common).
+#![cfg(target_os = "linux")]
 
 mod common;
 

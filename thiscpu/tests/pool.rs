@@ -1,6 +1,9 @@
 //! `Pool`: spills, refills, distinct objects, drops, drains and the capacity cap (every object
 //! in exactly one place under migration, signals, churn and drains is
 //! `stress/tests/pool_stress.rs`).
+//!
+//! Linux only: it compares with `/proc`, `/sys` and Linux's system calls (tests/common).
+#![cfg(target_os = "linux")]
 
 mod common;
 

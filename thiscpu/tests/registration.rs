@@ -4,6 +4,9 @@
 //! `.ci/run` runs this file in each environment and says what it expects in
 //! `THISCPU_EXPECT_REGISTRAR` (`glibc`, `thiscpu` or `none`); without it the tests work the
 //! expectation out from glibc's symbols, `THISCPU_RSEQ` and the kernel.
+//!
+//! Built where thiscpu registers rseq (`thiscpu_rseq`, set by the build script); tests/portable.rs checks the other targets.
+#![cfg(thiscpu_rseq)]
 
 mod common;
 

@@ -2,6 +2,9 @@
 //! through a stream of readers, readers that move between CPUs, `fork` with the lock held,
 //! signal handlers, a thousand threads, the atomic mode without rseq or `membarrier` (child
 //! processes), and a reader without rseq while `membarrier` is refused after construction.
+//!
+//! Linux only: it compares with `/proc`, `/sys` and Linux's system calls (tests/common).
+#![cfg(target_os = "linux")]
 
 mod common;
 
@@ -484,6 +487,8 @@ const CHILD: &str = "THISCPU_RWLOCK_TEST_CHILD";
 
 /// The atomic mode, in child processes: without rseq, without `membarrier`, and with
 /// `membarrier` refused by a seccomp filter.
+// Its seccomp filter is written for the architectures with an rseq port (`thiscpu_rseq`).
+#[cfg(thiscpu_rseq)]
 #[test]
 fn without_rseq_or_membarrier_the_atomic_mode_is_exact() {
     if std::env::var_os(CHILD).is_some() || std::env::var_os(common::SECCOMP_CHILD).is_some() {
@@ -550,6 +555,8 @@ fn with_delays_inside_the_sections_the_counts_stay_exact() {
 /// reader thread whose rseq is then taken away (it counts atomically in the spare row), and a
 /// seccomp filter refusing `membarrier` installed afterwards on every thread (writers fence by
 /// visiting every CPU): values whole, counts balanced.
+// Its seccomp filter is written for the architectures with an rseq port (`thiscpu_rseq`).
+#[cfg(thiscpu_rseq)]
 #[test]
 fn a_reader_without_rseq_and_membarrier_refused_later() {
     let name = "a_reader_without_rseq_and_membarrier_refused_later";
@@ -696,6 +703,8 @@ fn replaced_values_are_dropped_once_their_readers_leave() {
 /// A seccomp filter refusing `membarrier` and `sched_setaffinity`, installed on every thread
 /// after the lock was made: a write cannot fence the readers and panics, and leaves the lock
 /// as it found it. Readers and later writers get in.
+// Its seccomp filter is written for the architectures with an rseq port (`thiscpu_rseq`).
+#[cfg(thiscpu_rseq)]
 #[test]
 fn a_write_that_cannot_fence_leaves_the_lock_as_it_was() {
     let name = "a_write_that_cannot_fence_leaves_the_lock_as_it_was";
@@ -743,6 +752,8 @@ fn a_write_that_cannot_fence_leaves_the_lock_as_it_was() {
 /// thread), with `membarrier` refused after the lock was made: the writer cannot visit that
 /// CPU, a thread of the process may run there, so the write must not go through unfenced.
 /// Needs the cgroup v1 cpuset hierarchy at /sys/fs/cgroup/cpuset, writable, and two CPUs.
+// Its seccomp filter is written for the architectures with an rseq port (`thiscpu_rseq`).
+#[cfg(thiscpu_rseq)]
 #[test]
 fn a_visiting_fence_does_not_skip_a_cpu_where_a_reader_may_run() {
     let name = "a_visiting_fence_does_not_skip_a_cpu_where_a_reader_may_run";

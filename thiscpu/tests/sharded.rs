@@ -8,13 +8,16 @@
 //! exited. `.ci/run` runs this file in every environment and once built with
 //! `--cfg thiscpu_inject`, where more tests drive aborts and re-enter the fences' registration
 //! from a signal handler.
+//!
+//! Linux only: it compares with `/proc`, `/sys` and Linux's system calls (tests/common).
+#![cfg(target_os = "linux")]
 
 mod common;
 
 use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, Ordering};
 use std::sync::{Arc, Barrier, OnceLock};
 use std::time::{Duration, Instant};
-use thiscpu::{ByCpu, ByMmCid, Sharded, Spread};
+use thiscpu::{ByCpu, Sharded, Spread};
 
 /// What a `Sharded` must decide in this environment, worked out without thiscpu.
 #[derive(Debug)]
@@ -472,13 +475,15 @@ fn thread_cpu_time() -> Duration {
 }
 
 /// The calling thread's voluntary context switches so far: one per sleep that blocked.
+// `ru_nvcsw` is a C `long`: 32 bits on 32-bit targets, where the conversion is not useless.
+#[allow(clippy::useless_conversion)]
 fn voluntary_switches() -> i64 {
     // SAFETY: `rusage` is plain integers, for which zero is a valid value.
     let mut usage: libc::rusage = unsafe { core::mem::zeroed() };
     // SAFETY: getrusage writes one rusage through a valid pointer.
     let ret = unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut usage) };
     assert_eq!(ret, 0);
-    usage.ru_nvcsw
+    i64::from(usage.ru_nvcsw)
 }
 
 /// A holder keeps the shard of CPU `c` while another thread on `c` wants it: the waiter gets
@@ -563,6 +568,8 @@ fn without_membarrier_shards_are_taken_by_compare_and_swap() {
 /// Writers with rseq running before the filter and others started after it (without rseq:
 /// their registration is refused), while this thread reads with `fold`, `lock(0)`,
 /// `lock(len - 1)` and `for_each`. Exact, and every take returns.
+// Its seccomp filter is written for the architectures with an rseq port (`thiscpu_rseq`).
+#[cfg(thiscpu_rseq)]
 fn refused_after_construction<S: Spread>(sharded: Sharded<Tally, S>) {
     let sharded = Arc::new(sharded);
     let expected = expected_mode();
@@ -676,6 +683,8 @@ fn refused_after_construction<S: Spread>(sharded: Sharded<Tally, S>) {
 /// taken by sections: reads fence by visiting the CPUs, threads without rseq take their shard
 /// the same way, nothing hangs and nothing is lost. In a child process, by CPU and by
 /// `mm_cid`.
+// Its seccomp filter is written for the architectures with an rseq port (`thiscpu_rseq`).
+#[cfg(thiscpu_rseq)]
 #[test]
 fn membarrier_refused_after_construction_neither_hangs_nor_loses_a_take() {
     const CHILD: &str = "THISCPU_SHARDED_SECCOMP_AFTER_START";
@@ -683,7 +692,9 @@ fn membarrier_refused_after_construction_neither_hangs_nor_loses_a_take() {
     match std::env::var(CHILD).as_deref() {
         Ok("by-cpu") => refused_after_construction(Sharded::<Tally, ByCpu>::default()),
         Ok("by-mm-cid") => {
-            refused_after_construction(Sharded::<Tally, ByMmCid>::by_mm_cid(|_| Tally::default()))
+            refused_after_construction(Sharded::<Tally, thiscpu::ByMmCid>::by_mm_cid(|_| {
+                Tally::default()
+            }))
         }
         _ => {
             for spread in ["by-cpu", "by-mm-cid"] {

@@ -1,6 +1,9 @@
 //! thiscpu linked into a shared library (the `shared_library` example, a `cdylib` that
 //! `cargo test` builds) and loaded with `dlopen`: it links, loads, and answers like the
 //! program's own copy. Not in a statically linked test, which has no dynamic loader to speak of.
+//!
+//! What it checks (the library stays mapped for the rseq areas that point into it) is the rseq path's (`thiscpu_rseq`, set by the build script).
+#![cfg(thiscpu_rseq)]
 #![cfg(not(target_feature = "crt-static"))]
 
 mod common;

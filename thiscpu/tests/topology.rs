@@ -1,5 +1,8 @@
 //! The `/sys` topology as thiscpu reads it, against `/sys` read by the test; the calling
 //! thread's affinity against `/proc/thread-self/status`.
+//!
+//! Linux only: it compares with `/proc`, `/sys` and Linux's system calls (tests/common).
+#![cfg(target_os = "linux")]
 
 mod common;
 
@@ -74,6 +77,7 @@ fn cpu_lists_parse_as_the_kernel_means_them() {
 /// `Cpus_allowed_list` of the calling thread, from `/proc/thread-self/status`, less the CPUs
 /// that are offline: the kernel keeps those in the mask but `sched_getaffinity` leaves them out
 /// (the hot-plug guests of `.ci/kernels` run with CPUs offline).
+#[cfg(thiscpu_linux)]
 fn proc_allowed_cpus() -> Vec<u32> {
     let status = std::fs::read_to_string("/proc/thread-self/status").unwrap();
     let line = status
@@ -87,6 +91,9 @@ fn proc_allowed_cpus() -> Vec<u32> {
         .collect()
 }
 
+// Pins threads: affinity is Linux's (`thiscpu_linux`, set by the build script); elsewhere
+// `pin_to` returns `Unsupported` (tests/portable.rs).
+#[cfg(thiscpu_linux)]
 #[test]
 fn allowed_cpus_are_the_threads_mask_as_proc_lists_it() {
     std::thread::spawn(|| {
@@ -100,6 +107,9 @@ fn allowed_cpus_are_the_threads_mask_as_proc_lists_it() {
     .unwrap();
 }
 
+// Pins threads: affinity is Linux's (`thiscpu_linux`, set by the build script); elsewhere
+// `pin_to` returns `Unsupported` (tests/portable.rs).
+#[cfg(thiscpu_linux)]
 #[test]
 fn a_pin_holds_until_its_guard_is_dropped_and_then_the_mask_comes_back() {
     std::thread::spawn(|| {
@@ -121,6 +131,9 @@ fn a_pin_holds_until_its_guard_is_dropped_and_then_the_mask_comes_back() {
     .unwrap();
 }
 
+// Pins threads: affinity is Linux's (`thiscpu_linux`, set by the build script); elsewhere
+// `pin_to` returns `Unsupported` (tests/portable.rs).
+#[cfg(thiscpu_linux)]
 #[test]
 fn a_kept_pin_outlives_its_guard() {
     let cpu = allowed_cpus()[0];
@@ -132,6 +145,9 @@ fn a_kept_pin_outlives_its_guard() {
     .unwrap();
 }
 
+// Pins threads: affinity is Linux's (`thiscpu_linux`, set by the build script); elsewhere
+// `pin_to` returns `Unsupported` (tests/portable.rs).
+#[cfg(thiscpu_linux)]
 #[test]
 fn pins_outside_the_allowed_cpus_are_errors_that_change_nothing() {
     let possible = topology::possible_cpus() as u32;

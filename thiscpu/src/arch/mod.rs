@@ -18,6 +18,11 @@
 //! written here, from `thread_pointer` and `AREA_OFFSET_FIELD`. The fast paths' process-wide
 //! flags and bounds (`hot`) are read by `hot_word`, next to the area deltas.
 //!
+//! `portable.rs` keeps the contract where there is no port (other systems, Linux on other
+//! architectures, `--cfg thiscpu_portable`): its areas are never registered, so every read of
+//! `cpu_id` says so and every section reports an abort, and callers take the paths they take
+//! without rseq (`THISCPU_RSEQ=off`).
+//!
 //! # Safety
 //! The submodules are built from `asm!`; each block states why it holds.
 
@@ -29,6 +34,7 @@
 /// section takes the alignment of its first entry, and nothing else in it may shift one. No
 /// code refers to them, so they carry the retain flag (`R`, `SHF_GNU_RETAIN`), or the linker's
 /// `--gc-sections` (rustc passes it) would drop them from every program.
+#[cfg(thiscpu_rseq)]
 macro_rules! rseq_descriptor {
     ($start:literal, $post_commit:literal, $abort:literal) => {
         concat!(
@@ -56,6 +62,7 @@ macro_rules! rseq_descriptor {
 
 /// Lists an early exit of a section (from its start label to a label outside it) in
 /// `__rseq_exit_point_array`, as librseq does for debuggers. Place it before the start label.
+#[cfg(thiscpu_rseq)]
 macro_rules! rseq_exit_point {
     ($start:literal, $exit:literal) => {
         concat!(
@@ -71,27 +78,27 @@ macro_rules! rseq_exit_point {
     };
 }
 
-#[cfg(target_arch = "x86_64")]
+// The choice: `thiscpu_rseq` (set by the build script, the one place that decides it) means
+// Linux on an architecture with a restartable-sequence port; everything else takes the portable
+// file, which registers no area, so every caller takes its path without rseq.
+#[cfg(all(thiscpu_rseq, target_arch = "x86_64"))]
 #[path = "x86_64.rs"]
 #[cfg_attr(thiscpu_model, allow(dead_code))]
 mod imp;
 
-#[cfg(target_arch = "aarch64")]
+#[cfg(all(thiscpu_rseq, target_arch = "aarch64"))]
 #[path = "aarch64.rs"]
 #[cfg_attr(thiscpu_model, allow(dead_code))]
 mod imp;
 
-#[cfg(target_arch = "riscv64")]
+#[cfg(all(thiscpu_rseq, target_arch = "riscv64"))]
 #[path = "riscv64.rs"]
 #[cfg_attr(thiscpu_model, allow(dead_code))]
 mod imp;
 
-#[cfg(not(any(
-    target_arch = "x86_64",
-    target_arch = "aarch64",
-    target_arch = "riscv64"
-)))]
-compile_error!("thiscpu supports x86_64, aarch64 and riscv64 Linux");
+#[cfg(not(thiscpu_rseq))]
+#[path = "portable.rs"]
+mod imp;
 
 pub(crate) use imp::*;
 
@@ -107,7 +114,7 @@ pub(crate) use model::{
 
 use crate::abi::Rseq;
 use crate::sync::atomic::AtomicU64;
-#[cfg_attr(thiscpu_model, allow(unused_imports))]
+#[cfg_attr(any(thiscpu_model, not(thiscpu_rseq)), allow(unused_imports))]
 use core::mem::{offset_of, size_of};
 use core::sync::atomic::{AtomicU32, Ordering};
 
@@ -209,6 +216,8 @@ pub(crate) struct StackHead {
     pub(crate) stopped: AtomicU64,
 }
 
+// Without a port no section addresses the fields.
+#[cfg_attr(not(thiscpu_rseq), allow(dead_code))]
 impl StackHead {
     /// Byte offset of `count`, used inside `asm!`.
     pub(crate) const COUNT: usize = 0;
@@ -216,8 +225,9 @@ impl StackHead {
     pub(crate) const STOPPED: usize = 8;
 }
 
-// The model's atomics are larger, and its sections address the fields by name.
-#[cfg(not(thiscpu_model))]
+// The model's atomics are larger, and its sections address the fields by name; the portable
+// file has no sections to address them.
+#[cfg(all(thiscpu_rseq, not(thiscpu_model)))]
 const _: () = {
     assert!(offset_of!(StackHead, count) == StackHead::COUNT);
     assert!(offset_of!(StackHead, stopped) == StackHead::STOPPED);
@@ -228,6 +238,7 @@ const _: () = {
 /// in a register (x86_64's `stack_pop`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[repr(u32)]
+#[cfg_attr(not(thiscpu_rseq), allow(dead_code))]
 pub(crate) enum StackOutcome {
     /// The count was stored.
     Committed = 0,
@@ -294,7 +305,8 @@ const _: () = {
         stack_pop::<CPU_ID>;
 };
 
-#[cfg(all(test, not(thiscpu_model)))]
+// What the tests check is the assembly's (offsets in static TLS, sections the kernel aborts).
+#[cfg(all(test, thiscpu_rseq, not(thiscpu_model)))]
 mod contract_tests;
 
 #[cfg(test)]

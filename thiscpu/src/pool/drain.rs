@@ -240,8 +240,8 @@ mod tests {
     use super::*;
     use crate::mask::CpuMask;
     use crate::percpu::CachePadded;
-    use core::sync::atomic::AtomicU64;
-    use std::sync::Mutex;
+    use crate::sync::Mutex;
+    use crate::sync::atomic::AtomicU64;
 
     /// A pool with locked caches for `caches` CPUs, whose touched mask also names CPUs beyond
     /// them, as a CPU whose drain fails.

@@ -18,8 +18,8 @@ use crate::percpu::CachePadded;
 use crate::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use core::mem::size_of;
 
-/// Slots per 128-byte chunk.
-const CHUNK: usize = 16;
+/// Slots per 128-byte chunk: 16 on 64-bit targets, 32 on 32-bit ones.
+const CHUNK: usize = 128 / size_of::<AtomicUsize>();
 type Chunk = CachePadded<[AtomicUsize; CHUNK]>;
 const _: () = assert!(size_of::<Chunk>() == CHUNK * size_of::<AtomicUsize>());
 

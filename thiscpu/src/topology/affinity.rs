@@ -5,15 +5,14 @@
 //! the kernel refuses `sched_getaffinity` with a buffer shorter than its `nr_cpu_ids`, and a
 //! fixed set could not name CPUs from 1024 up.
 //!
-//! # Safety
-//! The `sched_getaffinity` and `sched_setaffinity` calls pass a buffer together with its
-//! exact length in bytes; each block states why it holds.
+//! The masks are read and written by `os` (`sched_getaffinity` and `sched_setaffinity` on
+//! Linux); other systems refuse with an error of kind `Unsupported`.
 
 use super::possible_cpus;
 use std::io;
 use std::marker::PhantomData;
 
-type Word = libc::c_ulong;
+type Word = crate::os::AffinityWord;
 const WORD_BITS: usize = Word::BITS as usize;
 
 /// The most CPUs a mask is grown to when the kernel keeps refusing a buffer as too short:
@@ -71,31 +70,16 @@ impl CpuSet {
         list
     }
 
-    fn bytes(&self) -> usize {
-        self.words.len() * size_of::<Word>()
-    }
-
     /// The affinity mask of thread `tid` (0: the calling thread).
-    fn of_thread(tid: libc::pid_t) -> io::Result<CpuSet> {
+    fn of_thread(tid: i32) -> io::Result<CpuSet> {
         // `possible_cpus` is the kernel's `nr_cpu_ids` when /sys can be read; when it could
         // not be, the count may be short, and the kernel says so with EINVAL: grow and retry.
         let mut bits = possible_cpus();
         loop {
             let mut set = CpuSet::with_room_for(bits);
-            // SAFETY: the kernel writes at most `set.bytes()` bytes, the length of the
-            // buffer it is given, which `set` owns for the duration of the call.
-            let written = unsafe {
-                libc::syscall(
-                    libc::SYS_sched_getaffinity,
-                    tid,
-                    set.bytes(),
-                    set.words.as_mut_ptr(),
-                )
-            };
-            if written >= 0 {
+            let Err(error) = crate::os::get_affinity(tid, &mut set.words) else {
                 return Ok(set);
-            }
-            let error = io::Error::last_os_error();
+            };
             if error.raw_os_error() != Some(libc::EINVAL) || bits >= LARGEST_MASK_BITS {
                 return Err(error);
             }
@@ -105,32 +89,20 @@ impl CpuSet {
 
     /// Makes this the affinity mask of thread `tid` (0: the calling thread). The kernel
     /// refuses a mask without any CPU that the thread's cpuset allows and that is online.
-    fn apply_to(&self, tid: libc::pid_t) -> io::Result<()> {
-        // SAFETY: the kernel reads `self.bytes()` bytes, the length of the buffer `self`
-        // owns, and keeps no reference to it.
-        let ret = unsafe {
-            libc::syscall(
-                libc::SYS_sched_setaffinity,
-                tid,
-                self.bytes(),
-                self.words.as_ptr(),
-            )
-        };
-        if ret == 0 {
-            Ok(())
-        } else {
-            Err(io::Error::last_os_error())
-        }
+    fn apply_to(&self, tid: i32) -> io::Result<()> {
+        crate::os::set_affinity(tid, &self.words)
     }
 }
 
 /// The CPUs the calling thread may run on now (its affinity mask, as `sched_getaffinity`
 /// reports it), lowest first. Other threads, and `taskset` from outside, can change it at any
 /// time. The kernel reports only active CPUs: an offline CPU in the thread's mask (which
-/// `/proc/thread-self/status` still lists) is not among them.
+/// `/proc/thread-self/status` still lists) is not among them. On systems other than Linux:
+/// an error of kind [`io::ErrorKind::Unsupported`].
 ///
 /// ```
-/// let allowed = thiscpu::topology::allowed_cpus().unwrap();
+/// // Linux only: elsewhere an `Unsupported` error.
+/// let Ok(allowed) = thiscpu::topology::allowed_cpus() else { return };
 /// assert!(allowed.contains(&thiscpu::current_cpu()));
 /// assert!(allowed.iter().all(|&cpu| (cpu as usize) < thiscpu::topology::possible_cpus()));
 /// ```
@@ -150,12 +122,15 @@ pub fn allowed_cpus() -> io::Result<Vec<u32>> {
 ///   [`possible_cpus`](super::possible_cpus), or is not among the thread's allowed CPUs
 ///   (pinning narrows what the thread was given, by `taskset` or a pin in force; to move a
 ///   pinned thread elsewhere, drop its guard first);
-/// - the kernel's error when it refuses (`EINVAL` for a CPU that went offline).
+/// - the kernel's error when it refuses (`EINVAL` for a CPU that went offline);
+/// - [`io::ErrorKind::Unsupported`] on systems other than Linux, which thiscpu cannot pin.
 ///
 /// ```
 /// use thiscpu::topology;
 ///
-/// let cpu = *topology::allowed_cpus().unwrap().last().unwrap();
+/// // Linux only: elsewhere `allowed_cpus` and `pin_to` are `Unsupported` errors.
+/// let Ok(allowed) = topology::allowed_cpus() else { return };
+/// let cpu = *allowed.last().unwrap();
 /// {
 ///     let _pinned = topology::pin_to(cpu).unwrap();
 ///     assert_eq!(thiscpu::current_cpu(), cpu);
@@ -192,20 +167,10 @@ pub fn pin_to(cpu: u32) -> io::Result<PinGuard> {
 /// mask. Answers `true` (not proven) when the list of threads or a live thread's mask cannot
 /// be read; a thread that exited meanwhile (`ESRCH`) runs nowhere.
 pub(crate) fn some_thread_may_run_on(cpu: u32) -> bool {
-    let Ok(tasks) = std::fs::read_dir("/proc/self/task") else {
+    let Some(tids) = crate::os::thread_ids() else {
         return true;
     };
-    for task in tasks {
-        let Ok(task) = task else {
-            return true;
-        };
-        let Some(tid) = task
-            .file_name()
-            .to_str()
-            .and_then(|name| name.parse::<libc::pid_t>().ok())
-        else {
-            return true;
-        };
+    for tid in tids {
         match CpuSet::of_thread(tid) {
             Ok(mask) if mask.contains(cpu) => return true,
             Ok(_) => {}
@@ -248,7 +213,7 @@ fn pin_with_previous(cpu: u32, previous: CpuSet) -> io::Result<PinGuard> {
 /// ```
 /// use thiscpu::topology;
 ///
-/// let allowed = topology::allowed_cpus().unwrap();
+/// let Ok(allowed) = topology::allowed_cpus() else { return }; // Linux only
 /// let restores: thiscpu::CpuMask = allowed.iter().copied().collect();
 /// let pinned = topology::pin_to(allowed[0]).unwrap();
 /// assert_eq!(
@@ -271,7 +236,8 @@ impl PinGuard {
     /// ```
     /// use thiscpu::topology;
     ///
-    /// let cpu = topology::allowed_cpus().unwrap()[0];
+    /// let Ok(allowed) = topology::allowed_cpus() else { return }; // Linux only
+    /// let cpu = allowed[0];
     /// std::thread::spawn(move || {
     ///     topology::pin_to(cpu).unwrap().keep();
     ///     assert_eq!(topology::allowed_cpus().unwrap(), [cpu]);
@@ -315,9 +281,11 @@ mod tests {
         assert!(set.contains(4000));
         assert!(!set.contains(3999) && !set.contains(4001) && !set.contains(u32::MAX));
         assert_eq!(set.cpus(), [4000]);
-        assert!(set.bytes() * 8 > 4000);
+        assert!(set.words.len() * WORD_BITS > 4000);
     }
 
+    // Pins threads: affinity is Linux's (`thiscpu_linux`, set by the build script).
+    #[cfg(thiscpu_linux)]
     #[test]
     fn the_pool_may_pin_beyond_the_threads_mask() {
         let allowed = allowed_cpus().unwrap();

@@ -6,6 +6,12 @@
 //!
 //! The calling thread's affinity is here too: [`allowed_cpus`], and [`pin_to`], which pins the
 //! thread to one CPU until its guard is dropped.
+//!
+//! Where `/sys` does not exist (every system but Linux), the possible and online CPUs are
+//! `0..n`, with `n` the larger of `std::thread::available_parallelism` and the processors the
+//! system has configured (`sysconf(_SC_NPROCESSORS_CONF)` on Unix, `GetActiveProcessorCount`
+//! on Windows); every CPU is on node 0; and the affinity functions return an error of kind
+//! [`std::io::ErrorKind::Unsupported`].
 
 mod affinity;
 
@@ -63,9 +69,7 @@ fn read_cpu_list(path: &str) -> Option<Vec<u32>> {
 }
 
 fn configured_cpus() -> usize {
-    // SAFETY: `sysconf` has no precondition.
-    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
-    usize::try_from(n).unwrap_or(1).max(1)
+    crate::os::configured_cpus()
 }
 
 /// Number of possible CPUs: one more than the largest CPU id the kernel can ever report.
@@ -207,9 +211,7 @@ fn cpu_linked_to_node(cpu: u32, node: u32) -> bool {
     push(&mut path, &mut len, b"/node");
     push_number(&mut path, &mut len, node);
     // `path` was zeroed, so it is NUL-terminated after `len` bytes.
-    // SAFETY: `path` is a NUL-terminated string that lives across the call; `access` only
-    // reads it.
-    unsafe { libc::access(path.as_ptr().cast(), libc::F_OK) == 0 }
+    core::ffi::CStr::from_bytes_until_nul(&path).is_ok_and(crate::os::path_exists)
 }
 
 /// The NUMA node of `cpu`, or `None` if `cpu` is not a possible CPU or `/sys` does not say

@@ -225,6 +225,7 @@ pub fn glibc_symbol<T: Copy>(name: &std::ffi::CStr) -> Option<T> {
 
 /// The thread pointer, read here (the word at `%fs:0` on x86_64, `TPIDR_EL0` on aarch64,
 /// `tp` on riscv64).
+#[cfg(thiscpu_rseq)]
 pub fn thread_pointer() -> usize {
     let tp: usize;
     #[cfg(target_arch = "x86_64")]
@@ -247,6 +248,7 @@ pub fn thread_pointer() -> usize {
 
 /// `cpu_id` of glibc's rseq area in the calling thread: the CPU when glibc registered, -1 or
 /// -2 when it did not. `None` without glibc's rseq symbols.
+#[cfg(thiscpu_rseq)]
 pub fn glibc_area_cpu_id() -> Option<i32> {
     let offset = glibc_symbol::<isize>(c"__rseq_offset")?;
     let area = thread_pointer().wrapping_add_signed(offset);
@@ -330,7 +332,9 @@ pub fn rseq_turned_off_by_env() -> bool {
 /// Who should register rseq in this process, worked out from what the test can see itself:
 /// the environment, glibc's `__rseq_size`, and the kernel's answer to a probe.
 pub fn registrar_from_environment() -> thiscpu::Registrar {
-    if rseq_turned_off_by_env() {
+    // `thiscpu_rseq` (from thiscpu's build script): Linux with an architecture port, and no
+    // `--cfg thiscpu_portable`. Elsewhere nobody registers.
+    if !cfg!(thiscpu_rseq) || rseq_turned_off_by_env() {
         thiscpu::Registrar::None
     } else if glibc_symbol::<u32>(c"__rseq_size").is_some_and(|size| size > 0) {
         thiscpu::Registrar::Glibc
@@ -394,22 +398,27 @@ pub fn agrees_with_kernel<T: PartialEq + Copy + std::fmt::Debug>(
 /// Set in the environment of a test binary that `rerun_under_seccomp` re-executed.
 pub const SECCOMP_CHILD: &str = "THISCPU_TEST_UNDER_SECCOMP";
 
+// The seccomp filters and the thread pointer are written for the architectures with an rseq
+// port (`thiscpu_rseq`, set by thiscpu's build script), and only the rseq tests use them.
+
 /// `AUDIT_ARCH_*` of this target (`EM_*` with the 64-bit and little-endian bits,
 /// linux/audit.h).
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(thiscpu_rseq, target_arch = "x86_64"))]
 const AUDIT_ARCH: u32 = 0xc000_003e;
-#[cfg(target_arch = "aarch64")]
+#[cfg(all(thiscpu_rseq, target_arch = "aarch64"))]
 const AUDIT_ARCH: u32 = 0xc000_00b7;
-#[cfg(target_arch = "riscv64")]
+#[cfg(all(thiscpu_rseq, target_arch = "riscv64"))]
 const AUDIT_ARCH: u32 = 0xc000_00f3;
 
 /// A seccomp program that makes system call `nr` fail with `errno` and allows everything else.
+#[cfg(thiscpu_rseq)]
 pub fn refuse_syscall_program(nr: libc::c_long, errno: i32) -> Vec<libc::sock_filter> {
     refuse_syscalls_program(&[nr], errno)
 }
 
 /// A seccomp program that makes the system calls `refused` fail with `errno` and allows every
 /// other one.
+#[cfg(thiscpu_rseq)]
 pub fn refuse_syscalls_program(refused: &[libc::c_long], errno: i32) -> Vec<libc::sock_filter> {
     let op = |code: u32, jt: u8, jf: u8, k: u32| libc::sock_filter {
         code: code as u16,
@@ -523,15 +532,16 @@ pub fn rerun_under_seccomp(name: &str, program: Vec<libc::sock_filter>) -> Strin
 }
 
 /// glibc's `RSEQ_SIG`, the signature its registration used.
-#[cfg(target_arch = "x86_64")]
+#[cfg(all(thiscpu_rseq, target_arch = "x86_64"))]
 pub const GLIBC_RSEQ_SIG: u32 = 0x5305_3053;
-#[cfg(target_arch = "aarch64")]
+#[cfg(all(thiscpu_rseq, target_arch = "aarch64"))]
 pub const GLIBC_RSEQ_SIG: u32 = 0xd428_bc00;
-#[cfg(target_arch = "riscv64")]
+#[cfg(all(thiscpu_rseq, target_arch = "riscv64"))]
 pub const GLIBC_RSEQ_SIG: u32 = 0xf140_1073;
 
 /// Takes the calling thread's rseq away where glibc registered it: unregisters glibc's area,
 /// as a thread made by a raw `clone` would lack it.
+#[cfg(thiscpu_rseq)]
 pub fn unregister_glibcs_area() {
     let offset = glibc_symbol::<isize>(c"__rseq_offset").expect("glibc's rseq");
     let area = thread_pointer().wrapping_add_signed(offset);

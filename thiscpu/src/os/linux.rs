@@ -1,0 +1,276 @@
+//! Linux's services: system calls, the vDSO, `/proc`.
+//!
+//! # Safety
+//! Each system call is given valid pointers with their lengths, or none; each block states why
+//! it holds.
+
+use crate::decided_once::Claimants;
+use crate::via::CpuSource;
+use core::ffi::CStr;
+use core::ptr::NonNull;
+use core::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::io;
+
+/// The order in which the sources answer "which CPU" without rseq, the first that works on
+/// this machine chosen once (`via::choose_fallback`). With a port, rseq answers first and the
+/// fallback is for threads without it: the CPU's own instruction where it agrees with the
+/// kernel, then the vDSO. Without a port, glibc's `sched_getcpu` reads the area glibc
+/// registered (2.35+) or calls the vDSO itself.
+pub(crate) const CPU_SOURCES: &[CpuSource] = if cfg!(thiscpu_rseq) {
+    &[CpuSource::Rdpid, CpuSource::Vdso, CpuSource::Syscall]
+} else {
+    &[CpuSource::SchedGetcpu, CpuSource::Vdso, CpuSource::Syscall]
+};
+
+/// The `getcpu` system call: `(cpu, node)`, or `None` if it was refused (a seccomp filter).
+pub(crate) fn getcpu_syscall() -> Option<(u32, u32)> {
+    let mut cpu = 0u32;
+    let mut node = 0u32;
+    // SAFETY: getcpu writes two `unsigned int`s through valid pointers; the third
+    // argument (the unused cache) may be null.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_getcpu,
+            &mut cpu,
+            &mut node,
+            core::ptr::null_mut::<u8>(),
+        )
+    };
+    (ret == 0).then_some((cpu, node))
+}
+
+static VDSO_GETCPU: AtomicUsize = AtomicUsize::new(0);
+
+type VdsoGetcpu = unsafe extern "C" fn(*mut u32, *mut u32, *mut libc::c_void) -> libc::c_long;
+
+fn vdso_getcpu_fn() -> Option<VdsoGetcpu> {
+    const MISSING: usize = 1;
+    let mut address = VDSO_GETCPU.load(Ordering::Relaxed);
+    if address == 0 {
+        address = lookup_vdso_getcpu().unwrap_or(MISSING);
+        VDSO_GETCPU.store(address, Ordering::Relaxed);
+    }
+    if address == MISSING {
+        return None;
+    }
+    // SAFETY: `address` came from `dlsym` for `__vdso_getcpu`, whose C type is
+    // `long (unsigned *cpu, unsigned *node, void *cache)`.
+    Some(unsafe { core::mem::transmute::<usize, VdsoGetcpu>(address) })
+}
+
+fn lookup_vdso_getcpu() -> Option<usize> {
+    // SAFETY: glibc lists the vDSO among the loaded objects; RTLD_NOLOAD only looks it up.
+    let handle = unsafe {
+        libc::dlopen(
+            c"linux-vdso.so.1".as_ptr(),
+            libc::RTLD_LAZY | libc::RTLD_NOLOAD,
+        )
+    };
+    if handle.is_null() {
+        return None;
+    }
+    let mut symbol = core::ptr::null_mut();
+    for name in [c"__vdso_getcpu", c"__kernel_getcpu"] {
+        // SAFETY: `handle` is a valid handle from dlopen; `name` is NUL-terminated.
+        symbol = unsafe { libc::dlsym(handle, name.as_ptr()) };
+        if !symbol.is_null() {
+            break;
+        }
+    }
+    (!symbol.is_null()).then_some(symbol as usize)
+}
+
+/// `getcpu` in the vDSO: `(cpu, node)`, or `None` where the vDSO has none (aarch64, valgrind).
+#[inline]
+pub(crate) fn vdso_getcpu() -> Option<(u32, u32)> {
+    let getcpu = vdso_getcpu_fn()?;
+    let mut cpu = 0u32;
+    let mut node = 0u32;
+    // SAFETY: the vDSO function writes two `unsigned int`s through valid pointers and
+    // accepts a null cache.
+    let ret = unsafe { getcpu(&mut cpu, &mut node, core::ptr::null_mut()) };
+    (ret == 0).then_some((cpu, node))
+}
+
+/// Sleeps while `word` holds `expected` (`FUTEX_WAIT`); spurious returns happen.
+pub(crate) fn wait(word: &AtomicU32, expected: u32) {
+    // SAFETY: FUTEX_WAIT reads the aligned `u32` at `word`, a live atomic, and compares it;
+    // the timeout pointer is null (no timeout); the other arguments are unused.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+            expected,
+            core::ptr::null::<libc::timespec>(),
+        );
+    }
+}
+
+/// As [`wait`], for at most about `timeout` (`FUTEX_WAIT` with a relative time).
+pub(crate) fn wait_timeout(word: &AtomicU32, expected: u32, timeout: core::time::Duration) {
+    // A timeout past what `time_t` holds sleeps as long as it can. `c_long` is `i32` on 32-bit
+    // targets, where the nanoseconds' conversion is fallible in type only (under 10^9).
+    #[allow(clippy::unnecessary_fallible_conversions)]
+    let timeout = libc::timespec {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_nsec: libc::c_long::try_from(timeout.subsec_nanos()).unwrap_or(0),
+    };
+    // SAFETY: FUTEX_WAIT reads the aligned `u32` at `word`, a live atomic, and the timespec,
+    // which lives on this stack for the call; the other arguments are unused.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
+            expected,
+            &timeout as *const libc::timespec,
+        );
+    }
+}
+
+/// Wakes up to `count` threads sleeping on `word` (`FUTEX_WAKE`).
+pub(crate) fn wake(word: &AtomicU32, count: i32) {
+    // SAFETY: FUTEX_WAKE only uses the address as a key; it reads no memory.
+    unsafe {
+        libc::syscall(
+            libc::SYS_futex,
+            word.as_ptr(),
+            libc::FUTEX_WAKE | libc::FUTEX_PRIVATE_FLAG,
+            count,
+        );
+    }
+}
+
+/// The `membarrier` system call; the errno when it fails.
+pub(crate) fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), i32> {
+    // SAFETY: membarrier takes three integers and touches no user memory.
+    let ret = unsafe { libc::syscall(libc::SYS_membarrier, cmd, flags, cpu) };
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::ENOSYS))
+    }
+}
+
+/// `length` bytes of zeroed address space, reserved and not committed (`MAP_NORESERVE`):
+/// pages are backed on first write. `None` if the kernel refused.
+pub(crate) fn reserve_zeroed(length: usize) -> Option<NonNull<u8>> {
+    // SAFETY: an anonymous private mapping at an address of the kernel's choice; MAP_NORESERVE
+    // commits nothing, pages are backed on first write (and read as zero before).
+    let address = unsafe {
+        libc::mmap(
+            core::ptr::null_mut(),
+            length,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if address == libc::MAP_FAILED {
+        return None;
+    }
+    // With transparent huge pages set to "always", one CPU's first write could back a 2 MiB
+    // page spanning the rows of 32 CPUs; rows must be backed page by page, by their own CPU.
+    // SAFETY: advice on the mapping just made; failure (no THP support) changes nothing.
+    unsafe {
+        libc::madvise(address, length, libc::MADV_NOHUGEPAGE);
+    }
+    NonNull::new(address.cast())
+}
+
+/// Registers `before` to run before every `fork` and `after` after it, in parent and child.
+pub(crate) fn at_fork(before: extern "C" fn(), after: extern "C" fn()) {
+    // SAFETY: the handlers are functions of this library. In a library loaded with `dlopen`,
+    // glibc unregisters them when it is unloaded (`pthread_atfork` records the caller's
+    // object). A failure (ENOMEM) leaves no handler.
+    unsafe { libc::pthread_atfork(Some(before), Some(after), Some(after)) };
+}
+
+/// `sysconf(_SC_NPROCESSORS_CONF)`, at least 1.
+pub(crate) fn configured_cpus() -> usize {
+    // SAFETY: `sysconf` has no precondition.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_CONF) };
+    usize::try_from(n).unwrap_or(1).max(1)
+}
+
+/// Whether `path` exists, asked with `access`, which is async-signal-safe and allocates
+/// nothing: topology lookups may run in signal handlers.
+pub(crate) fn path_exists(path: &CStr) -> bool {
+    // SAFETY: `path` is a NUL-terminated string that lives across the call; `access` only
+    // reads it.
+    unsafe { libc::access(path.as_ptr(), libc::F_OK) == 0 }
+}
+
+/// A word of the kernel's affinity masks (`unsigned long`).
+pub(crate) type AffinityWord = libc::c_ulong;
+
+/// The affinity mask of thread `tid` (0: the calling thread), into `words`.
+pub(crate) fn get_affinity(tid: i32, words: &mut [AffinityWord]) -> io::Result<()> {
+    // SAFETY: the kernel writes at most `size_of_val(words)` bytes, the length of the buffer
+    // it is given, which lives across the call.
+    let written = unsafe {
+        libc::syscall(
+            libc::SYS_sched_getaffinity,
+            tid,
+            size_of_val(words),
+            words.as_mut_ptr(),
+        )
+    };
+    if written >= 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// Makes `words` the affinity mask of thread `tid` (0: the calling thread).
+pub(crate) fn set_affinity(tid: i32, words: &[AffinityWord]) -> io::Result<()> {
+    // SAFETY: the kernel reads `size_of_val(words)` bytes, the length of the buffer, and keeps
+    // no reference to it.
+    let ret = unsafe {
+        libc::syscall(
+            libc::SYS_sched_setaffinity,
+            tid,
+            size_of_val(words),
+            words.as_ptr(),
+        )
+    };
+    if ret == 0 {
+        Ok(())
+    } else {
+        Err(io::Error::last_os_error())
+    }
+}
+
+/// The ids of the process's threads (`/proc/self/task`), or `None` if they cannot all be read.
+pub(crate) fn thread_ids() -> Option<Vec<i32>> {
+    std::fs::read_dir("/proc/self/task")
+        .ok()?
+        .map(|task| task.ok()?.file_name().to_str()?.parse().ok())
+        .collect()
+}
+
+/// The kernel's thread ids, for `DecidedOnce`.
+pub(crate) struct Threads;
+
+impl Claimants for Threads {
+    fn me(&self) -> i32 {
+        // SAFETY: `gettid` has no precondition.
+        unsafe { libc::syscall(libc::SYS_gettid) as i32 }
+    }
+
+    fn is_gone(&self, id: i32) -> bool {
+        // SAFETY: signal 0 only checks that the thread exists in this thread group; nothing
+        // is delivered.
+        let ret = unsafe { libc::syscall(libc::SYS_tgkill, libc::getpid(), id, 0) };
+        ret != 0 && io::Error::last_os_error().raw_os_error() == Some(libc::ESRCH)
+    }
+
+    fn pause(&self) {
+        std::thread::yield_now();
+    }
+}

@@ -1,0 +1,58 @@
+//! The operating system's services, and the one place that chooses them.
+//!
+//! Two backends export the same items (the list at the end of this file spells out their
+//! types, so a build for any target fails if one strays): `linux.rs` (`futex`, `membarrier`,
+//! `getcpu` and the vDSO, `mmap`, `sched_{get,set}affinity`, `/proc`, `pthread_atfork`) and
+//! `portable.rs` for every other system (a `Mutex` and `Condvar` per address, no fences, a
+//! zeroed allocation, no pinning). The build script decides between them (`thiscpu_linux`),
+//! and whether rseq is registered at all (`thiscpu_rseq`: Linux with an architecture port),
+//! which chooses `rseq.rs` or `no_rseq.rs`. `cpu_number.rs` holds the CPU numbers that other
+//! systems' libraries give, each where it exists.
+//!
+//! Under `--cfg thiscpu_portable` a Linux build takes `portable.rs` and `no_rseq.rs`, the path
+//! of every other system, with glibc's `sched_getcpu` for the CPU number; `portable.rs` is also
+//! compiled into the unit tests of a plain Linux build, so that its own tests run there too.
+
+#[cfg(thiscpu_linux)]
+#[path = "linux.rs"]
+mod system;
+
+#[cfg(not(thiscpu_linux))]
+#[path = "portable.rs"]
+mod system;
+
+// The portable services are tested on Linux too; only their own tests use them there.
+#[cfg(all(test, thiscpu_linux))]
+#[allow(dead_code)]
+mod portable;
+
+pub(crate) use system::*;
+
+pub(crate) mod cpu_number;
+
+#[cfg(thiscpu_rseq)]
+pub(crate) mod rseq;
+
+#[cfg(not(thiscpu_rseq))]
+#[path = "no_rseq.rs"]
+pub(crate) mod rseq;
+
+// The contract: both backends export these items with these types.
+const _: () = {
+    use core::sync::atomic::AtomicU32;
+    let _: fn() -> Option<(u32, u32)> = getcpu_syscall;
+    let _: fn() -> Option<(u32, u32)> = vdso_getcpu;
+    let _: &[crate::via::CpuSource] = CPU_SOURCES;
+    let _: fn(&AtomicU32, u32) = wait;
+    let _: fn(&AtomicU32, u32, core::time::Duration) = wait_timeout;
+    let _: fn(&AtomicU32, i32) = wake;
+    let _: fn(i32, u32, i32) -> Result<(), i32> = membarrier;
+    let _: fn(usize) -> Option<core::ptr::NonNull<u8>> = reserve_zeroed;
+    let _: fn(extern "C" fn(), extern "C" fn()) = at_fork;
+    let _: fn() -> usize = configured_cpus;
+    let _: fn(&core::ffi::CStr) -> bool = path_exists;
+    let _: fn(i32, &mut [AffinityWord]) -> std::io::Result<()> = get_affinity;
+    let _: fn(i32, &[AffinityWord]) -> std::io::Result<()> = set_affinity;
+    let _: fn() -> Option<Vec<i32>> = thread_ids;
+    let _: fn() -> Threads = || Threads;
+};

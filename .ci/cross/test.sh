@@ -18,17 +18,19 @@
 #            -Zbuild-std and everything linked with mingw-w64
 # qemu-user implements no rseq: glibc registers none and neither can thiscpu, so on s390x and
 # armv7 the tests expect no registrar (THISCPU_EXPECT_REGISTRAR=none). They find the target's
-# glibc (Debian 12's cross packages) through QEMU_LD_PREFIX, which a test executable that runs
-# itself again also passes on; such a run starts the emulator named by THISCPU_TEST_RUNNER,
-# since without binfmt_misc the kernel cannot execute a foreign program. The doctests are not
-# run here (they are plain Rust, run natively by .ci/run).
+# glibc (Debian 12's cross packages) through QEMU_LD_PREFIX, which the processes they start
+# inherit. THISCPU_TEST_RUNNER names the emulator, for a test that runs its own executable
+# again: without binfmt_misc the kernel cannot execute a foreign program, so such a run must
+# start it through the emulator. The doctests are not run here (they are plain Rust, run
+# natively by .ci/run).
 #
 # Each test executable runs from its package's directory, as `cargo test` runs it, under a time
 # limit; a failure, a crash or a hang fails the step. Builds are cached in target/cross.
 #
 # Knobs: THISCPU_CROSS_TOOLS (the tool directory, default target/cross-tools),
 # THISCPU_CROSS_TARGET_DIR (default target/cross), THISCPU_CROSS_TIMEOUT (seconds per test
-# executable, default 300), THISCPU_CROSS_JOBS (cargo -j, default 2).
+# executable, default 120: each takes a few seconds under emulation, and a hang costs the whole
+# limit), THISCPU_CROSS_JOBS (cargo -j, default 2).
 set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
@@ -78,7 +80,7 @@ export WINEPREFIX=$tools/wine/prefix
 export WINEARCH=win64
 export WINEDEBUG=-all
 export WINEPATH=$tools/wine/dll
-timeout=${THISCPU_CROSS_TIMEOUT:-300}
+timeout=${THISCPU_CROSS_TIMEOUT:-120}
 packages=(-p thiscpu -p thiscpu-opentelemetry)
 
 echo "rustc:  $("$RUSTC" --version)"

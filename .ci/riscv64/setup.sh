@@ -6,7 +6,8 @@
 # - system packages from this machine's own suite (as root): the riscv64 cross gcc/binutils and
 #   glibc, cpio, jq (test.sh reads cargo's JSON with it), qemu-system-riscv64 with its OpenSBI
 #   firmware;
-# - in a project-local tool directory (nothing else is installed system-wide):
+# - in a project-local tool directory (nothing else is installed system-wide), the first three
+#   through .ci/trixie-rust.sh (shared with .ci/cross/setup.sh):
 #     apt/       a private apt configuration for trixie (amd64 and riscv64); the system's apt
 #                sources and lists are never touched;
 #     rust/      trixie's rustc-web with its x86_64 and riscv64 standard libraries (one and the
@@ -32,17 +33,10 @@ repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 tools=${THISCPU_RISCV64_TOOLS:-$repo/target/riscv64-tools}
 mkdir -p "$tools"
 tools=$(cd "$tools" && pwd)
-suite=trixie
-keyring=/usr/share/keyrings/debian-archive-keyring.gpg
-
-log() { printf 'riscv64 setup: %s\n' "$*" >&2; }
-
-need_root() {
-    if [ "$(id -u)" != 0 ]; then
-        log "must run as root to $1"
-        exit 1
-    fi
-}
+log_prefix="riscv64 setup"
+trixie_archs=riscv64
+# shellcheck source=../trixie-rust.sh
+. "$repo/.ci/trixie-rust.sh"
 
 # --- 1. System packages ------------------------------------------------------------------
 system_ready() {
@@ -66,136 +60,19 @@ if ! system_ready; then
         qemu-system-data >/dev/null
     system_ready || { log "packages installed but tools still missing"; exit 1; }
 fi
-[ -r "$keyring" ] || { log "$keyring missing (package debian-archive-keyring)"; exit 1; }
 
-# --- 2. The private apt configuration for trixie -------------------------------------------
-# The mirrors this machine already uses (as .ci/kernels/setup.sh finds them); Debian's own
-# when it has none.
-system_uris() {
-    {
-        cat /etc/apt/sources.list.d/*.sources 2>/dev/null |
-            sed -n 's/^URIs:[[:space:]]*//p' | tr ' ' '\n'
-        cat /etc/apt/sources.list /etc/apt/sources.list.d/*.list 2>/dev/null |
-            sed -n 's/^deb[[:space:]]\+\(\[[^]]*\][[:space:]]\+\)\?\([^[:space:]]\+\).*/\2/p'
-    } | grep -E '^https?://' || true
-}
-apt_dir=$tools/apt
-apt_options=(
-    -o "Dir::Etc::sourcelist=$apt_dir/sources.list" -o Dir::Etc::sourceparts=/nonexistent
-    -o "Dir::State::Lists=$apt_dir/lists" -o "Dir::Cache=$apt_dir/cache"
-    -o Dir::State::status=/var/lib/dpkg/status
-    -o APT::Architecture=amd64 -o APT::Architectures=amd64,riscv64
-    -o APT::Sandbox::User=root
-)
-lists_ready=no
-private_apt() {
-    [ "$lists_ready" = no ] || return 0
-    local archive security
-    archive=$(system_uris | grep -v -- '-security' | head -n 1)
-    security=$(system_uris | grep -- '-security' | head -n 1)
-    archive=${archive:-http://deb.debian.org/debian}
-    security=${security:-http://deb.debian.org/debian-security}
-    mkdir -p "$apt_dir/lists/partial" "$apt_dir/cache/archives/partial"
-    {
-        echo "deb [arch=amd64,riscv64 signed-by=$keyring] $archive $suite main"
-        echo "deb [arch=amd64,riscv64 signed-by=$keyring] $archive $suite-updates main"
-        echo "deb [arch=amd64,riscv64 signed-by=$keyring] $security $suite-security main"
-    } >"$apt_dir/sources.list"
-    log "apt-get update ($suite, amd64 and riscv64, private lists)"
-    apt-get "${apt_options[@]}" update -qq
-    lists_ready=yes
-}
-
-candidate() {
-    apt-cache "${apt_options[@]}" policy "$1" 2>/dev/null |
-        awk '/Candidate:/ { if ($2 != "(none)") print $2 }'
-}
-
-# Downloads packages (name or name:arch, optionally =version) into $tools/debs and prints
-# the paths of the downloaded files.
-download() {
-    mkdir -p "$tools/debs"
-    (cd "$tools/debs" && apt-get "${apt_options[@]}" download -qq "$@" >/dev/null)
-    local spec name arch deb
-    for spec in "$@"; do
-        name=${spec%%=*}
-        arch=amd64
-        case $name in *:*) arch=${name#*:}; name=${name%%:*} ;; esac
-        # Debian's file names are NAME_VERSION_ARCH.deb (an epoch's colon written as %3a).
-        deb=$(find "$tools/debs" -maxdepth 1 -name "${name}_*_${arch}.deb" -print -quit)
-        [ -n "$deb" ] || { log "apt-get download gave no file for $spec"; return 1; }
-        printf '%s\n' "$deb"
-    done
-}
-
-# --- 3. Rust toolchain with a riscv64 standard library -----------------------------------
+# --- 2. Rust toolchain with a riscv64 standard library -----------------------------------
 rust_ready() {
     [ -x "$tools/bin/rustc" ] && [ -x "$tools/bin/rustdoc" ] &&
         [ -d "$tools/rust/usr/lib/rustlib/riscv64gc-unknown-linux-gnu/lib" ] &&
         "$tools/bin/rustc" -vV >/dev/null 2>&1
 }
 if ! rust_ready; then
-    private_apt
-    rust_version=$(candidate rustc-web)
-    [ -n "$rust_version" ] || { log "$suite has no rustc-web"; exit 1; }
-    # 1.96.0+dfsg1-1~deb13u1+b1 -> 1.96
-    series=$(printf '%s\n' "$rust_version" | sed -E 's/^([0-9]+:)?([0-9]+\.[0-9]+).*/\2/')
-    llvm=$(apt-cache "${apt_options[@]}" depends "libstd-rust-web-$series" |
-        awk '/Depends: libllvm[0-9]+$/ { print $2; exit }')
-    [ -n "$llvm" ] || { log "cannot tell which libllvm libstd-rust-web-$series needs"; exit 1; }
-    [ "$(candidate "libstd-rust-web-dev:riscv64")" = "$rust_version" ] ||
-        { log "no riscv64 standard library of rustc-web $rust_version"; exit 1; }
-    log "rustc-web $rust_version ($llvm) from $suite into $tools/rust"
-    # The amd64 and riscv64 standard libraries must be the very same build as the compiler.
-    pkgs=(
-        "rustc-web=$rust_version"
-        "libstd-rust-web-$series=$rust_version"
-        "libstd-rust-web-dev=$rust_version"
-        "libstd-rust-web-$series:riscv64=$rust_version"
-        "libstd-rust-web-dev:riscv64=$rust_version"
-        "$llvm"
-    )
-    if [ -n "$(candidate rust-web-clippy)" ]; then
-        pkgs+=("rust-web-clippy=$rust_version")
-    fi
-    # What the compiler and LLVM load, in trixie's versions: Debian 12's glibc and libstdc++
-    # are older than the ones they were built against.
-    pkgs+=(libc6 libgcc-s1 libstdc++6)
-    for dep in $(apt-cache "${apt_options[@]}" depends "$llvm" |
-        awk '/^  Depends: lib/ { print $2 }' | sort -u); do
-        case $dep in libc6 | libgcc-s1 | libstdc++6 | *:*) ;; *) pkgs+=("$dep") ;; esac
-    done
-    rm -rf "$tools/rust" "$tools/debs"
-    mkdir -p "$tools/rust"
-    debs=$(download "${pkgs[@]}")
-    for deb in $debs; do
-        dpkg -x "$deb" "$tools/rust"
-    done
-    loader=usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2
-    [ -x "$tools/rust/$loader" ] || { log "trixie's libc6 holds no $loader"; exit 1; }
-    libdirs=usr/lib/x86_64-linux-gnu
-    for dir in "$tools"/rust/usr/lib/llvm-*/lib; do
-        [ -d "$dir" ] && libdirs="$libdirs:${dir#"$tools/rust/"}"
-    done
-    mkdir -p "$tools/bin"
-    # The same directories, as the wrapper spells them: relative to its own location.
-    wrapper_libdirs=$(printf '%s' "$libdirs" | sed 's|^|$root/|; s|:|:$root/|g')
-    for tool in rustc rustdoc clippy-driver; do
-        [ -x "$tools/rust/usr/bin/$tool" ] || continue
-        cat >"$tools/bin/$tool" <<WRAPPER
-#!/bin/sh
-# Runs Debian $suite's $tool $rust_version unpacked beside this script, with $suite's dynamic
-# loader and libraries (written by setup.sh).
-root=\$(cd "\$(dirname "\$0")/../rust" && pwd)
-exec "\$root/$loader" --library-path "$wrapper_libdirs" "\$root/usr/bin/$tool" "\$@"
-WRAPPER
-        chmod +x "$tools/bin/$tool"
-    done
-    rm -rf "$tools/debs"
+    install_trixie_rust riscv64
     rust_ready || { log "the unpacked rustc does not run"; exit 1; }
 fi
 
-# --- 4. Guest shell ----------------------------------------------------------------------
+# --- 3. Guest shell ----------------------------------------------------------------------
 if [ ! -x "$tools/guest/busybox" ]; then
     private_apt
     log "guest: busybox-static:riscv64 from $suite into $tools/guest"
@@ -211,7 +88,7 @@ if [ ! -x "$tools/guest/busybox" ]; then
     mv "$tools/guest.tmp" "$tools/guest"
 fi
 
-# --- 5. Guest libraries -------------------------------------------------------------------
+# --- 4. Guest libraries -------------------------------------------------------------------
 if [ ! -e "$tools/sysroot/lib/libc.so.6" ]; then
     private_apt
     log "guest libraries: libc6:riscv64 and libgcc-s1:riscv64 from $suite into $tools/sysroot"

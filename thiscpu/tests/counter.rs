@@ -175,7 +175,17 @@ fn per_cpu_lists_never_lose_or_duplicate_a_node() {
 fn a_first_increment_by_mm_cid_lands_on_the_concurrency_id() {
     const CHILD: &str = "THISCPU_COUNTER_TEST_FIRST_INCREMENT";
     if std::env::var_os(CHILD).is_none() {
-        let status = std::process::Command::new(std::env::current_exe().unwrap())
+        // Through the emulator where the tests run under one (see tests/common).
+        let executable = std::env::current_exe().unwrap();
+        let mut command = match std::env::var_os("THISCPU_TEST_RUNNER") {
+            Some(runner) => {
+                let mut command = std::process::Command::new(runner);
+                command.arg(executable);
+                command
+            }
+            None => std::process::Command::new(executable),
+        };
+        let status = command
             .args([
                 "--exact",
                 "a_first_increment_by_mm_cid_lands_on_the_concurrency_id",

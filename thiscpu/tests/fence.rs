@@ -236,7 +236,7 @@ fn drains_fall_back_when_membarrier_is_refused() {
         assert_eq!(run.method, Some(expected));
         return;
     }
-    let status = std::process::Command::new(std::env::current_exe().unwrap())
+    let status = common::this_executable()
         .args([
             "--exact",
             "drains_fall_back_when_membarrier_is_refused",

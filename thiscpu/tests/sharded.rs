@@ -549,7 +549,7 @@ fn without_membarrier_shards_are_taken_by_compare_and_swap() {
         assert_exact(&storm(sharded, Duration::from_millis(500)));
         return;
     }
-    let status = std::process::Command::new(std::env::current_exe().unwrap())
+    let status = common::this_executable()
         .args([
             "--exact",
             "without_membarrier_shards_are_taken_by_compare_and_swap",

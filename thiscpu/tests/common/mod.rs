@@ -443,11 +443,26 @@ pub fn refuse_syscalls_program(refused: &[libc::c_long], errno: i32) -> Vec<libc
     program
 }
 
+/// This test executable, to be run again by a test: through the emulator that
+/// `THISCPU_TEST_RUNNER` names where the tests run under one (qemu-user, which starts no
+/// executable of a foreign architecture by itself).
+pub fn this_executable() -> std::process::Command {
+    let executable = std::env::current_exe().unwrap();
+    match std::env::var_os("THISCPU_TEST_RUNNER") {
+        Some(runner) => {
+            let mut command = std::process::Command::new(runner);
+            command.arg(executable);
+            command
+        }
+        None => std::process::Command::new(executable),
+    }
+}
+
 /// Runs the test `name` of this binary again, alone, with `env` set, and fails unless it
 /// passes within `limit`: a child that hangs is killed and fails the test. Returns its
 /// standard error.
 pub fn rerun_alone(name: &str, env: &[(&str, &str)], limit: Duration) -> String {
-    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+    let mut command = this_executable();
     command
         .args(["--exact", name, "--nocapture", "--test-threads=1"])
         .stdout(std::process::Stdio::piped())
@@ -485,7 +500,7 @@ pub fn rerun_alone(name: &str, env: &[(&str, &str)], limit: Duration) -> String 
 /// [`SECCOMP_CHILD`] set (the test checks for it and does its part under the filter); fails
 /// unless it ran and passed. Returns its standard error.
 pub fn rerun_under_seccomp(name: &str, program: Vec<libc::sock_filter>) -> String {
-    let mut command = std::process::Command::new(std::env::current_exe().unwrap());
+    let mut command = this_executable();
     command
         .args(["--exact", name, "--nocapture", "--test-threads=1"])
         .env(SECCOMP_CHILD, "1")

@@ -128,8 +128,9 @@ const PHASE: usize = 0;
 /// lock took; `thiscpu info` says which a new lock would take.
 ///
 /// # Costs and memory
-/// - Read lock + unlock: two restartable sequences and two loads of the flag: 3.7 to 4.0 ns
-///   on the 2-CPU x86_64 VM of the README's results (`thiscpu bench rwlock`).
+/// - Read lock + unlock: two restartable sequences and two loads of the flag: 1.95 ns (2.02
+///   per thread with two) in the README's recorded run on a 2-CPU x86_64 VM
+///   (`thiscpu bench rwlock`).
 /// - Write lock + unlock: two `membarrier(PRIVATE_EXPEDITED_RSEQ)` calls (they interrupt every
 ///   CPU that runs a thread of the process) and a read of every CPU's counts; more while
 ///   readers hold the lock.

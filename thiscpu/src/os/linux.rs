@@ -5,22 +5,10 @@
 //! it holds.
 
 use crate::decided_once::Claimants;
-use crate::via::CpuSource;
 use core::ffi::CStr;
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 use std::io;
-
-/// The order in which the sources answer "which CPU" without rseq, the first that works on
-/// this machine chosen once (`via::choose_fallback`). With a port, rseq answers first and the
-/// fallback is for threads without it: the CPU's own instruction where it agrees with the
-/// kernel, then the vDSO. Without a port, glibc's `sched_getcpu` reads the area glibc
-/// registered (2.35+) or calls the vDSO itself.
-pub(crate) const CPU_SOURCES: &[CpuSource] = if cfg!(thiscpu_rseq) {
-    &[CpuSource::Rdpid, CpuSource::Vdso, CpuSource::Syscall]
-} else {
-    &[CpuSource::SchedGetcpu, CpuSource::Vdso, CpuSource::Syscall]
-};
 
 /// The `getcpu` system call: `(cpu, node)`, or `None` if it was refused (a seccomp filter).
 pub(crate) fn getcpu_syscall() -> Option<(u32, u32)> {
@@ -94,17 +82,7 @@ pub(crate) fn vdso_getcpu() -> Option<(u32, u32)> {
 
 /// Sleeps while `word` holds `expected` (`FUTEX_WAIT`); spurious returns happen.
 pub(crate) fn wait(word: &AtomicU32, expected: u32) {
-    // SAFETY: FUTEX_WAIT reads the aligned `u32` at `word`, a live atomic, and compares it;
-    // the timeout pointer is null (no timeout); the other arguments are unused.
-    unsafe {
-        libc::syscall(
-            libc::SYS_futex,
-            word.as_ptr(),
-            libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
-            expected,
-            core::ptr::null::<libc::timespec>(),
-        );
-    }
+    futex_wait(word, expected, None);
 }
 
 /// As [`wait`], for at most about `timeout` (`FUTEX_WAIT` with a relative time).
@@ -116,15 +94,20 @@ pub(crate) fn wait_timeout(word: &AtomicU32, expected: u32, timeout: core::time:
         tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
         tv_nsec: libc::c_long::try_from(timeout.subsec_nanos()).unwrap_or(0),
     };
-    // SAFETY: FUTEX_WAIT reads the aligned `u32` at `word`, a live atomic, and the timespec,
-    // which lives on this stack for the call; the other arguments are unused.
+    futex_wait(word, expected, Some(&timeout));
+}
+
+fn futex_wait(word: &AtomicU32, expected: u32, timeout: Option<&libc::timespec>) {
+    let timeout: *const libc::timespec = timeout.map_or(core::ptr::null(), |t| t);
+    // SAFETY: FUTEX_WAIT reads the aligned `u32` at `word`, a live atomic, and compares it,
+    // and reads the timespec, null or borrowed for the call; the other arguments are unused.
     unsafe {
         libc::syscall(
             libc::SYS_futex,
             word.as_ptr(),
             libc::FUTEX_WAIT | libc::FUTEX_PRIVATE_FLAG,
             expected,
-            &timeout as *const libc::timespec,
+            timeout,
         );
     }
 }

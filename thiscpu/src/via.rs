@@ -254,10 +254,29 @@ pub fn rdtscp() -> Option<CpuNode> {
     native(arch::NATIVE_CPU_READ_WITH_CLOCK, &HAS)
 }
 
-/// The best source that answers without rseq on this machine: the first of the system's list
-/// (`os::CPU_SOURCES`) that answers, or its last. Probes each once.
+/// The order in which the sources answer "which CPU" without rseq, the first that works chosen
+/// once. With a port, rseq answers first and these are for threads without it: the CPU's own
+/// instruction where it agrees with the kernel, then the vDSO. Linux without a port: glibc's
+/// `sched_getcpu`, which reads the area glibc registered (2.35+) or calls the vDSO itself.
+/// Elsewhere each system's own (only one of the three exists on any system), then the
+/// thread's index.
+const CPU_SOURCES: &[CpuSource] = if cfg!(thiscpu_rseq) {
+    &[CpuSource::Rdpid, CpuSource::Vdso, CpuSource::Syscall]
+} else if cfg!(thiscpu_linux) {
+    &[CpuSource::SchedGetcpu, CpuSource::Vdso, CpuSource::Syscall]
+} else {
+    &[
+        CpuSource::SchedGetcpu,
+        CpuSource::PthreadCpuNumber,
+        CpuSource::ProcessorNumber,
+        CpuSource::ThreadIndex,
+    ]
+};
+
+/// The best source that answers without rseq on this machine: the first of [`CPU_SOURCES`]
+/// that answers, or its last. Probes each once.
 pub(crate) fn choose_fallback() -> CpuSource {
-    let (last, others) = os::CPU_SOURCES
+    let (last, others) = CPU_SOURCES
         .split_last()
         .expect("every system lists a source");
     others

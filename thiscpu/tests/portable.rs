@@ -28,7 +28,7 @@ mod portable {
     use std::sync::Arc;
     use thiscpu::{Counter, CpuSource, Registrar, Sharded, Unavailable, topology};
 
-    /// The source each system is expected to answer with (`os::CPU_SOURCES`' first that works).
+    /// The source each system is expected to answer with (the first of `via`'s `CPU_SOURCES` that works).
     fn expected_source() -> CpuSource {
         if cfg!(any(target_os = "linux", target_os = "freebsd")) {
             CpuSource::SchedGetcpu

@@ -42,7 +42,6 @@ const _: () = {
     use core::sync::atomic::AtomicU32;
     let _: fn() -> Option<(u32, u32)> = getcpu_syscall;
     let _: fn() -> Option<(u32, u32)> = vdso_getcpu;
-    let _: &[crate::via::CpuSource] = CPU_SOURCES;
     let _: fn(&AtomicU32, u32) = wait;
     let _: fn(&AtomicU32, u32, core::time::Duration) = wait_timeout;
     let _: fn(&AtomicU32, i32) = wake;

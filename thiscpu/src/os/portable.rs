@@ -13,21 +13,11 @@
 //! holds.
 
 use crate::decided_once::Claimants;
-use crate::via::CpuSource;
 use core::ffi::CStr;
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicI32, AtomicU32, Ordering};
 use std::io;
 use std::sync::{Condvar, Mutex, PoisonError};
-
-/// The order in which the sources answer "which CPU", the first that works chosen once: each
-/// system's own (only one of the first three exists on any system), then the thread's index.
-pub(crate) const CPU_SOURCES: &[CpuSource] = &[
-    CpuSource::SchedGetcpu,
-    CpuSource::PthreadCpuNumber,
-    CpuSource::ProcessorNumber,
-    CpuSource::ThreadIndex,
-];
 
 /// No `getcpu` system call outside Linux.
 pub(crate) fn getcpu_syscall() -> Option<(u32, u32)> {

@@ -77,6 +77,10 @@ fn main() {
     if let Ok(work) = std::env::var(bench::rseq_mode::CHILD_ENV) {
         std::process::exit(bench::rseq_mode::child_main(&work));
     }
+    // A child process of a case mirrored with rseq off, started by this program itself.
+    if let Ok(case) = std::env::var(bench::rseq_off::CHILD_ENV) {
+        std::process::exit(bench::rseq_off::child_main(&case));
+    }
     let cli = args::parse();
     let outcome = match cli.command {
         None => where_am_i(),

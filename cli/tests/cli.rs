@@ -894,3 +894,68 @@ fn tables_export_as_markdown_with_mean_and_deviation() {
     assert!(compared.contains("## getcpu"), "{compared}");
     assert!(compared.contains("| syscall"), "{compared}");
 }
+
+/// The child process behind the `…-rseq-off` cases, driven as `bench` drives it: `prepare`,
+/// `run` on a worker, `verify`. It must run with rseq off, and its verdict must pass the
+/// workload's exactness check through, so that a lost update in the portable path fails the
+/// run like any other.
+#[test]
+fn the_rseq_off_child_counts_exactly_and_reports_a_miscount() {
+    use std::io::Write;
+    let serve = |env_rseq: Option<&str>, commands: &str| -> Output {
+        let mut command = Command::new(env!("CARGO_BIN_EXE_thiscpu"));
+        command
+            .env("THISCPU_BENCH_RSEQ_OFF_CHILD", "counter/thiscpu-counter")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        match env_rseq {
+            Some(value) => command.env("THISCPU_RSEQ", value),
+            None => command.env_remove("THISCPU_RSEQ"),
+        };
+        let mut child = command.spawn().expect("start the child");
+        let mut input = child.stdin.take().expect("stdin");
+        input.write_all(commands.as_bytes()).expect("send commands");
+        drop(input);
+        child.wait_with_output().expect("child output")
+    };
+    let cpu = thiscpu::current_cpu();
+    let commands = |verify: u64| format!("prepare 1\nrun 0 1000 {cpu}\nverify {verify}\n");
+
+    let exact = serve(Some("off"), &commands(1000));
+    assert!(exact.status.success(), "{}", text(&exact.stderr));
+    let answers = text(&exact.stdout);
+    let lines: Vec<&str> = answers.lines().collect();
+    assert_eq!(lines.len(), 3, "{answers}");
+    assert_eq!(lines[0], "prepared");
+    let ran: Vec<&str> = lines[1].split_whitespace().collect();
+    assert_eq!(&ran[..2], ["ran", "0"], "{answers}");
+    assert!(
+        ran[2].parse::<u64>().is_ok() && ran[3].parse::<u64>().is_ok(),
+        "{answers}"
+    );
+    assert_eq!(lines[2], "verified", "{answers}");
+
+    // Told of one operation more than it made, the workload's check must fail.
+    let miscount = serve(Some("off"), &commands(1001));
+    assert!(miscount.status.success(), "{}", text(&miscount.stderr));
+    let verdict = text(&miscount.stdout);
+    assert!(
+        verdict
+            .lines()
+            .last()
+            .is_some_and(|line| line.starts_with("failed ")),
+        "{verdict}"
+    );
+
+    // Without THISCPU_RSEQ=off the child refuses to measure rather than measure the fast path.
+    let refused = serve(None, &commands(1000));
+    if thiscpu::source().unavailable.is_none() {
+        assert!(!refused.status.success());
+        assert!(
+            text(&refused.stderr).contains("not turned off"),
+            "{}",
+            text(&refused.stderr)
+        );
+    }
+}

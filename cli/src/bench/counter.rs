@@ -11,6 +11,7 @@
 //! `Counter::inc` (which returns nothing) does not pay.
 
 use super::model::{Case, Family, Measured, Stats, Unit, Workload};
+use super::rseq_off;
 use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
 use contatori::counters::Observable;
 use std::cell::Cell;
@@ -29,6 +30,8 @@ const CASES: &[&str] = &[
     "thiscpu-adder",
     "thiscpu-counter-mm_cid",
     "thiscpu-adder-mm_cid",
+    "thiscpu-counter-rseq-off",
+    "thiscpu-adder-rseq-off",
 ];
 
 /// The family.
@@ -297,6 +300,12 @@ fn cases() -> Vec<Case> {
             ns,
             Exact::new(ThiscpuAdder(Counter::by_mm_cid())),
         ),
+        rseq_off::case("thiscpu-counter-rseq-off", "counter", "Counter::inc(), by CPU"),
+        rseq_off::case(
+            "thiscpu-adder-rseq-off",
+            "counter",
+            "Counter::adder() per round, then adder.inc()",
+        ),
     ]
 }
 
@@ -419,5 +428,6 @@ fn report(results: &[Measured]) -> String {
         out.push_str("\ntargets (ratios of medians):\n");
         out.push_str(&lines.join("\n"));
     }
+    out.push_str(&rseq_off::report(results));
     out.trim_end().to_owned()
 }

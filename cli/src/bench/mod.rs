@@ -39,6 +39,7 @@
 
 pub mod command;
 pub mod model;
+pub mod rseq_off;
 pub mod runner;
 
 use model::Family;

@@ -53,6 +53,15 @@ pub trait Workload: Send + Sync {
     /// Performs `ops` operations on the calling thread, which is worker number `worker`.
     fn run(&self, worker: usize, ops: u64);
 
+    /// Performs `ops` operations as `run` does and says how long they took, by which the
+    /// runner sizes its chunks of work. A workload that runs them elsewhere (a child process)
+    /// times them there, so that the round trip does not shrink the chunks.
+    fn run_timed(&self, worker: usize, ops: u64) -> std::time::Duration {
+        let start = std::time::Instant::now();
+        self.run(worker, ops);
+        start.elapsed()
+    }
+
     /// Checks the state after a measurement; an error fails the whole run.
     fn verify(&self, _ops: u64) -> std::result::Result<(), String> {
         Ok(())
@@ -61,6 +70,12 @@ pub trait Workload: Send + Sync {
     /// A value the workload measured itself during the last measurement (a size, say),
     /// reported instead of one derived from the timing.
     fn reading(&self) -> Option<f64> {
+        None
+    }
+
+    /// The share of the wall-clock time the operations were running, when the workload ran
+    /// them somewhere the runner's clocks do not see (a child process).
+    fn on_cpu_share(&self) -> Option<f64> {
         None
     }
 }

@@ -109,6 +109,8 @@ struct Sample {
     cpus: Vec<u32>,
     /// What the workload measured itself, if anything.
     reading: Option<f64>,
+    /// The on-CPU share the workload measured itself, if it did.
+    on_cpu_share: Option<f64>,
 }
 
 impl Sample {
@@ -142,6 +144,9 @@ struct WorkerRun {
 impl Sample {
     /// The share of the wall-clock time the workers were running (1.0 on an idle machine).
     fn on_cpu(&self) -> f64 {
+        if let Some(share) = self.on_cpu_share {
+            return share;
+        }
         let wall: f64 = self.workers.iter().map(|w| w.wall.as_secs_f64()).sum();
         let cpu: f64 = self.workers.iter().map(|w| w.cpu.as_secs_f64()).sum();
         if wall > 0.0 {
@@ -179,9 +184,7 @@ fn calibrate(
                 workload.prepare(1);
                 let mut ops = 1u64;
                 loop {
-                    let start = Instant::now();
-                    workload.run(0, ops);
-                    if start.elapsed() >= target || ops >= 1 << 40 {
+                    if workload.run_timed(0, ops) >= target || ops >= 1 << 40 {
                         return ops;
                     }
                     ops *= 2;
@@ -286,6 +289,7 @@ fn measure(
         ops: 0,
         cpus: Vec::with_capacity(threads),
         reading: None,
+        on_cpu_share: None,
     };
     let mut performed = 0u64;
     for (worker, outcome) in outcomes.into_iter().enumerate() {
@@ -299,6 +303,7 @@ fn measure(
     }
     workload.verify(performed)?;
     sample.reading = workload.reading();
+    sample.on_cpu_share = workload.on_cpu_share();
     Ok(sample)
 }
 

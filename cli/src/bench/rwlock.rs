@@ -22,6 +22,7 @@ use super::model::{
     Case, Family, Measured, Measuring, ProcessMemory, Unit, Workload, cpus_for, median_of as median,
     on_each_cpu,
 };
+use super::rseq_off;
 use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
 use arc_swap::ArcSwap;
 use crossbeam_utils::sync::ShardedLock;
@@ -69,6 +70,10 @@ const CASES: &[&str] = &[
     "write-under-readers/epoch",
     "resident/thiscpu",
     "address-space/thiscpu",
+    "read/thiscpu-rseq-off",
+    "read/epoch-rseq-off",
+    "write/thiscpu-rseq-off",
+    "write/epoch-rseq-off",
 ];
 
 /// Locks per memory measurement: 8192 locks' counts, 16 bytes each per row, fill exactly two
@@ -375,6 +380,19 @@ fn cases() -> Vec<Case> {
             });
         }
     }
+    for name in [
+        "read/thiscpu-rseq-off",
+        "read/epoch-rseq-off",
+        "write/thiscpu-rseq-off",
+        "write/epoch-rseq-off",
+    ] {
+        let mirrored = name.strip_suffix(rseq_off::SUFFIX).unwrap_or(name);
+        let how = cases
+            .iter()
+            .find(|case: &&Case| case.name == mirrored)
+            .map_or_else(String::new, |case| case.how.clone());
+        cases.push(rseq_off::case(name, "rwlock", &how));
+    }
     for (name, resident) in [("resident/thiscpu", true), ("address-space/thiscpu", false)] {
         cases.push(Case {
             name,
@@ -584,5 +602,6 @@ fn report(results: &[Measured]) -> String {
             verdict(ns <= 10_000.0)
         ));
     }
+    out.push_str(&rseq_off::report(results));
     out.trim_end().to_owned()
 }

@@ -16,6 +16,7 @@
 //! possible CPU whatever N, a `ThreadLocal` one entry per thread.
 
 use super::model::{Case, Family, Measured, Measuring, Unit, Workload, median_of as median};
+use super::rseq_off;
 use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -40,6 +41,8 @@ const CASES: &[&str] = &[
     "memory-100/thiscpu",
     "memory-1000/thread_local",
     "memory-1000/thiscpu",
+    "update/thiscpu-rseq-off",
+    "insert/thiscpu-rseq-off",
 ];
 
 /// The competitors, in table order.
@@ -417,6 +420,11 @@ fn cases() -> Vec<Case> {
             workload: Ok(workload),
         });
     }
+    for name in ["update/thiscpu-rseq-off", "insert/thiscpu-rseq-off"] {
+        let mirrored = name.strip_suffix(rseq_off::SUFFIX).unwrap_or(name);
+        let how = how(mirrored).replace(mode, "compare-and-swap take");
+        cases.push(rseq_off::case(name, "sharded", &how));
+    }
     for (name, holder, threads) in [
         ("memory-100/thread_local", Holder::ThreadLocal, 100),
         ("memory-100/thiscpu", Holder::Thiscpu, 100),
@@ -558,5 +566,6 @@ targets (ratios of medians):
             verdict(per_extra_thread < 1.0)
         ));
     }
+    out.push_str(&rseq_off::report(results));
     out.trim_end().to_owned()
 }

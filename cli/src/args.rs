@@ -103,6 +103,10 @@ Examples:
         /// With --readme: change nothing, fail when a block is out of date.
         #[arg(long, requires = "readme")]
         check: bool,
+        /// With FILE: also print the project's own performance targets, and whether the run
+        /// met them.
+        #[arg(long, requires = "file")]
+        targets: bool,
     },
 
     /// Check that a Counter and a Pool stay exact under migration, signals and thread churn:
@@ -194,6 +198,10 @@ pub struct BenchArgs {
     /// Write the tables as Markdown to FILE (`-`: standard output).
     #[arg(long, value_name = "FILE")]
     export_markdown: Option<PathBuf>,
+
+    /// Also print the project's own performance targets, and whether this run met them.
+    #[arg(long)]
+    targets: bool,
 }
 
 /// A parsed `--threads` list (a newtype, so that clap takes it as one value).
@@ -249,6 +257,7 @@ pub fn bench_options(args: BenchArgs) -> Result<Options, Error> {
         json: args.json,
         svg: args.svg,
         markdown: args.export_markdown,
+        targets: args.targets,
     })
 }
 

@@ -266,7 +266,25 @@ pub fn mode_advice(source: &Source) -> Option<String> {
     })
 }
 
-/// `optimized (thiscpu's own 64-byte registration)`.
+/// What glibc's `__rseq_size` and `__rseq_offset` say, and why the size may differ from the
+/// registration's: its meaning changed between glibc releases.
+fn glibc_symbols(r: &RseqDetail) -> String {
+    let (Some(size), Some(offset)) = (r.glibc_rseq_size, r.glibc_rseq_offset) else {
+        return "glibc exports no __rseq_size/__rseq_offset (older than 2.35, or not glibc)"
+            .to_owned();
+    };
+    let meaning = match size {
+        0 => "glibc did not register".to_owned(),
+        20 => "the original ABI's 20 bytes, which glibc 2.40 and its stable backports report \
+               whatever they register; the kernel fills the fields past them all the same"
+            .to_owned(),
+        32 => "glibc's registration, as glibc 2.35 to 2.39 report it".to_owned(),
+        _ => "the kernel's feature size, as glibc 2.41 and later report it".to_owned(),
+    };
+    format!("glibc __rseq_size {size} ({meaning}) · __rseq_offset {offset}")
+}
+
+/// `optimized (thiscpu's own 64-byte registration)`, or `legacy, the kernel's only mode`.
 fn mode_line(r: &RseqDetail) -> Option<String> {
     let mode = r.mode?;
     let whose = if r.registered_by == "glibc" {
@@ -283,10 +301,13 @@ fn mode_line(r: &RseqDetail) -> Option<String> {
             }
         }
         Some(_) => {}
-        None if r.kernel_feature_size <= 32 => line.push_str(&format!(
-            " · the kernel has no optimized mode (feature size {} is not above 32)",
-            r.kernel_feature_size
-        )),
+        None if r.kernel_feature_size <= 32 => {
+            line = format!(
+                "{mode}, the only mode this kernel has ({whose} {}-byte registration; the \
+                 optimized mode comes with a feature size above 32, Linux 7.1 and later)",
+                r.registered_size
+            );
+        }
         None => line.push_str(&format!(
             " · the kernel's optimized mode (feature size {}, alignment {}) needs more than \
              thiscpu's own 64-byte area",
@@ -332,23 +353,25 @@ pub fn render(info: &Info) -> String {
     ));
     let registrar = match &r.unavailable {
         Some(why) => format!("not in use: {}", why.name),
-        None => format!("registered by {}", r.registered_by),
+        None => format!(
+            "registered by {}: a {}-byte area per thread, of which the kernel fills {} (its \
+             feature size)",
+            r.registered_by,
+            r.registered_size,
+            r.kernel_feature_size.min(r.registered_size)
+        ),
     };
-    let glibc = match (r.glibc_rseq_size, r.glibc_rseq_offset) {
-        (Some(size), Some(offset)) => format!("glibc __rseq_size {size}, __rseq_offset {offset}"),
-        _ => "glibc exports no __rseq_size/__rseq_offset".to_owned(),
-    };
-    lines.push(("rseq", format!("{registrar} · {glibc}")));
+    lines.push(("rseq", registrar));
     lines.push((
         "",
         format!(
-            "kernel feature size {} · usable {} bytes · node_id {} · mm_cid {}",
-            r.kernel_feature_size,
+            "usable {} bytes · node_id {} · mm_cid {}",
             r.usable_size,
             yes_no(r.node_id),
             yes_no(r.mm_cid)
         ),
     ));
+    lines.push(("", glibc_symbols(r)));
     if let Some(line) = mode_line(r) {
         lines.push(("mode", line));
     }
@@ -414,11 +437,21 @@ pub fn render(info: &Info) -> String {
                 .map_or("unavailable".to_owned(), |c| c.to_string())
         ),
     ));
-    lines
-        .iter()
-        .map(|(label, text)| format!("{label:<8} {text}"))
-        .collect::<Vec<_>>()
-        .join("\n")
+    // Each text wrapped to the terminal width, its continuation lines under its first.
+    let mut table = comfy_table::Table::new();
+    table
+        .load_preset(comfy_table::presets::NOTHING)
+        .set_content_arrangement(comfy_table::ContentArrangement::Dynamic)
+        .set_width(crate::report::table::WIDTH);
+    for (label, text) in &lines {
+        table.add_row(vec![format!("{label:<8}"), text.clone()]);
+    }
+    for (index, padding) in [(0, (0, 0)), (1, (1, 0))] {
+        if let Some(column) = table.column_mut(index) {
+            column.set_padding(padding);
+        }
+    }
+    crate::report::table::render(&table)
 }
 
 /// `node 0: CPUs 0-1 · node 1: CPUs 2-3`.

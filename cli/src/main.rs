@@ -44,9 +44,10 @@ fn report_command(
     file: Option<&std::path::Path>,
     readme: Option<&std::path::Path>,
     check: bool,
+    targets: bool,
 ) -> Result<(), Error> {
     if let Some(file) = file {
-        println!("{}", report::replay::Replay::read(file)?.text());
+        println!("{}", report::replay::Replay::read(file)?.text(targets));
     }
     if let Some(readme) = readme {
         let refreshed = report::readme::refresh(readme, check)?;
@@ -101,7 +102,8 @@ fn main() {
             file,
             readme,
             check,
-        }) => report_command(file.as_deref(), readme.as_deref(), check),
+            targets,
+        }) => report_command(file.as_deref(), readme.as_deref(), check, targets),
         Some(Command::Stress(options)) => stress::run(options),
     };
     if let Err(error) = outcome {

@@ -30,6 +30,8 @@ pub struct Options {
     pub svg: Option<PathBuf>,
     /// Where to write the tables as Markdown.
     pub markdown: Option<PathBuf>,
+    /// Whether to print the project's own performance targets and whether they were met.
+    pub targets: bool,
 }
 
 /// Default total time: about a minute for a whole run.
@@ -95,6 +97,7 @@ pub fn run(options: Options) -> Result<()> {
         .chain(&markdown_output)
         .any(report::output::Output::is_stdout);
     let say = |text: &str| {
+        let text = report::table::fit(text);
         if to_stderr {
             eprintln!("{text}");
         } else {
@@ -149,7 +152,10 @@ pub fn run(options: Options) -> Result<()> {
         let results = runner::run_family(plan, &info)?;
         say("");
         say(&report::table::family(plan.family, &results, &plan.skipped));
-        let extra = (plan.family.report)(&results);
+        let mut extra = (plan.family.report)(&results);
+        if !options.targets {
+            extra = report::table::without_targets(&extra);
+        }
         if !extra.is_empty() {
             say(&extra);
         }

@@ -8,7 +8,7 @@
 //! object fails the run.
 
 use super::model::{Case, Family, Measured, Unit, Workload, median_of as median};
-use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render};
+use crate::report::table::{competitors_table, render};
 use crossbeam_queue::{ArrayQueue, SegQueue};
 use std::hint::black_box;
 use std::sync::Mutex;
@@ -228,37 +228,18 @@ fn report(results: &[Measured]) -> String {
     let mut threads: Vec<usize> = results.iter().map(|m| m.threads).collect();
     threads.sort_unstable();
     threads.dedup();
-    let mut table = new_table();
-    let mut header = vec!["threads".to_owned()];
-    header.extend(CASES.iter().map(|case| format!("{case} ns")));
-    header.extend(
-        CASES[..CASES.len() - 1]
-            .iter()
-            .map(|case| format!("{case} ÷ thiscpu")),
-    );
-    table.set_header(header);
-    for &n in &threads {
-        let ours = median(results, "thiscpu-pool", n);
-        let mut row = vec![n.to_string()];
-        row.extend(
-            CASES
-                .iter()
-                .map(|case| median(results, case, n).map_or("–".to_owned(), fmt_num)),
-        );
-        row.extend(CASES[..CASES.len() - 1].iter().map(|case| {
-            match (median(results, case, n), ours) {
-                (Some(theirs), Some(ours)) if ours > 0.0 => fmt_ratio(theirs / ours),
-                _ => "–".to_owned(),
-            }
-        }));
-        table.add_row(row);
-    }
     if threads.is_empty() {
         return String::new();
     }
-    let columns: Vec<usize> = (0..2 * CASES.len()).collect();
-    align_right(&mut table, &columns);
-    let mut out = String::from("\nget+put pairs (medians over rounds):\n");
+    let table = competitors_table(
+        CASES,
+        &threads,
+        "ns",
+        "÷ thiscpu",
+        |case, n| median(results, case, n),
+        |case| (case != "thiscpu-pool").then_some("thiscpu-pool"),
+    );
+    let mut out = String::from("\nget+put pairs (medians over rounds, ÷ thiscpu: times thiscpu-pool's):\n");
     out.push_str(&render(&table));
     out.trim_end().to_owned()
 }

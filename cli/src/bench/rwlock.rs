@@ -23,7 +23,7 @@ use super::model::{
     on_each_cpu,
 };
 use super::rseq_off;
-use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
+use crate::report::table::{competitors_table, align_right, fmt_num, fmt_ratio, new_table, render, verdict};
 use arc_swap::ArcSwap;
 use crossbeam_utils::sync::ShardedLock;
 use std::hint::black_box;
@@ -341,6 +341,43 @@ impl<S: Subject> Workload for Writes<S> {
     }
 }
 
+/// The structure a kind of case uses, as a reader of the code would name it.
+fn structure(kind: &str) -> &'static str {
+    match kind {
+        "std" => "std::sync::RwLock",
+        "parking_lot" => "parking_lot::RwLock",
+        "sharded_lock" => "crossbeam_utils::sync::ShardedLock",
+        "arc_swap" => "arc_swap::ArcSwap",
+        "thiscpu" => "thiscpu::RwLock",
+        _ => "thiscpu::EpochCell",
+    }
+}
+
+/// How one read begins: a read lock, or a load of the current value.
+fn read_how(kind: &str) -> String {
+    match kind {
+        "arc_swap" | "epoch" => format!("{}: load() (a guard)", structure(kind)),
+        _ => format!("{}: read()", structure(kind)),
+    }
+}
+
+/// How one read ends.
+fn read_end(kind: &str) -> &'static str {
+    match kind {
+        "arc_swap" | "epoch" => "drop the guard",
+        _ => "unlock",
+    }
+}
+
+/// What one write does.
+fn write_how(kind: &str) -> String {
+    match kind {
+        "arc_swap" => format!("{}: store(Arc::new(value))", structure(kind)),
+        "epoch" => format!("{}: store(value)", structure(kind)),
+        _ => format!("{}: write(), write 4 words, unlock", structure(kind)),
+    }
+}
+
 fn cases() -> Vec<Case> {
     let others = crate::bench::runner::worker_cpus()
         .len()
@@ -357,8 +394,11 @@ fn cases() -> Vec<Case> {
     for &(mix, every) in MIXES {
         for &kind in KINDS {
             let how = match every {
-                0 => format!("{kind}: read lock + read 4 words + unlock"),
-                n => format!("{kind}: reads, and a write every {n} reads per thread"),
+                0 => format!("{}, read 4 words, {}", read_how(kind), read_end(kind)),
+                n => format!(
+                    "{} reads as in read/{kind}, and a write every {n} reads per thread",
+                    structure(kind)
+                ),
             };
             cases.push(Case {
                 name: name_of(format!("{mix}/{kind}")),
@@ -372,9 +412,7 @@ fn cases() -> Vec<Case> {
         for &kind in KINDS {
             cases.push(Case {
                 name: name_of(format!("{prefix}/{kind}")),
-                how: format!(
-                    "{kind}: write lock + write 4 words + unlock, {readers} reader threads"
-                ),
+                how: format!("{}, {readers} reader threads", write_how(kind)),
                 unit: Unit::NsPerOp,
                 workload: Ok(with_subject(kind, WritesMaker { readers })),
             });
@@ -467,35 +505,28 @@ fn report(results: &[Measured]) -> String {
     }
     let mut out = String::new();
     for &(mix, _) in MIXES {
-        let mut table = new_table();
-        let mut header = vec!["threads".to_owned()];
-        header.extend(KINDS.iter().map(|kind| format!("{kind} ns")));
-        header.push("parking_lot ÷ thiscpu".to_owned());
-        header.push("sharded_lock ÷ thiscpu".to_owned());
-        header.push("arc_swap ÷ epoch".to_owned());
-        table.set_header(header);
-        for &n in &threads {
-            let at = |kind: &str| median(results, &format!("{mix}/{kind}"), n);
-            let ratio = |theirs: &str, ours: &str| match (at(theirs), at(ours)) {
-                (Some(theirs), Some(ours)) if ours > 0.0 => fmt_ratio(theirs / ours),
-                _ => "–".to_owned(),
-            };
-            let mut row = vec![n.to_string()];
-            row.extend(KINDS.iter().map(|kind| at(kind).map_or("–".to_owned(), fmt_num)));
-            row.push(ratio("parking_lot", "thiscpu"));
-            row.push(ratio("sharded_lock", "thiscpu"));
-            row.push(ratio("arc_swap", "epoch"));
-            table.add_row(row);
-        }
-        align_right(&mut table, &(0..KINDS.len() + 4).collect::<Vec<_>>());
+        let table = competitors_table(
+            KINDS,
+            &threads,
+            "ns",
+            "÷ ours",
+            |kind, n| median(results, &format!("{mix}/{kind}"), n),
+            |kind| match kind {
+                "arc_swap" => Some("epoch"),
+                "thiscpu" | "epoch" => None,
+                _ => Some("thiscpu"),
+            },
+        );
         let what = match mix {
             "read" => "reads only".to_owned(),
             other => format!("a write every {} reads", &other[1..]),
         };
         out.push_str(&format!(
-            "\n{what} (medians over rounds, ns per operation per thread):\n"
+            "\n{what} (medians over rounds, ns per operation per thread; ÷ ours: times \
+             thiscpu's, arc_swap's times epoch's):\n"
         ));
         out.push_str(&render(&table));
+        out.push('\n');
     }
 
     let mut table = new_table();

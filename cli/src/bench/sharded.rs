@@ -17,7 +17,9 @@
 
 use super::model::{Case, Family, Measured, Measuring, Unit, Workload, median_of as median};
 use super::rseq_off;
-use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
+use crate::report::table::{
+    align_right, competitors_table, fmt_num, fmt_ratio, new_table, render, verdict,
+};
 use std::cell::RefCell;
 use std::collections::HashMap;
 use std::hash::{BuildHasher, RandomState};
@@ -459,28 +461,19 @@ fn report(results: &[Measured]) -> String {
     }
     let mut out = String::new();
     for op in ["update", "insert"] {
-        let mut table = new_table();
-        let mut header = vec!["threads".to_owned()];
-        header.extend(KINDS.iter().map(|kind| format!("{kind} ns")));
-        header.extend(KINDS[..KINDS.len() - 1].iter().map(|kind| format!("{kind} ÷ thiscpu")));
-        table.set_header(header);
-        for &n in &threads {
-            let at = |kind: &str| median(results, &format!("{op}/{kind}"), n);
-            let ours = at("thiscpu");
-            let mut row = vec![n.to_string()];
-            row.extend(KINDS.iter().map(|kind| at(kind).map_or("–".to_owned(), fmt_num)));
-            row.extend(KINDS[..KINDS.len() - 1].iter().map(|kind| match (at(kind), ours) {
-                (Some(theirs), Some(ours)) if ours > 0.0 => fmt_ratio(theirs / ours),
-                _ => "–".to_owned(),
-            }));
-            table.add_row(row);
-        }
-        let columns: Vec<usize> = (0..2 * KINDS.len()).collect();
-        align_right(&mut table, &columns);
-        out.push_str(&format!("
-{op} (medians over rounds, ns per operation per thread):
-"));
+        let table = competitors_table(
+            KINDS,
+            &threads,
+            "ns",
+            "÷ thiscpu",
+            |kind, n| median(results, &format!("{op}/{kind}"), n),
+            |kind| (kind != "thiscpu").then_some("thiscpu"),
+        );
+        out.push_str(&format!(
+            "\n{op} (medians over rounds, ns per operation per thread; ÷ thiscpu: times thiscpu's):\n"
+        ));
         out.push_str(&render(&table));
+        out.push('\n');
     }
 
     let shards = thiscpu::topology::possible_cpus().max(1);

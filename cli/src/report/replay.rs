@@ -102,28 +102,40 @@ impl Replay {
 
     /// The lines the run printed before its first family.
     pub fn header(&self) -> String {
-        table::run_header(&self.machine, &self.info)
+        table::fit(&table::run_header(&self.machine, &self.info))
     }
 
     /// What the run printed for `family`: its table, the cases left out, and the family's
-    /// own report; `None` when the run did not measure it.
+    /// own report, without the project's targets; `None` when the run did not measure it.
     pub fn family(&self, name: &str) -> Option<String> {
+        self.family_with(name, false)
+    }
+
+    /// [`Replay::family`], with the project's targets when `targets` is set.
+    pub fn family_with(&self, name: &str, targets: bool) -> Option<String> {
         let found = self.families.iter().find(|f| f.family.name == name)?;
         let mut out = table::family(found.family, &found.results, &found.skipped);
-        let extra = (found.family.report)(&found.results);
+        let mut extra = (found.family.report)(&found.results);
+        if !targets {
+            extra = table::without_targets(&extra);
+        }
         if !extra.is_empty() {
             out.push_str("\n\n");
             out.push_str(&extra);
         }
-        Some(out)
+        Some(table::fit(&out))
     }
 
-    /// Everything the run printed, in its order.
-    pub fn text(&self) -> String {
+    /// Everything the run printed, in its order (with the targets when `targets` is set).
+    pub fn text(&self, targets: bool) -> String {
         let mut out = self.header();
         for found in &self.families {
             out.push_str("\n\n");
-            out.push_str(&self.family(found.family.name).unwrap_or_default());
+            out.push_str(
+                &self
+                    .family_with(found.family.name, targets)
+                    .unwrap_or_default(),
+            );
         }
         out
     }
@@ -218,7 +230,7 @@ mod tests {
     fn a_recorded_report_prints_its_families_again() {
         // Compiled in: the test runs where the repository is not (an emulated guest).
         let replay = Replay::parse(RECORDED).expect("the recorded report reads back");
-        let text = replay.text();
+        let text = replay.text(true);
         assert!(text.starts_with("thiscpu bench · "), "{text}");
         let getcpu = replay.family("getcpu").expect("the report has getcpu");
         assert!(getcpu.contains("current_cpu"), "{getcpu}");

@@ -39,6 +39,105 @@ pub fn align_right(table: &mut Table, columns: &[usize]) {
     }
 }
 
+/// One row per competitor (`kinds`) and, for each thread count, its median (`at`) and its
+/// ratio to the structure it is compared with (`ours`: none for thiscpu's own rows). A row per
+/// competitor rather than a column keeps the table narrow however many competitors there are.
+pub fn competitors_table(
+    kinds: &[&str],
+    threads: &[usize],
+    unit: &str,
+    ratio_label: &str,
+    at: impl Fn(&str, usize) -> Option<f64>,
+    ours: impl Fn(&str) -> Option<&'static str>,
+) -> Table {
+    let mut table = new_table();
+    let mut header = vec!["".to_owned()];
+    for &n in threads {
+        header.push(format!(
+            "{n} thread{} {unit}",
+            if n == 1 { "" } else { "s" }
+        ));
+        header.push(ratio_label.to_owned());
+    }
+    table.set_header(header);
+    for &kind in kinds {
+        let mut row = vec![kind.to_owned()];
+        for &n in threads {
+            let theirs = at(kind, n);
+            row.push(theirs.map_or("–".to_owned(), fmt_num));
+            row.push(match (theirs, ours(kind).and_then(|ours| at(ours, n))) {
+                (Some(theirs), Some(ours)) if ours > 0.0 => fmt_ratio(theirs / ours),
+                _ => String::new(),
+            });
+        }
+        table.add_row(row);
+    }
+    align_right(&mut table, &(1..=2 * threads.len()).collect::<Vec<_>>());
+    table
+}
+
+/// `text` with every line of prose longer than [`WIDTH`] wrapped, continuation lines indented
+/// two more than the first; table lines (a run of three spaces between cells, or a rule) are
+/// left as they are.
+pub fn fit(text: &str) -> String {
+    let mut out = Vec::new();
+    for line in text.lines() {
+        let body = line.trim_start();
+        let indent = line.len() - body.len();
+        let tabular = body.contains("   ") || body.starts_with('─') || body.starts_with('|');
+        if line.chars().count() <= WIDTH as usize || tabular {
+            out.push(line.to_owned());
+            continue;
+        }
+        let mut cell = Table::new();
+        cell.load_preset(comfy_table::presets::NOTHING)
+            .set_content_arrangement(ContentArrangement::Dynamic)
+            // comfy-table pads the cell by one space on each side, which leaves room for the
+            // continuation lines' extra indent.
+            .set_width(WIDTH.saturating_sub(indent as u16))
+            .add_row(vec![body]);
+        for (i, wrapped) in cell.lines().enumerate() {
+            let wrapped = wrapped.trim();
+            let pad = if i == 0 { indent } else { indent + 2 };
+            out.push(format!("{:pad$}{wrapped}", ""));
+        }
+    }
+    let mut fitted = out.join("\n");
+    if text.ends_with('\n') {
+        fitted.push('\n');
+    }
+    fitted
+}
+
+/// `text` without its blocks of the project's own performance targets: a line at the margin
+/// that begins with `targets` and ends with `:`, and the indented lines under it. These say
+/// whether a run met what the project aims at, which is the project's business more than the
+/// reader's; `--targets` asks for them.
+pub fn without_targets(text: &str) -> String {
+    let mut out: Vec<&str> = Vec::new();
+    let mut in_targets = false;
+    for line in text.lines() {
+        if line.starts_with("targets") && line.trim_end().ends_with(':') {
+            in_targets = true;
+            // The blank line that set the block off goes with it.
+            if out.last().is_some_and(|last| last.trim().is_empty()) {
+                out.pop();
+            }
+            continue;
+        }
+        if in_targets && line.starts_with("  ") {
+            continue;
+        }
+        in_targets = false;
+        out.push(line);
+    }
+    let mut kept = out.join("\n");
+    if text.ends_with('\n') && !kept.is_empty() {
+        kept.push('\n');
+    }
+    kept
+}
+
 /// A duration in nanoseconds with three significant digits: `0.312`, `4.56`, `78.9`, `182`.
 pub fn fmt_num(value: f64) -> String {
     let magnitude = value.abs();
@@ -93,9 +192,10 @@ pub fn run_header(machine: &Machine, info: &RunInfo) -> String {
 /// One family's results: a row per (case, thread count), then the cases left out.
 pub fn family(family: &Family, results: &[Measured], skipped: &[Skipped]) -> String {
     let mut out = format!("{} — {}\n", family.name, family.about);
-    if let Some(table) = family_table(family, results) {
+    if let Some(table) = family_table(family, results, Layout::Terminal) {
         out.push_str(&render(&table));
         out.push('\n');
+        out.push_str(&legend(results));
     }
     for (reason, cases) in by_reason(skipped) {
         out.push_str(&format!("  left out: {}: {reason}\n", cases.join(", ")));
@@ -118,7 +218,7 @@ pub fn family(family: &Family, results: &[Measured], skipped: &[Skipped]) -> Str
 /// The same as [`family`], in Markdown: a heading, the table, the cases left out.
 pub fn family_markdown(family: &Family, results: &[Measured], skipped: &[Skipped]) -> String {
     let mut out = format!("## {}\n\n{}\n", family.name, family.about);
-    if let Some(mut table) = family_table(family, results) {
+    if let Some(mut table) = family_table(family, results, Layout::Markdown) {
         out.push('\n');
         out.push_str(&markdown(&mut table));
         out.push('\n');
@@ -149,8 +249,39 @@ pub fn markdown(table: &mut Table) -> String {
     render(table)
 }
 
+/// The width the terminal output keeps to.
+pub const WIDTH: u16 = 120;
+
+/// Where a family's table goes: a terminal, which keeps to [`WIDTH`] columns and has what each
+/// case calls in a legend below, or Markdown, which has it in a column.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Layout {
+    Terminal,
+    Markdown,
+}
+
+/// What each case of `results` calls, once per case, wrapped to [`WIDTH`] columns.
+fn legend(results: &[Measured]) -> String {
+    let mut table = new_table();
+    table
+        .load_preset(comfy_table::presets::NOTHING)
+        .set_content_arrangement(ContentArrangement::Dynamic)
+        .set_width(WIDTH);
+    let mut seen: Vec<&str> = Vec::new();
+    for m in results {
+        if !seen.contains(&m.case) && !m.how.is_empty() {
+            seen.push(m.case);
+            table.add_row(vec![m.case.to_owned(), m.how.clone()]);
+        }
+    }
+    if seen.is_empty() {
+        return String::new();
+    }
+    format!("what each case calls:\n{}\n", render(&table))
+}
+
 /// A family's table, `None` without results.
-fn family_table(family: &Family, results: &[Measured]) -> Option<Table> {
+fn family_table(family: &Family, results: &[Measured], layout: Layout) -> Option<Table> {
     if results.is_empty() {
         return None;
     }
@@ -170,16 +301,25 @@ fn family_table(family: &Family, results: &[Measured]) -> Option<Table> {
         [one] => one.label(),
         _ => "",
     };
-    // A ratio only between rows of one unit: bytes divided by nanoseconds means nothing.
-    let baseline_median = |threads: usize, unit: Unit| {
+    // A ratio only between like rows: of one unit (bytes divided by nanoseconds means
+    // nothing) and, where case names are `operation/structure` and the baseline is one
+    // structure's, of one operation (a write divided by a read neither).
+    let baseline_median = |m: &Measured| {
         let name = family.baseline?;
+        let like = match (name.split_once('/'), m.case.split_once('/')) {
+            (Some((_, structure)), Some((operation, _))) => format!("{operation}/{structure}"),
+            _ => name.to_owned(),
+        };
         results
             .iter()
-            .find(|m| m.case == name && m.threads == threads && m.unit == unit)
-            .map(|m| m.stats().median)
+            .find(|base| base.case == like && base.threads == m.threads && base.unit == m.unit)
+            .map(|base| base.stats().median)
     };
     let mut table = new_table();
-    let mut header = vec!["case".to_owned(), "what it calls".to_owned()];
+    let mut header = vec!["case".to_owned()];
+    if layout == Layout::Markdown {
+        header.push("what it calls".to_owned());
+    }
     if several {
         header.push("threads".to_owned());
     }
@@ -191,12 +331,18 @@ fn family_table(family: &Family, results: &[Measured]) -> Option<Table> {
         .baseline
         .filter(|name| results.iter().any(|m| m.case == *name));
     if let Some(name) = baseline {
-        header.push(format!("÷ {name}"));
+        header.push(match name.split_once('/') {
+            Some((_, structure)) => format!("÷ same operation, {structure}"),
+            None => format!("÷ {name}"),
+        });
     }
     table.set_header(header);
     for m in results {
         let stats = m.stats();
-        let mut row = vec![m.case.to_owned(), m.how.clone()];
+        let mut row = vec![m.case.to_owned()];
+        if layout == Layout::Markdown {
+            row.push(m.how.clone());
+        }
         if several {
             row.push(m.threads.to_string());
         }
@@ -214,14 +360,14 @@ fn family_table(family: &Family, results: &[Measured]) -> Option<Table> {
         ));
         row.push(format_cpu_list(&m.cpus));
         if baseline.is_some() {
-            row.push(match baseline_median(m.threads, m.unit) {
+            row.push(match baseline_median(m) {
                 Some(base) if base > 0.0 => fmt_ratio(stats.median / base),
                 _ => String::new(),
             });
         }
         table.add_row(row);
     }
-    let first_number = if several { 3 } else { 2 };
+    let first_number = usize::from(layout == Layout::Markdown) + if several { 2 } else { 1 };
     align_right(
         &mut table,
         &[
@@ -308,6 +454,39 @@ pub fn verdict(met: bool) -> &'static str {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn target_blocks_are_taken_out_and_nothing_else() {
+        let report = "\nsummary: 3 B per counter\n\ntargets (ratios of medians):\n  a: 2× (target ≥ 1×): met\n  \
+                      b: 1× (target ≥ 2×): NOT met\nafter: kept\n  indented, kept\n";
+        let kept = without_targets(report);
+        assert_eq!(
+            kept,
+            "\nsummary: 3 B per counter\nafter: kept\n  indented, kept\n"
+        );
+        assert_eq!(without_targets("no targets here\n"), "no targets here\n");
+    }
+
+    #[test]
+    fn long_prose_is_wrapped_and_tables_are_not() {
+        let prose = format!("  note: {}", "word ".repeat(60));
+        let table_line = format!(" case{}median", " ".repeat(150));
+        let fitted = fit(&format!("{prose}\n{table_line}\n"));
+        let lines: Vec<&str> = fitted.lines().collect();
+        assert!(lines.len() > 3, "{fitted}");
+        assert!(
+            lines
+                .iter()
+                .filter(|l| l.contains("word"))
+                .all(|l| l.chars().count() <= 120),
+            "{fitted}"
+        );
+        assert!(lines[0].starts_with("  note: word"), "{fitted}");
+        assert!(lines[1].starts_with("    word"), "{fitted}");
+        assert_eq!(lines.last(), Some(&table_line.as_str()));
+        let words = fitted.matches("word").count();
+        assert_eq!(words, 60, "no word lost or repeated");
+    }
 
     #[test]
     fn numbers_keep_three_significant_digits() {

@@ -38,17 +38,18 @@ fn where_am_i() -> Result<(), Error> {
     Ok(())
 }
 
-/// `thiscpu report`: a recorded report printed again, and/or a README's blocks refreshed.
+/// `thiscpu report`: a recorded report printed again, and/or the blocks of Markdown files
+/// refreshed, one file after the other (the first that fails stops the command).
 #[cfg(target_os = "linux")]
 fn report_command(
     file: Option<&std::path::Path>,
-    readme: Option<&std::path::Path>,
+    readmes: &[std::path::PathBuf],
     check: bool,
 ) -> Result<(), Error> {
     if let Some(file) = file {
         println!("{}", report::replay::Replay::read(file)?.text());
     }
-    if let Some(readme) = readme {
+    for readme in readmes {
         let refreshed = report::readme::refresh(readme, check)?;
         let state = match (refreshed.changed, check) {
             (false, _) => "current",
@@ -97,7 +98,7 @@ fn main() {
             file,
             readme,
             check,
-        }) => report_command(file.as_deref(), readme.as_deref(), check),
+        }) => report_command(file.as_deref(), &readme, check),
         Some(Command::Stress(options)) => stress::run(options),
     };
     if let Err(error) = outcome {

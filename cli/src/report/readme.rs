@@ -365,7 +365,16 @@ mod tests {
 
     /// The repository's Markdown files that quote recorded runs, by path from its root.
     /// Compiled in: the test runs where the repository is not (an emulated guest).
-    const DOCUMENTS: &[(&str, &str)] = &[("README.md", include_str!("../../../README.md"))];
+    /// Where the repository is at hand, `cli/tests/docs.rs` checks every Markdown file that
+    /// holds a block with `report --readme FILE --check`, listed here or not.
+    const DOCUMENTS: &[(&str, &str)] = &[
+        ("README.md", include_str!("../../../README.md")),
+        ("docs/results.md", include_str!("../../../docs/results.md")),
+        (
+            "docs/opentelemetry.md",
+            include_str!("../../../docs/opentelemetry.md"),
+        ),
+    ];
 
     /// `report` as named from a file in `folder`, as a path from the repository's root
     /// (`docs` and `../results/bench.json` give `results/bench.json`).

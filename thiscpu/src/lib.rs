@@ -220,7 +220,9 @@ pub use via::{CpuNode, CpuSource};
 
 // The Rust snippets of the README and of the guide, compiled and run as doctests when every
 // feature they use is on (CI's features step), so that the documentation cannot drift from
-// the API. docs/opentelemetry.md is thiscpu-opentelemetry's, compiled by that crate.
+// the API. docs/opentelemetry.md is thiscpu-opentelemetry's, compiled by that crate; the
+// repository's tests (cli/tests/docs.rs) check that every Markdown file holding Rust snippets
+// is included by one of the two crates.
 #[cfg(all(
     doctest,
     feature = "metrics-layer",

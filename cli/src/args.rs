@@ -17,7 +17,7 @@ Examples:
   thiscpu bench getcpu             time every way to ask \"which CPU\" (about a minute)
   thiscpu bench --quick --json out.json --svg charts/
   thiscpu compare before.json after.json
-  thiscpu report --readme README.md    refresh the README's tables from the recorded runs";
+  thiscpu report --readme README.md docs/*.md    refresh the documentation's tables from the recorded runs";
 
 #[derive(Debug, Parser)]
 #[command(name = "thiscpu", version, about = ABOUT, after_help = EXAMPLES)]
@@ -76,30 +76,33 @@ Example:
         export_markdown: Option<PathBuf>,
     },
 
-    /// Print a recorded `bench --json` report's tables again, or refresh the blocks of a
-    /// Markdown file (the README) that quote recorded reports.
+    /// Print a recorded `bench --json` report's tables again, or refresh the blocks of
+    /// Markdown files (the README, docs/) that quote recorded reports.
     #[command(after_help = "\
 With FILE, prints what the run printed: its header, every family's table, the cases left
 out and the family's own tables and targets, rebuilt from the report by the same code.
 
-With --readme, rewrites every block of that Markdown file that quotes a report, between a
+With --readme, rewrites every block of those Markdown files that quotes a report, between a
 marker and `<!-- end bench -->`:
   <!-- bench-run results/bench.json -->            where, when and how the run was made
   <!-- bench-family results/bench.json getcpu -->  one family's tables
+  <!-- bench-rows results/bench.json getcpu/current_cpu@1 pool/thiscpu-pool@2 -->
+                                                   chosen results as one Markdown table
+A row is FAMILY/CASE@THREADS, or REPORT#FAMILY/CASE@THREADS for a result of another report.
 Report paths are relative to the Markdown file's folder. --check writes nothing and exits
 with status 1 when a block differs from its report.
 
 Examples:
   thiscpu bench --json results/bench.json --svg results/svg
-  thiscpu report --readme README.md
+  thiscpu report --readme README.md docs/*.md
   thiscpu report results/bench.json")]
     Report {
         /// A report to print.
         #[arg(value_name = "FILE", required_unless_present = "readme")]
         file: Option<PathBuf>,
-        /// A Markdown file whose bench blocks to refresh from the reports they name.
-        #[arg(long, value_name = "FILE")]
-        readme: Option<PathBuf>,
+        /// Markdown files whose bench blocks to refresh from the reports they name.
+        #[arg(long, value_name = "FILE", num_args = 1..)]
+        readme: Vec<PathBuf>,
         /// With --readme: change nothing, fail when a block is out of date.
         #[arg(long, requires = "readme")]
         check: bool,

@@ -38,18 +38,19 @@ fn where_am_i() -> Result<(), Error> {
     Ok(())
 }
 
-/// `thiscpu report`: a recorded report printed again, and/or a README's blocks refreshed.
+/// `thiscpu report`: a recorded report printed again, and/or the blocks of Markdown files
+/// refreshed, one file after the other (the first that fails stops the command).
 #[cfg(target_os = "linux")]
 fn report_command(
     file: Option<&std::path::Path>,
-    readme: Option<&std::path::Path>,
+    readmes: &[std::path::PathBuf],
     check: bool,
     targets: bool,
 ) -> Result<(), Error> {
     if let Some(file) = file {
         println!("{}", report::replay::Replay::read(file)?.text(targets));
     }
-    if let Some(readme) = readme {
+    for readme in readmes {
         let refreshed = report::readme::refresh(readme, check)?;
         let state = match (refreshed.changed, check) {
             (false, _) => "current",
@@ -103,7 +104,7 @@ fn main() {
             readme,
             check,
             targets,
-        }) => report_command(file.as_deref(), readme.as_deref(), check, targets),
+        }) => report_command(file.as_deref(), &readme, check, targets),
         Some(Command::Stress(options)) => stress::run(options),
     };
     if let Err(error) = outcome {

@@ -76,6 +76,12 @@
 //! without re-recording every value. `f64` counters: per-CPU float sums would be exact only up
 //! to rounding in an order that depends on scheduling.
 
+// The Rust snippets of docs/opentelemetry.md, compiled and run as doctests of this crate, the
+// one they use.
+#[cfg(doctest)]
+#[doc = include_str!("../../docs/opentelemetry.md")]
+struct GuideSnippets;
+
 mod hash;
 mod instrument;
 mod registry;

@@ -218,8 +218,11 @@ pub use rwlock::{
 pub use sharded::{ShardGuard, Sharded};
 pub use via::{CpuNode, CpuSource};
 
-// The README's Rust snippets, compiled and run as doctests when every feature they use is on
-// (CI's features step), so that the front page cannot drift from the API.
+// The Rust snippets of the README and of the guide, compiled and run as doctests when every
+// feature they use is on (CI's features step), so that the documentation cannot drift from
+// the API. docs/opentelemetry.md is thiscpu-opentelemetry's, compiled by that crate; the
+// repository's tests (cli/tests/docs.rs) check that every Markdown file holding Rust snippets
+// is included by one of the two crates.
 #[cfg(all(
     doctest,
     feature = "metrics-layer",
@@ -228,6 +231,15 @@ pub use via::{CpuNode, CpuSource};
 ))]
 #[doc = include_str!("../../README.md")]
 struct ReadmeSnippets;
+
+#[cfg(all(
+    doctest,
+    feature = "metrics-layer",
+    feature = "prometheus-client",
+    feature = "serde"
+))]
+#[doc = include_str!("../../docs/guide.md")]
+struct GuideSnippets;
 
 #[cfg(test)]
 mod crate_docs {

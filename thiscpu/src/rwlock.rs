@@ -129,8 +129,8 @@ const PHASE: usize = 0;
 ///
 /// # Costs and memory
 /// - Read lock + unlock: two restartable sequences and two loads of the flag: 1.95 ns (2.02
-///   per thread with two) in the README's recorded run on a 2-CPU x86_64 VM
-///   (`thiscpu bench rwlock`).
+///   per thread with two) in the repository's recorded run on a 2-CPU x86_64 VM
+///   (`thiscpu bench rwlock`, quoted in docs/results.md).
 /// - Write lock + unlock: two `membarrier(PRIVATE_EXPEDITED_RSEQ)` calls (they interrupt every
 ///   CPU that runs a thread of the process) and a read of every CPU's counts; more while
 ///   readers hold the lock.
@@ -164,7 +164,7 @@ const PHASE: usize = 0;
 ///
 /// # When not to use it
 /// Where writes are more than about one in ten thousand reads (see the break-even table in the
-/// README), where the write latency matters (a writer waits for the slowest reader and makes
+/// repository's docs/results.md), where the write latency matters (a writer waits for the slowest reader and makes
 /// system calls), or for long read sections that writers must wait out. `std::sync::RwLock` or
 /// `parking_lot::RwLock` serve those.
 pub struct RwLock<T: ?Sized> {

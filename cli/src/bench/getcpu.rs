@@ -258,7 +258,7 @@ fn report(results: &[Measured]) -> String {
     {
         out.push_str(&format!(
             "\nnote: current_cpu inlined ({}) is within the empty loop's range ({} – {}): its \
-             load overlaps the loop's own work,\n      so a loop cannot tell it apart; the \
+             load overlaps the loop's own work, so a loop cannot tell it apart; the \
              noinline case adds a call and a return.\n",
             fmt_ns(inline.median),
             fmt_num(empty.min),

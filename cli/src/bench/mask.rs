@@ -41,7 +41,7 @@ pub static FAMILY: Family = Family {
             (ns per call, per thread)",
     case_names: CASES,
     default_threads: &[1, 2],
-    baseline: Some("always-rmw/idle"),
+    baseline: Some("always-rmw/*"),
     cases,
     report,
 };

@@ -244,12 +244,43 @@ pub struct Family {
     pub case_names: &'static [&'static str],
     /// Thread counts measured when `--threads` is not given.
     pub default_threads: &'static [usize],
-    /// The case the table's relative column divides by.
+    /// The case the table's relative column divides by. One `*` in place of a part of an
+    /// `a/b` name stands for that part of each row's own name: `*/parking_lot` divides
+    /// `write/std` by `write/parking_lot`, `always-rmw/*` divides `thiscpu/idle` by
+    /// `always-rmw/idle`, so that a row is only ever divided by a like one.
     pub baseline: Option<&'static str>,
     /// The cases, built for this machine.
     pub cases: fn() -> Vec<Case>,
     /// Lines printed after the family's table (seed-shaped tables, ratios); may be empty.
     pub report: fn(&[Measured]) -> String,
+}
+
+impl Family {
+    /// The case `case` is divided by in the table's relative column, if any.
+    pub fn baseline_for(&self, case: &str) -> Option<String> {
+        let baseline = self.baseline?;
+        let (Some((first, second)), Some((own_first, own_second))) =
+            (baseline.split_once('/'), case.split_once('/'))
+        else {
+            return (!baseline.contains('*')).then(|| baseline.to_owned());
+        };
+        Some(match (first, second) {
+            ("*", _) => format!("{own_first}/{second}"),
+            (_, "*") => format!("{first}/{own_second}"),
+            _ => baseline.to_owned(),
+        })
+    }
+
+    /// The baseline's name as a column header shows it: `parking_lot` for `*/parking_lot`.
+    pub fn baseline_label(&self) -> Option<&'static str> {
+        let baseline = self.baseline?;
+        Some(
+            baseline
+                .strip_prefix("*/")
+                .or_else(|| baseline.strip_suffix("/*"))
+                .unwrap_or(baseline),
+        )
+    }
 }
 
 /// All results of one (case, thread count) pair.
@@ -438,6 +469,38 @@ mod tests {
         assert_eq!(spread.mean, 5.0);
         assert!((spread.stddev - (32.0f64 / 7.0).sqrt()).abs() < 1e-12);
         assert_eq!(Stats::of(&[3.0]).stddev, 0.0);
+    }
+
+    #[test]
+    fn a_row_is_divided_by_the_like_baseline_row() {
+        let family = |baseline| Family {
+            name: "f",
+            about: "",
+            case_names: &[],
+            default_threads: &[1],
+            baseline,
+            cases: Vec::new,
+            report: |_| String::new(),
+        };
+        let by_structure = family(Some("*/parking_lot"));
+        assert_eq!(
+            by_structure.baseline_for("write/std").as_deref(),
+            Some("write/parking_lot")
+        );
+        assert_eq!(by_structure.baseline_label(), Some("parking_lot"));
+        let by_pattern = family(Some("always-rmw/*"));
+        assert_eq!(
+            by_pattern.baseline_for("thiscpu/idle").as_deref(),
+            Some("always-rmw/idle")
+        );
+        assert_eq!(by_pattern.baseline_label(), Some("always-rmw"));
+        let plain = family(Some("atomic-global"));
+        assert_eq!(
+            plain.baseline_for("tls-plain").as_deref(),
+            Some("atomic-global")
+        );
+        assert_eq!(by_structure.baseline_for("flat"), None);
+        assert_eq!(family(None).baseline_for("write/std"), None);
     }
 
     #[test]

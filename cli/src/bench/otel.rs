@@ -63,7 +63,7 @@ pub static FAMILY: Family = Family {
             collector (ns/op per thread); bytes per series per CPU",
     case_names: CASES,
     default_threads: &[1, 2],
-    baseline: Some("unbound/sdk"),
+    baseline: Some("*/sdk"),
     cases,
     report,
 };

@@ -101,7 +101,7 @@ pub static FAMILY: Family = Family {
             readers",
     case_names: CASES,
     default_threads: &[1, 2],
-    baseline: Some("read/parking_lot"),
+    baseline: Some("*/parking_lot"),
     cases,
     report,
 };

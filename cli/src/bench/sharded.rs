@@ -63,7 +63,7 @@ pub static FAMILY: Family = Family {
             thread), by 1 thread and one per CPU; heap bytes with 100 and 1,000 threads alive",
     case_names: CASES,
     default_threads: &[1, 2],
-    baseline: Some("update/parking_lot"),
+    baseline: Some("*/parking_lot"),
     cases,
     report,
 };

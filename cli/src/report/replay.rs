@@ -126,6 +126,16 @@ impl Replay {
         Some(table::fit(&out))
     }
 
+    /// The results of one case at one thread count, `None` when the run did not measure it.
+    pub fn result(&self, family: &str, case: &str, threads: usize) -> Option<&Measured> {
+        self.families
+            .iter()
+            .find(|f| f.family.name == family)?
+            .results
+            .iter()
+            .find(|m| m.case == case && m.threads == threads)
+    }
+
     /// Everything the run printed, in its order (with the targets when `targets` is set).
     pub fn text(&self, targets: bool) -> String {
         let mut out = self.header();

@@ -278,7 +278,7 @@ pub fn chart(
             };
             let mut label_text =
                 text(LABEL_RIGHT, centre + 4.0, label.clone()).set("text-anchor", "end");
-            if family.baseline == Some(m.case) {
+            if family.baseline_for(m.case).as_deref() == Some(m.case) {
                 label_text = label_text.set("font-weight", "bold");
             }
             let (x_min, x_median, x_max) = (scale.x(s.min), scale.x(s.median), scale.x(s.max));

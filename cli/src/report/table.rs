@@ -195,7 +195,7 @@ pub fn family(family: &Family, results: &[Measured], skipped: &[Skipped]) -> Str
     if let Some(table) = family_table(family, results, Layout::Terminal) {
         out.push_str(&render(&table));
         out.push('\n');
-        out.push_str(&legend(results));
+        out.push_str(&fit(&legend(family, results)));
     }
     for (reason, cases) in by_reason(skipped) {
         out.push_str(&format!("  left out: {}: {reason}\n", cases.join(", ")));
@@ -260,8 +260,9 @@ enum Layout {
     Markdown,
 }
 
-/// What each case of `results` calls, once per case, wrapped to [`WIDTH`] columns.
-fn legend(results: &[Measured]) -> String {
+/// What each case of `results` calls, once per case, wrapped to [`WIDTH`] columns; and, for
+/// a baseline of `operation/structure`, what the ratio column divides by.
+fn legend(family: &Family, results: &[Measured]) -> String {
     let mut table = new_table();
     table
         .load_preset(comfy_table::presets::NOTHING)
@@ -277,7 +278,19 @@ fn legend(results: &[Measured]) -> String {
     if seen.is_empty() {
         return String::new();
     }
-    format!("what each case calls:\n{}\n", render(&table))
+    let ratio = match (family.baseline, family.baseline_label()) {
+        (Some(baseline), Some(label)) if baseline.contains('*') => format!(
+            " (÷ {label}: each row's median over the {label} row with the same {} and thread \
+             count)",
+            if baseline.starts_with('*') {
+                "prefix"
+            } else {
+                "suffix"
+            }
+        ),
+        _ => String::new(),
+    };
+    format!("what each case calls{ratio}:\n{}\n", render(&table))
 }
 
 /// A family's table, `None` without results.
@@ -304,12 +317,10 @@ fn family_table(family: &Family, results: &[Measured], layout: Layout) -> Option
     // A ratio only between like rows: of one unit (bytes divided by nanoseconds means
     // nothing) and, where case names are `operation/structure` and the baseline is one
     // structure's, of one operation (a write divided by a read neither).
+    // A ratio only between like rows: of one unit (bytes divided by nanoseconds means
+    // nothing), and of one operation where the family's baseline says how to match them.
     let baseline_median = |m: &Measured| {
-        let name = family.baseline?;
-        let like = match (name.split_once('/'), m.case.split_once('/')) {
-            (Some((_, structure)), Some((operation, _))) => format!("{operation}/{structure}"),
-            _ => name.to_owned(),
-        };
+        let like = family.baseline_for(m.case)?;
         results
             .iter()
             .find(|base| base.case == like && base.threads == m.threads && base.unit == m.unit)
@@ -327,14 +338,13 @@ fn family_table(family: &Family, results: &[Measured], layout: Layout) -> Option
     header.push("min – max".to_owned());
     header.push("mean ± sd".to_owned());
     header.push("CPUs".to_owned());
-    let baseline = family
-        .baseline
-        .filter(|name| results.iter().any(|m| m.case == *name));
-    if let Some(name) = baseline {
-        header.push(match name.split_once('/') {
-            Some((_, structure)) => format!("÷ same operation, {structure}"),
-            None => format!("÷ {name}"),
-        });
+    let baseline = family.baseline_label().filter(|_| {
+        results
+            .iter()
+            .any(|m| family.baseline_for(m.case).as_deref() == Some(m.case))
+    });
+    if let Some(label) = baseline {
+        header.push(format!("÷ {label}"));
     }
     table.set_header(header);
     for m in results {

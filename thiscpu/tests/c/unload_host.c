@@ -27,7 +27,8 @@ static atomic_int signals;
 #if defined(__aarch64__) || defined(__riscv)
 /* glibc on arm64 and riscv64 gives a library loaded with dlopen static TLS only up to the
  * largest alignment among the TLS blocks present at start-up (16 bytes in a program without
- * aligned thread-locals), and thiscpu's area needs 64: see the README's known limitations. */
+ * aligned thread-locals), and thiscpu's area needs 64: see the known limitations in
+ * docs/internals.md. */
 __thread __attribute__((aligned(64))) char static_tls_alignment;
 #endif
 

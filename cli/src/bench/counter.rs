@@ -49,6 +49,14 @@ pub static FAMILY: Family = Family {
 /// A way to count: the hot loop of increments, and how a reader totals the counter.
 pub(super) trait Shape: Send + Sync + 'static {
     /// Makes `ops` increments on the calling thread.
+    ///
+    /// Each implementation is compiled on its own (`#[inline(never)]`), so that the loop's
+    /// code depends on the shape alone. Inlined into the runner's `Exact::run`, whether LLVM
+    /// kept the rseq area's address and the counter's row count in registers across
+    /// `Counter::inc` calls (and unswitched the loop on the counter's spread) changed with
+    /// unrelated edits elsewhere in this crate: 0.61 against 0.93 ns per increment on one
+    /// machine, from the same library code (compare `objdump -d` of `Exact<S>::run` in two
+    /// such builds). An `Adder` keeps them in registers by construction.
     fn increments(&self, ops: u64);
 
     /// The counter's total as a reader sees it (exact once the writers stopped).
@@ -98,6 +106,7 @@ impl<S: Shape> Workload for Exact<S> {
 struct AtomicGlobal(CachePadded<AtomicU64>);
 
 impl Shape for AtomicGlobal {
+    #[inline(never)]
     fn increments(&self, ops: u64) {
         let counter = black_box(&self.0);
         for _ in 0..ops {
@@ -115,6 +124,7 @@ impl Shape for AtomicGlobal {
 struct PercpuAtomic(PerCpu<AtomicU64>);
 
 impl Shape for PercpuAtomic {
+    #[inline(never)]
     fn increments(&self, ops: u64) {
         let slots = black_box(&self.0);
         for _ in 0..ops {
@@ -132,6 +142,7 @@ impl Shape for PercpuAtomic {
 struct ThreadSlot(Box<contatori::counters::unsigned::Unsigned>);
 
 impl Shape for ThreadSlot {
+    #[inline(never)]
     fn increments(&self, ops: u64) {
         let counter = black_box(&*self.0);
         for _ in 0..ops {
@@ -149,6 +160,7 @@ impl Shape for ThreadSlot {
 struct ThreadLocalCrate(thread_local::ThreadLocal<AtomicU64>);
 
 impl Shape for ThreadLocalCrate {
+    #[inline(never)]
     fn increments(&self, ops: u64) {
         let slots = black_box(&self.0);
         for _ in 0..ops {
@@ -178,6 +190,7 @@ struct TlsPlain {
 }
 
 impl Shape for TlsPlain {
+    #[inline(never)]
     fn increments(&self, ops: u64) {
         let before = PLAIN.with(Cell::get);
         for _ in 0..ops {
@@ -203,6 +216,7 @@ impl Shape for TlsPlain {
 struct ThiscpuCounter<S: Spread>(Counter<S>);
 
 impl<S: Spread> Shape for ThiscpuCounter<S> {
+    #[inline(never)]
     fn increments(&self, ops: u64) {
         let counter = black_box(&self.0);
         for _ in 0..ops {
@@ -220,6 +234,7 @@ impl<S: Spread> Shape for ThiscpuCounter<S> {
 struct ThiscpuAdder<S: Spread>(Counter<S>);
 
 impl<S: Spread> Shape for ThiscpuAdder<S> {
+    #[inline(never)]
     fn increments(&self, ops: u64) {
         let adder = black_box(&self.0).adder();
         for _ in 0..ops {

@@ -87,7 +87,10 @@ use std::sync::Arc;
 /// ```
 ///
 /// # When not to use it
-/// When values are replaced often (each replacement costs microseconds of system calls), or
+/// When values are replaced often: each replacement costs microseconds of system calls, and in
+/// the recorded run (a 2-CPU VM; the break-even table of the repository's docs/results.md)
+/// `arc_swap::ArcSwap` came out ahead once replacements were more frequent than one in 75
+/// loads. Or
 /// when readers keep guards for long while values are replaced (the cell keeps every value
 /// they could see: take [`load_full`](EpochCell::load_full) to keep one value instead).
 #[doc(alias = "ArcSwap")]

@@ -163,9 +163,13 @@ const PHASE: usize = 0;
 /// is written here instead.
 ///
 /// # When not to use it
-/// Where writes are more than about one in ten thousand reads (see the break-even table in the
-/// repository's docs/results.md), where the write latency matters (a writer waits for the slowest reader and makes
-/// system calls), or for long read sections that writers must wait out. `std::sync::RwLock` or
+/// Where writes are more frequent than about one in a hundred reads: in the recorded run (a
+/// 2-CPU VM; the break-even table of the repository's docs/results.md) one write per 91 reads
+/// cost as much as `std::sync::RwLock`, per 97 as `parking_lot::RwLock` and per 84 as
+/// crossbeam's `ShardedLock`, the worst case over one and two threads (with both CPUs reading,
+/// the peers' contended reads move the break-even to one write in 13 or 14 reads). Also where
+/// the write latency matters (a writer waits for the slowest reader and makes system calls),
+/// or for long read sections that writers must wait out. `std::sync::RwLock` or
 /// `parking_lot::RwLock` serve those.
 pub struct RwLock<T: ?Sized> {
     raw: Raw,

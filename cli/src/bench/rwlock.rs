@@ -70,6 +70,7 @@ const CASES: &[&str] = &[
     "write-under-readers/epoch",
     "resident/thiscpu",
     "address-space/thiscpu",
+    "read/thiscpu-lazy",
     "read/thiscpu-rseq-off",
     "read/epoch-rseq-off",
     "write/thiscpu-rseq-off",
@@ -181,6 +182,23 @@ impl Subject for EpochCell<Value> {
     }
 }
 
+/// A lock made on first use, as a `static` holding a `thiscpu::RwLock` is written (its
+/// constructor allocates, so it cannot be `const`): each read first checks that the lock was
+/// made. The same check is what a lock allocating its reader counts on first use, behind a
+/// `const` constructor such as `lock_api`'s `INIT`, would add to every read.
+impl<F> Subject for std::sync::LazyLock<thiscpu::RwLock<Value>, F>
+where
+    F: FnOnce() -> thiscpu::RwLock<Value> + Send + Sync + 'static,
+{
+    #[inline(always)]
+    fn read(&self) -> u64 {
+        fold(&std::sync::LazyLock::force(self).read())
+    }
+    fn write(&self, n: u64) {
+        *std::sync::LazyLock::force(self).write() = [n; 4];
+    }
+}
+
 /// `make` called with a new structure of `kind`, monomorphized: the reads are inlined into
 /// each workload's loop, as a program's would be.
 fn with_subject<R>(kind: &str, make: impl Maker<R>) -> R {
@@ -190,6 +208,7 @@ fn with_subject<R>(kind: &str, make: impl Maker<R>) -> R {
         "sharded_lock" => make.make(ShardedLock::new([0; 4])),
         "arc_swap" => make.make(ArcSwap::from_pointee([0; 4])),
         "thiscpu" => make.make(thiscpu::RwLock::new([0; 4])),
+        "thiscpu-lazy" => make.make(std::sync::LazyLock::new(|| thiscpu::RwLock::new([0; 4]))),
         _ => make.make(EpochCell::new([0; 4])),
     }
 }
@@ -418,6 +437,14 @@ fn cases() -> Vec<Case> {
             });
         }
     }
+    cases.push(Case {
+        name: "read/thiscpu-lazy",
+        how: "LazyLock<thiscpu::RwLock>: force, read(), read 4 words, unlock (a lock made on \
+              first use: the cost of that check)"
+            .to_owned(),
+        unit: Unit::NsPerOp,
+        workload: Ok(with_subject("thiscpu-lazy", MixMaker { every: 0 })),
+    });
     for name in [
         "read/thiscpu-rseq-off",
         "read/epoch-rseq-off",
@@ -495,6 +522,50 @@ fn break_even(results: &[Measured], kind: &str, ours: &str, threads: usize) -> O
     Some(1.0 / f)
 }
 
+/// Per peer, the write rate above which it beats thiscpu's structure: one write per this many
+/// reads, at each thread count, and the one number to go by, the largest of them (below that
+/// rate thiscpu wins at every thread count measured).
+fn break_even_table(results: &[Measured], threads: &[usize]) -> String {
+    let mut table = new_table();
+    let mut header = vec!["peer".to_owned(), "against".to_owned()];
+    header.extend(
+        threads
+            .iter()
+            .map(|n| format!("{n} thread{}", if *n == 1 { "" } else { "s" })),
+    );
+    header.push("thiscpu wins below 1 write in".to_owned());
+    table.set_header(header);
+    let mut rows = 0;
+    for (kind, ours) in [
+        ("std", "thiscpu"),
+        ("parking_lot", "thiscpu"),
+        ("sharded_lock", "thiscpu"),
+        ("arc_swap", "epoch"),
+    ] {
+        let evens: Vec<Option<f64>> = threads
+            .iter()
+            .map(|&n| break_even(results, kind, ours, n).map(f64::ceil))
+            .collect();
+        let Some(worst) = evens.iter().flatten().copied().reduce(f64::max) else {
+            continue;
+        };
+        let mut row = vec![kind.to_owned(), ours.to_owned()];
+        row.extend(evens.iter().map(|even| even.map_or("–".to_owned(), |n| format!("{n:.0}"))));
+        row.push(format!("{worst:.0} reads"));
+        table.add_row(row);
+        rows += 1;
+    }
+    if rows == 0 {
+        return String::new();
+    }
+    align_right(&mut table, &(2..threads.len() + 3).collect::<Vec<_>>());
+    format!(
+        "\nbreak-even: one write per this many reads costs as much as the peer (from the \
+         read-only and single-writer medians):\n{}\n",
+        render(&table)
+    )
+}
+
 /// The tables: ns per operation for each mix, write latencies, break-even ratios, targets.
 fn report(results: &[Measured]) -> String {
     let mut threads: Vec<usize> = results.iter().map(|m| m.threads).collect();
@@ -568,24 +639,21 @@ fn report(results: &[Measured]) -> String {
         memory.iter().for_each(|line| out.push_str(line));
     }
 
-    out.push_str(
-        "\nbreak-even: thiscpu wins while there is less than one write per this many reads \
-         (from the read-only and single-writer medians):\n",
-    );
+    out.push_str(&break_even_table(results, &threads));
     for &n in &threads {
-        let mut line = format!("  {n} thread{}:", if n == 1 { "" } else { "s" });
-        for (kind, ours) in [
-            ("std", "thiscpu"),
-            ("parking_lot", "thiscpu"),
-            ("sharded_lock", "thiscpu"),
-            ("arc_swap", "epoch"),
-        ] {
-            let even = break_even(results, kind, ours, n)
-                .map_or("–".to_owned(), |reads| fmt_num(reads.ceil()));
-            line.push_str(&format!(" {ours} vs {kind} {even};"));
+        if let (Some(lazy), Some(plain)) = (
+            median(results, "read/thiscpu-lazy", n),
+            median(results, "read/thiscpu", n),
+        ) {
+            out.push_str(&format!(
+                "made on first use (a LazyLock around the lock), {n} thread{}: a read {} ns \
+                 against {} ns, {:+.2} ns for the check\n",
+                if n == 1 { "" } else { "s" },
+                fmt_num(lazy),
+                fmt_num(plain),
+                lazy - plain
+            ));
         }
-        out.push_str(line.trim_end_matches(';'));
-        out.push('\n');
     }
 
     out.push_str("\ntargets (medians):\n");

@@ -1,5 +1,6 @@
-//! Variance checks, compiled only as doctests: each type that writes a `T` through a shared
-//! borrow must be invariant in `T`, as `Cell<T>` is. Were it covariant, safe code could
+//! Variance and guard checks, compiled only as doctests (the guard checks are at the end).
+//! Each type that writes a `T` through a shared borrow must be invariant in `T`, as `Cell<T>`
+//! is. Were it covariant, safe code could
 //! shorten a borrow of a `Type<&'static str>` to a `Type<&'short str>`, write a string that
 //! dies at the end of the short scope, and read it afterwards as `&'static str`: a read of
 //! freed memory. Each program below is that attack; it must fail with E0597 (the string does
@@ -163,3 +164,72 @@ struct EpochCellSwap;
 /// println!("{dangling}");
 /// ```
 struct EpochCellOptionStore;
+
+// Guard checks: a guard made from another (mapped, upgraded, downgraded) takes the other's
+// place and keeps its borrow of the lock, so it can neither outlive the lock nor be held
+// beside the guard it came from. Each program tries one of those and must fail with the
+// error named: E0597 (the lock does not live long enough) or E0382 (the guard it came from
+// was moved).
+
+/// A mapped read guard kept after its lock is dropped.
+///
+/// ```compile_fail,E0597
+/// use thiscpu::{MappedRwLockReadGuard, RwLock, RwLockReadGuard};
+/// let kept: MappedRwLockReadGuard<'_, u32>;
+/// {
+///     let lock = RwLock::new((1u32, 2u32));
+///     kept = RwLockReadGuard::map(lock.read(), |pair| &pair.0);
+/// }
+/// println!("{}", *kept);
+/// ```
+struct MappedReadGuardOutlivesItsLock;
+
+/// A mapped write guard beside the write guard it was made from: two writers' views at once.
+///
+/// ```compile_fail,E0382
+/// use thiscpu::{RwLock, RwLockWriteGuard};
+/// let lock = RwLock::new((1u32, 2u32));
+/// let whole = lock.write();
+/// let mut first = RwLockWriteGuard::map(whole, |pair| &mut pair.0);
+/// *first = 3;
+/// println!("{}", whole.1);
+/// ```
+struct MappedWriteGuardBesideItsSource;
+
+/// An upgradable read guard used after its upgrade: a reader's view beside the writer's.
+///
+/// ```compile_fail,E0382
+/// use thiscpu::{RwLock, RwLockUpgradableReadGuard};
+/// let lock = RwLock::new(1u32);
+/// let upgradable = lock.upgradable_read();
+/// let mut writer = RwLockUpgradableReadGuard::upgrade(upgradable);
+/// *writer = 2;
+/// println!("{}", *upgradable);
+/// ```
+struct UpgradableGuardUsedAfterUpgrade;
+
+/// A write guard used after its downgrade: a writer beside the readers it let in.
+///
+/// ```compile_fail,E0382
+/// use thiscpu::{RwLock, RwLockWriteGuard};
+/// let lock = RwLock::new(1u32);
+/// let writer = lock.write();
+/// let reader = RwLockWriteGuard::downgrade(writer);
+/// let mut again = writer;
+/// *again = 2;
+/// println!("{}", *reader);
+/// ```
+struct WriteGuardUsedAfterDowngrade;
+
+/// An upgraded guard kept after its lock is dropped.
+///
+/// ```compile_fail,E0597
+/// use thiscpu::{RwLock, RwLockUpgradableReadGuard, RwLockWriteGuard};
+/// let kept: RwLockWriteGuard<'_, u32>;
+/// {
+///     let lock = RwLock::new(1u32);
+///     kept = RwLockUpgradableReadGuard::upgrade(lock.upgradable_read());
+/// }
+/// println!("{}", *kept);
+/// ```
+struct UpgradedGuardOutlivesItsLock;

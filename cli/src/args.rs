@@ -161,7 +161,7 @@ pub struct BenchArgs {
     pub list: bool,
 
     /// A smoke run: 3 short rounds, 1 s of timed rounds in all; with thread start-up,
-    /// calibration and the memory cases, every family takes about 7 s on 2 CPUs.
+    /// calibration and the memory cases, every family takes about 7.5 s on 2 CPUs.
     #[arg(long)]
     quick: bool,
 

@@ -230,16 +230,8 @@ pub use via::{CpuNode, CpuSource};
     feature = "serde"
 ))]
 #[doc = include_str!("../../README.md")]
-struct ReadmeSnippets;
-
-#[cfg(all(
-    doctest,
-    feature = "metrics-layer",
-    feature = "prometheus-client",
-    feature = "serde"
-))]
 #[doc = include_str!("../../docs/guide.md")]
-struct GuideSnippets;
+struct MarkdownSnippets;
 
 #[cfg(test)]
 mod crate_docs {

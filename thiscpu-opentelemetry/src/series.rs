@@ -5,6 +5,7 @@
 //! Values are `u64` words that wrap: an `i64` up-down counter stores its two's complement, and
 //! the wrapped sum read back as `i64` is the exact total.
 
+use crate::by_address::{AddressMap, Probe};
 use crate::set_map::{Attributes, SetMap};
 use opentelemetry::KeyValue;
 use std::sync::{Arc, OnceLock, RwLock};
@@ -37,14 +38,58 @@ struct Resolved {
     key: Option<Attributes>,
 }
 
-/// One CPU's share: the sets it has met (in the orders they were given), and a slot per series.
+/// One CPU's share: the sets it has met (in the orders they were given), by the addresses of
+/// their strings and by their bytes, and a slot per series.
 #[derive(Debug, Default)]
 struct Shard {
+    addresses: AddressMap,
+    probe: Probe,
     ids: SetMap,
     counts: Vec<u64>,
 }
 
 impl Shard {
+    /// Counts `value` in the series of `attributes` if this CPU has met the set: false if not.
+    #[inline(always)]
+    fn add(&mut self, value: u64, attributes: &[KeyValue]) -> bool {
+        let entered = self.addresses.probe(attributes, &mut self.probe);
+        if entered && let Some(id) = self.addresses.get(&self.probe) {
+            self.add_to(id, value);
+            return true;
+        }
+        self.add_by_bytes(value, attributes, entered)
+    }
+
+    /// The add of a set not found by address: its strings are owned, or this is the first add
+    /// of its order on this CPU since the set was met by bytes.
+    #[inline(never)]
+    fn add_by_bytes(&mut self, value: u64, attributes: &[KeyValue], probed: bool) -> bool {
+        let Some((key, id)) = self.ids.get(attributes) else {
+            return false;
+        };
+        if probed {
+            // `ids` keeps `key` for the life of the shard; `probe` holds `attributes`' words.
+            self.addresses.insert(key, &self.probe, id);
+        }
+        self.add_to(id, value);
+        true
+    }
+
+    /// Caches `key` (the set as given, held by the registry) as `id`, then counts `value`.
+    /// Another thread may have cached it on this CPU since this one looked.
+    fn add_first(&mut self, value: u64, attributes: &[KeyValue], key: Attributes, id: u32) {
+        if self.ids.get(attributes).is_none() {
+            if self.addresses.probe(attributes, &mut self.probe)
+                && self.addresses.get(&self.probe).is_none()
+            {
+                // `ids` keeps `key` for the life of the shard.
+                self.addresses.insert(&key, &self.probe, id);
+            }
+            self.ids.insert(key, id);
+        }
+        self.add_to(id, value);
+    }
+
     #[inline]
     fn add_to(&mut self, id: u32, value: u64) {
         let id = id as usize;
@@ -92,14 +137,7 @@ impl Store {
     pub(crate) fn add(&self, value: u64, attributes: &[KeyValue]) {
         let counted = self
             .shards
-            .with_current(|shard| match shard.ids.get(attributes) {
-                Some((_, id)) => {
-                    // Cached ids always have their slot (`add_to` made it).
-                    shard.add_to(id, value);
-                    true
-                }
-                None => false,
-            });
+            .with_current(|shard| shard.add(value, attributes));
         if !counted {
             self.add_first(value, attributes);
         }
@@ -110,11 +148,9 @@ impl Store {
     #[cold]
     fn add_first(&self, value: u64, attributes: &[KeyValue]) {
         let resolved = self.resolve(attributes);
-        self.shards.with_current(|shard| {
-            if let Some(key) = resolved.key {
-                shard.ids.insert(key, resolved.id);
-            }
-            shard.add_to(resolved.id, value);
+        self.shards.with_current(|shard| match resolved.key {
+            Some(key) => shard.add_first(value, attributes, key, resolved.id),
+            None => shard.add_to(resolved.id, value),
         });
     }
 
@@ -260,6 +296,37 @@ mod tests {
         store.add(2, &[b.clone(), a.clone()]);
         store.add(4, &[a.clone(), b.clone(), KeyValue::new("a", 2)]);
         assert_eq!(totals(&store), vec![(vec![a, b], 7)]);
+    }
+
+    /// A set met by the addresses of its strings, by their bytes (owned copies) and in another
+    /// order is one series; strings at one address but of other lengths, and values of the
+    /// same bits but another kind, are other series.
+    #[test]
+    fn sets_found_by_address_are_the_sets_found_by_bytes() {
+        const VALUE10: &str = "value10";
+        let store = Store::new(10);
+        let given = [KeyValue::new("k", VALUE10), KeyValue::new("b", true)];
+        let owned = [
+            KeyValue::new(String::from("k"), String::from(VALUE10)),
+            KeyValue::new(String::from("b"), true),
+        ];
+        for _ in 0..3 {
+            store.add(1, &given);
+            store.add(10, &owned);
+            store.add(100, &[given[1].clone(), given[0].clone()]);
+        }
+        // The same address as `VALUE10`, a shorter string: "value1".
+        store.add(1000, &[KeyValue::new("k", &VALUE10[..6]), given[1].clone()]);
+        // The bits of `true`, as an integer.
+        store.add(10000, &[given[0].clone(), KeyValue::new("b", 1)]);
+        assert_eq!(
+            totals(&store),
+            vec![
+                (vec![given[1].clone(), given[0].clone()], 333),
+                (vec![given[1].clone(), KeyValue::new("k", "value1")], 1000),
+                (vec![KeyValue::new("b", 1), given[0].clone()], 10000),
+            ]
+        );
     }
 
     #[test]

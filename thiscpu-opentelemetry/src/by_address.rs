@@ -1,0 +1,324 @@
+//! A map from attribute sets to series ids that recognises a set by where its strings are, not
+//! by their bytes: the first probe of an unbound add, in front of the [`SetMap`] of its shard.
+//!
+//! Programs mostly name attributes with `&'static str`s (`KeyValue::new("route", "/")`), which
+//! keep their address from one add to the next. A set is then known by the address and length
+//! of each string, and by the bits of each other value: three words per attribute, read from
+//! the `KeyValue`s without touching the strings' bytes, hashed with one multiplication per
+//! attribute, and compared where they are stored, inline in one array. The [`SetMap`] lookup it
+//! saves hashes every byte and follows a pointer to each stored key.
+//!
+//! # Why equal addresses mean equal sets
+//! Only keys held by the shard's [`SetMap`] (which never drops one) are entered, and only when
+//! their words are the caller's: the strings behind an entry stay alive and unchanged for the
+//! life of the map. A string a caller passes is alive and unchanged while it adds, so if it has
+//! the address and length of a stored one, it is the same memory read at the same time: the
+//! same bytes. Strings that are owned (`String`, `Box<str>`) are copied when the set is stored,
+//! so their addresses never match; such sets are left to the [`SetMap`] and never entered here.
+//!
+//! [`SetMap`]: crate::set_map::SetMap
+
+use crate::hash::folded_multiply;
+use opentelemetry::{KeyValue, Value};
+use std::hash::{BuildHasher, RandomState};
+
+/// The words of one attribute: the key's address, the key's length with the value's kind (or a
+/// string value's length) above it, and the value's address or bits.
+type Words = [u64; 3];
+
+/// Kinds of non-string values, in the upper half of the second word, where a string value has
+/// its length: string values of these lengths or longer are not entered.
+const I64: u64 = u32::MAX as u64;
+const F64: u64 = I64 - 1;
+const BOOL: u64 = I64 - 2;
+
+/// The words of `kv`, or `None` for an attribute that cannot be entered (an array value, or a
+/// string too long to share a word with its kind).
+#[inline(always)]
+fn words(kv: &KeyValue) -> Option<Words> {
+    let key = kv.key.as_str();
+    let (kind, value) = match &kv.value {
+        Value::String(s) => {
+            let s = s.as_str();
+            let len = s.len() as u64;
+            if len >= BOOL {
+                return None;
+            }
+            (len, s.as_ptr() as usize as u64)
+        }
+        Value::I64(n) => (I64, *n as u64),
+        // By their bits, as the `SetMap` compares them.
+        Value::F64(f) => (F64, f.to_bits()),
+        Value::Bool(b) => (BOOL, u64::from(*b)),
+        _ => return None,
+    };
+    let key_len = u32::try_from(key.len()).ok()?;
+    Some([
+        key.as_ptr() as usize as u64,
+        u64::from(key_len) | kind << 32,
+        value,
+    ])
+}
+
+/// Multipliers by position, so that one set in two orders hashes apart.
+const POSITION: [u64; 4] = [
+    0xa409_3822_299f_31d0,
+    0x082e_fa98_ec4e_6c89,
+    0x4528_21e6_38d0_1377,
+    0xbe54_66cf_34e9_0c6c,
+];
+
+/// The most attributes of a set entered here; larger sets are left to the `SetMap`.
+const MAX_ATTRIBUTES: usize = 8;
+
+/// The words of a set as given and their hash: read from the `KeyValue`s once per add, then
+/// compared with the entries. Filled by [`AddressMap::probe`]; each shard keeps one, so that
+/// an add neither initialises nor moves it.
+#[derive(Debug)]
+pub(crate) struct Probe {
+    words: [u64; 3 * MAX_ATTRIBUTES],
+    attributes: usize,
+    hash: u64,
+}
+
+impl Default for Probe {
+    fn default() -> Probe {
+        Probe {
+            words: [0; 3 * MAX_ATTRIBUTES],
+            attributes: 0,
+            hash: 0,
+        }
+    }
+}
+
+impl Probe {
+    #[inline(always)]
+    fn words(&self) -> &[u64] {
+        &self.words[..3 * self.attributes]
+    }
+}
+
+/// Attribute sets (by the addresses of their strings) to series ids.
+#[derive(Debug)]
+pub(crate) struct AddressMap {
+    /// Open addressing with linear probing, at most half full: 0 for a free slot, else the
+    /// upper half of the entry's hash above its offset in `entries` plus one.
+    slots: Vec<u64>,
+    /// Each entry: its hash, its id with its number of attributes above it, and its words.
+    entries: Vec<u64>,
+    len: usize,
+    seed: u64,
+}
+
+impl Default for AddressMap {
+    /// A map with a random seed of its own, as the [`SetMap`](crate::set_map::SetMap)s have.
+    fn default() -> Self {
+        AddressMap::new(RandomState::new().hash_one(0xadd5_u64))
+    }
+}
+
+impl AddressMap {
+    pub(crate) fn new(seed: u64) -> AddressMap {
+        AddressMap {
+            slots: Vec::new(),
+            entries: Vec::new(),
+            len: 0,
+            seed: seed | 1,
+        }
+    }
+
+    /// Fills `probe` with the words of `attributes` and their hash: false for a set that
+    /// cannot be entered.
+    #[inline(always)]
+    pub(crate) fn probe(&self, attributes: &[KeyValue], probe: &mut Probe) -> bool {
+        if attributes.len() > MAX_ATTRIBUTES {
+            return false;
+        }
+        probe.attributes = attributes.len();
+        let mut hash = self.seed ^ attributes.len() as u64;
+        for (i, (kv, slot)) in attributes
+            .iter()
+            .zip(probe.words.chunks_exact_mut(3))
+            .enumerate()
+        {
+            let Some([key, lengths, value]) = words(kv) else {
+                return false;
+            };
+            slot[0] = key;
+            slot[1] = lengths;
+            slot[2] = value;
+            // One multiplication per attribute, independent of the others': their latencies
+            // overlap.
+            hash = hash.wrapping_add(folded_multiply(
+                key ^ lengths.rotate_left(32) ^ self.seed,
+                value ^ POSITION[i % POSITION.len()],
+            ));
+        }
+        probe.hash = hash;
+        true
+    }
+
+    /// The id of the entry of `probe`'s words.
+    #[inline]
+    pub(crate) fn get(&self, probe: &Probe) -> Option<u32> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let tag = probe.hash >> 32;
+        let mut at = probe.hash as usize & mask;
+        loop {
+            let slot = self.slots[at];
+            if slot == 0 {
+                return None;
+            }
+            if slot >> 32 == tag
+                && let Some(id) = self.matches((slot as u32 - 1) as usize, probe)
+            {
+                return Some(id);
+            }
+            at = (at + 1) & mask;
+        }
+    }
+
+    /// The id of the entry at `offset` if its words are `probe`'s.
+    #[inline(always)]
+    fn matches(&self, offset: usize, probe: &Probe) -> Option<u32> {
+        let header = self.entries[offset + 1];
+        if (header >> 32) as usize != probe.attributes {
+            return None;
+        }
+        let words = probe.words();
+        let stored = self.entries.get(offset + 2..offset + 2 + words.len())?;
+        // Word by word, not as slices: `memcmp` is a call, and a vector load of the words just
+        // stored cannot be served by store forwarding. No early exit: the words of a matching
+        // tag almost always match.
+        let differ = stored
+            .iter()
+            .zip(words)
+            .fold(0, |differ, (stored, word)| differ | (stored ^ word));
+        (differ == 0).then_some(header as u32)
+    }
+
+    /// Enters `key` as `id`, if its words are `probe`'s; the caller keeps `key` alive and
+    /// unchanged for the life of this map, and has checked that `probe` finds no entry.
+    pub(crate) fn insert(&mut self, key: &[KeyValue], probe: &Probe, id: u32) {
+        let given = probe.words();
+        if key.len() != probe.attributes
+            || !key
+                .iter()
+                .zip(given.chunks_exact(3))
+                .all(|(kv, given)| words(kv).is_some_and(|stored| stored == given))
+        {
+            return;
+        }
+        let offset = self.entries.len();
+        // Offsets (plus one) fit in the lower half of a slot; a map that large stops growing.
+        if offset + 2 + given.len() >= u32::MAX as usize {
+            return;
+        }
+        if (self.len + 1) * 2 > self.slots.len() {
+            self.grow();
+        }
+        self.entries.push(probe.hash);
+        self.entries.push(u64::from(id) | (key.len() as u64) << 32);
+        self.entries.extend_from_slice(given);
+        self.place(probe.hash, offset);
+        self.len += 1;
+    }
+
+    fn place(&mut self, hash: u64, offset: usize) {
+        let mask = self.slots.len() - 1;
+        let mut at = hash as usize & mask;
+        while self.slots[at] != 0 {
+            at = (at + 1) & mask;
+        }
+        self.slots[at] = (hash >> 32) << 32 | (offset as u64 + 1);
+    }
+
+    fn grow(&mut self) {
+        let capacity = (self.slots.len() * 2).max(16);
+        self.slots = vec![0; capacity];
+        let mut offset = 0;
+        while offset < self.entries.len() {
+            let hash = self.entries[offset];
+            let attributes = (self.entries[offset + 1] >> 32) as usize;
+            self.place(hash, offset);
+            offset += 2 + 3 * attributes;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn probe(map: &AddressMap, set: &[KeyValue]) -> Probe {
+        let mut probe = Probe::default();
+        assert!(map.probe(set, &mut probe), "every attribute has its words");
+        probe
+    }
+
+    fn entered(map: &mut AddressMap, set: &[KeyValue], id: u32) {
+        let probe = probe(map, set);
+        map.insert(set, &probe, id);
+    }
+
+    fn find(map: &AddressMap, set: &[KeyValue]) -> Option<u32> {
+        map.get(&probe(map, set))
+    }
+
+    #[test]
+    fn finds_the_sets_entered_and_no_other() {
+        let mut map = AddressMap::new(7);
+        let sets: Vec<Vec<KeyValue>> = (0..100)
+            .map(|i| vec![KeyValue::new("n", i), KeyValue::new("route", "/")])
+            .collect();
+        for (id, set) in sets.iter().enumerate() {
+            entered(&mut map, set, id as u32);
+        }
+        for (id, set) in sets.iter().enumerate() {
+            assert_eq!(find(&map, set), Some(id as u32));
+        }
+        assert_eq!(find(&map, &[KeyValue::new("n", 100)]), None);
+        // Another order is another entry.
+        assert_eq!(
+            find(&map, &[KeyValue::new("route", "/"), KeyValue::new("n", 0)]),
+            None
+        );
+    }
+
+    /// An entry is found by its words, not by its hash: a set of another string, kind or
+    /// length looked up under the same hash is not it.
+    #[test]
+    fn a_lookup_under_an_entry_hash_compares_every_word() {
+        const VALUE10: &str = "value10";
+        let mut map = AddressMap::new(7);
+        let set = [KeyValue::new("k", VALUE10), KeyValue::new("b", true)];
+        entered(&mut map, &set, 3);
+        let hash = probe(&map, &set).hash;
+        assert_eq!(find(&map, &set), Some(3));
+        for other in [
+            // The same address, a shorter string.
+            [KeyValue::new("k", &VALUE10[..6]), KeyValue::new("b", true)],
+            // The same bits, another kind.
+            [KeyValue::new("k", VALUE10), KeyValue::new("b", 1)],
+            [KeyValue::new("k", VALUE10), KeyValue::new("b", false)],
+            [KeyValue::new("kk", VALUE10), KeyValue::new("b", true)],
+        ] {
+            let mut other = probe(&map, &other);
+            other.hash = hash;
+            assert_eq!(map.get(&other), None);
+        }
+    }
+
+    #[test]
+    fn owned_strings_are_not_entered() {
+        let mut map = AddressMap::new(7);
+        let set = [KeyValue::new("route", String::from("/a"))];
+        let key = set.clone();
+        map.insert(&key, &probe(&map, &set), 0);
+        assert_eq!(find(&map, &key), None);
+        assert_eq!(find(&map, &set), None);
+    }
+}

@@ -166,7 +166,27 @@ impl AddressMap {
         }
         let mask = self.slots.len() - 1;
         let tag = probe.hash >> 32;
-        let mut at = probe.hash as usize & mask;
+        let at = probe.hash as usize & mask;
+        // At most half full, a set is in its first slot or the next one about nine times in
+        // ten. Choosing between the two without a branch spares the misprediction a probe loop
+        // pays whenever its first slot belongs to another set. Any entry whose words match is
+        // the set's, wherever it was found.
+        let (first, second) = (self.slots[at], self.slots[(at + 1) & mask]);
+        let slot = std::hint::select_unpredictable(first >> 32 == tag, first, second);
+        if slot >> 32 == tag
+            && slot != 0
+            && let Some(id) = self.matches((slot as u32 - 1) as usize, probe)
+        {
+            return Some(id);
+        }
+        self.get_beyond(probe, at)
+    }
+
+    /// [`get`](AddressMap::get) from slot `at` on: a set not found in its first two slots.
+    #[inline(never)]
+    fn get_beyond(&self, probe: &Probe, mut at: usize) -> Option<u32> {
+        let mask = self.slots.len() - 1;
+        let tag = probe.hash >> 32;
         loop {
             let slot = self.slots[at];
             if slot == 0 {
@@ -310,6 +330,28 @@ mod tests {
             other.hash = hash;
             assert_eq!(map.get(&other), None);
         }
+    }
+
+    /// Sets entered under one hash fill consecutive slots, past the first two and around the
+    /// end of the table; each is found there.
+    #[test]
+    fn sets_of_one_hash_are_found_however_far_they_lie() {
+        let mut map = AddressMap::new(7);
+        let sets: Vec<[KeyValue; 1]> = (0..6).map(|i| [KeyValue::new("n", i)]).collect();
+        let under = |map: &AddressMap, set: &[KeyValue]| {
+            let mut probe = probe(map, set);
+            // The last slot of the table, whatever its size.
+            probe.hash = (0x5eed << 32) | 0xffff;
+            probe
+        };
+        for (id, set) in sets.iter().enumerate() {
+            let probe = under(&map, set);
+            map.insert(set, &probe, id as u32);
+        }
+        for (id, set) in sets.iter().enumerate() {
+            assert_eq!(map.get(&under(&map, set)), Some(id as u32), "{set:?}");
+        }
+        assert_eq!(map.get(&under(&map, &[KeyValue::new("n", 6)])), None);
     }
 
     #[test]

@@ -37,20 +37,17 @@ const BOOL: u64 = I64 - 2;
 #[inline(always)]
 fn words(kv: &KeyValue) -> Option<Words> {
     let key = kv.key.as_str();
-    let (kind, value) = match &kv.value {
-        Value::String(s) => {
-            let s = s.as_str();
-            let len = s.len() as u64;
-            if len >= BOOL {
-                return None;
-            }
-            (len, s.as_ptr() as usize as u64)
+    // Strings first and inline: most attributes are strings, and the other kinds' arms would
+    // make the common case a jump through a table.
+    let (kind, value) = if let Value::String(s) = &kv.value {
+        let s = s.as_str();
+        let len = s.len() as u64;
+        if len >= BOOL {
+            return None;
         }
-        Value::I64(n) => (I64, *n as u64),
-        // By their bits, as the `SetMap` compares them.
-        Value::F64(f) => (F64, f.to_bits()),
-        Value::Bool(b) => (BOOL, u64::from(*b)),
-        _ => return None,
+        (len, s.as_ptr() as usize as u64)
+    } else {
+        other_words(&kv.value)?
     };
     let key_len = u32::try_from(key.len()).ok()?;
     Some([
@@ -58,6 +55,18 @@ fn words(kv: &KeyValue) -> Option<Words> {
         u64::from(key_len) | kind << 32,
         value,
     ])
+}
+
+/// The kind and bits of a value other than a string.
+#[inline(never)]
+fn other_words(value: &Value) -> Option<(u64, u64)> {
+    match value {
+        Value::I64(n) => Some((I64, *n as u64)),
+        // By their bits, as the `SetMap` compares them.
+        Value::F64(f) => Some((F64, f.to_bits())),
+        Value::Bool(b) => Some((BOOL, u64::from(*b))),
+        _ => None,
+    }
 }
 
 /// Multipliers by position, so that one set in two orders hashes apart.
@@ -98,10 +107,19 @@ impl Probe {
     }
 }
 
+/// What [`AddressMap::find`] found.
+pub(crate) enum Found {
+    Id(u32),
+    /// No entry; the probe holds the set's words.
+    Missing,
+    /// A set that cannot be entered.
+    Never,
+}
+
 /// Attribute sets (by the addresses of their strings) to series ids.
 #[derive(Debug)]
 pub(crate) struct AddressMap {
-    /// Open addressing with linear probing, at most half full: 0 for a free slot, else the
+    /// Open addressing with linear probing, at most a quarter full: 0 for a free slot, else the
     /// upper half of the entry's hash above its offset in `entries` plus one.
     slots: Vec<u64>,
     /// Each entry: its hash, its id with its number of attributes above it, and its words.
@@ -127,6 +145,16 @@ impl AddressMap {
         }
     }
 
+    /// The share of the attribute of `words` at `position` in its set's hash: one
+    /// multiplication, independent of the other attributes' (their latencies overlap).
+    #[inline(always)]
+    fn mix([key, lengths, value]: Words, position: usize, seed: u64) -> u64 {
+        folded_multiply(
+            key ^ lengths.rotate_left(32) ^ seed,
+            value ^ POSITION[position % POSITION.len()],
+        )
+    }
+
     /// Fills `probe` with the words of `attributes` and their hash: false for a set that
     /// cannot be entered.
     #[inline(always)]
@@ -147,12 +175,7 @@ impl AddressMap {
             slot[0] = key;
             slot[1] = lengths;
             slot[2] = value;
-            // One multiplication per attribute, independent of the others': their latencies
-            // overlap.
-            hash = hash.wrapping_add(folded_multiply(
-                key ^ lengths.rotate_left(32) ^ self.seed,
-                value ^ POSITION[i % POSITION.len()],
-            ));
+            hash = hash.wrapping_add(Self::mix([key, lengths, value], i, self.seed));
         }
         probe.hash = hash;
         true
@@ -167,19 +190,67 @@ impl AddressMap {
         let mask = self.slots.len() - 1;
         let tag = probe.hash >> 32;
         let at = probe.hash as usize & mask;
-        // At most half full, a set is in its first slot or the next one about nine times in
-        // ten. Choosing between the two without a branch spares the misprediction a probe loop
-        // pays whenever its first slot belongs to another set. Any entry whose words match is
-        // the set's, wherever it was found.
-        let (first, second) = (self.slots[at], self.slots[(at + 1) & mask]);
-        let slot = std::hint::select_unpredictable(first >> 32 == tag, first, second);
-        if slot >> 32 == tag
-            && slot != 0
-            && let Some(id) = self.matches((slot as u32 - 1) as usize, probe)
+        if let Some(offset) = self.near(at, tag)
+            && let Some(id) = self.matches(offset, probe)
         {
             return Some(id);
         }
         self.get_beyond(probe, at)
+    }
+
+    /// The entry of tag `tag` in slot `at` or the next, if either has one.
+    ///
+    /// At most a quarter full, a set is in its first slot or the next nearly always. Choosing
+    /// between the two without a branch spares the misprediction a probe loop pays whenever its
+    /// first slot belongs to another set. Any entry whose words match is the set's, wherever it
+    /// was found.
+    #[inline(always)]
+    fn near(&self, at: usize, tag: u64) -> Option<usize> {
+        let mask = self.slots.len() - 1;
+        let (first, second) = (self.slots[at], self.slots[(at + 1) & mask]);
+        let slot = std::hint::select_unpredictable(first >> 32 == tag, first, second);
+        (slot >> 32 == tag && slot != 0).then(|| (slot as u32 - 1) as usize)
+    }
+
+    /// [`get`](AddressMap::get) for a set of `N` attributes, filling `probe` only if it finds
+    /// no entry: its words stay in registers, and its loops are unrolled.
+    #[inline(always)]
+    pub(crate) fn find<const N: usize>(&self, set: &[KeyValue; N], probe: &mut Probe) -> Found {
+        let mut words = [[0; 3]; N];
+        let mut hash = self.seed ^ N as u64;
+        for (i, kv) in set.iter().enumerate() {
+            let Some(attribute) = self::words(kv) else {
+                return Found::Never;
+            };
+            words[i] = attribute;
+            hash = hash.wrapping_add(Self::mix(attribute, i, self.seed));
+        }
+        let tag = hash >> 32;
+        let at = hash as usize & self.slots.len().wrapping_sub(1);
+        if !self.slots.is_empty()
+            && let Some(offset) = self.near(at, tag)
+            && let Some(entry) = self.entries.get(offset + 1..offset + 2 + 3 * N)
+            && entry[0] >> 32 == N as u64
+        {
+            // Indexed, so that the loop over a constant count unrolls and keeps no iterator.
+            let mut differ = 0;
+            for (i, given) in words.iter().enumerate() {
+                let stored = &entry[1 + 3 * i..4 + 3 * i];
+                differ |= (given[0] ^ stored[0]) | (given[1] ^ stored[1]) | (given[2] ^ stored[2]);
+            }
+            if differ == 0 {
+                return Found::Id(entry[0] as u32);
+            }
+        }
+        probe.attributes = N;
+        probe.hash = hash;
+        for (i, given) in words.iter().enumerate() {
+            probe.words[3 * i..3 * i + 3].copy_from_slice(given);
+        }
+        match self.slots.is_empty() {
+            true => Found::Missing,
+            false => self.get_beyond(probe, at).map_or(Found::Missing, Found::Id),
+        }
     }
 
     /// [`get`](AddressMap::get) from slot `at` on: a set not found in its first two slots.
@@ -237,7 +308,7 @@ impl AddressMap {
         if offset + 2 + given.len() >= u32::MAX as usize {
             return;
         }
-        if (self.len + 1) * 2 > self.slots.len() {
+        if (self.len + 1) * 4 > self.slots.len() {
             self.grow();
         }
         self.entries.push(probe.hash);

@@ -5,7 +5,7 @@
 //! Values are `u64` words that wrap: an `i64` up-down counter stores its two's complement, and
 //! the wrapped sum read back as `i64` is the exact total.
 
-use crate::by_address::{AddressMap, Probe};
+use crate::by_address::{AddressMap, Found, Probe};
 use crate::set_map::{Attributes, SetMap};
 use opentelemetry::KeyValue;
 use std::sync::{Arc, OnceLock, RwLock};
@@ -52,12 +52,29 @@ impl Shard {
     /// Counts `value` in the series of `attributes` if this CPU has met the set: false if not.
     #[inline(always)]
     fn add(&mut self, value: u64, attributes: &[KeyValue]) -> bool {
-        let entered = self.addresses.probe(attributes, &mut self.probe);
-        if entered && let Some(id) = self.addresses.get(&self.probe) {
-            self.add_to(id, value);
-            return true;
+        let found = if let Ok(set) = <&[KeyValue; 1]>::try_from(attributes) {
+            self.addresses.find(set, &mut self.probe)
+        } else if let Ok(set) = <&[KeyValue; 2]>::try_from(attributes) {
+            self.addresses.find(set, &mut self.probe)
+        } else if let Ok(set) = <&[KeyValue; 3]>::try_from(attributes) {
+            self.addresses.find(set, &mut self.probe)
+        } else if let Ok(set) = <&[KeyValue; 4]>::try_from(attributes) {
+            self.addresses.find(set, &mut self.probe)
+        } else if !self.addresses.probe(attributes, &mut self.probe) {
+            Found::Never
+        } else {
+            self.addresses
+                .get(&self.probe)
+                .map_or(Found::Missing, Found::Id)
+        };
+        match found {
+            Found::Id(id) => {
+                self.add_to(id, value);
+                true
+            }
+            Found::Missing => self.add_by_bytes(value, attributes, true),
+            Found::Never => self.add_by_bytes(value, attributes, false),
         }
-        self.add_by_bytes(value, attributes, entered)
     }
 
     /// The add of a set not found by address: its strings are owned, or this is the first add

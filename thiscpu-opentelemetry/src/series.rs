@@ -297,6 +297,7 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use opentelemetry::Value;
 
     fn totals(store: &Store) -> Vec<(Vec<KeyValue>, u64)> {
         let mut out = Vec::new();
@@ -344,6 +345,46 @@ mod tests {
                 (vec![KeyValue::new("b", 1), given[0].clone()], 10000),
             ]
         );
+    }
+
+    /// For every size of set, up to beyond those looked up with their words in registers: sets
+    /// that differ in one word of their last attribute only are different series, each exact.
+    #[test]
+    fn sets_of_every_size_that_differ_in_one_word_are_different_series() {
+        const KEYS: [&str; 7] = ["a", "b", "c", "d", "e", "f", "g"];
+        const VALUE: &str = "value10";
+        for size in 1..=KEYS.len() {
+            let store = Store::new(100);
+            let set = |last: Value| -> Vec<KeyValue> {
+                let mut set: Vec<KeyValue> = KEYS[..size - 1]
+                    .iter()
+                    .map(|&key| KeyValue::new(key, VALUE))
+                    .collect();
+                set.push(KeyValue::new(KEYS[size - 1], last));
+                set
+            };
+            let sets = [
+                set(VALUE.into()),
+                set(VALUE[..6].into()),
+                set(true.into()),
+                set(1.into()),
+                set(1.0.into()),
+            ];
+            for round in 1..=3 {
+                for (i, set) in sets.iter().enumerate() {
+                    store.add(10u64.pow(i as u32) * round, set);
+                }
+            }
+            let found = totals(&store);
+            assert_eq!(found.len(), sets.len(), "{size} attributes: {found:?}");
+            for (i, (_, total)) in found.iter().enumerate() {
+                assert_eq!(
+                    *total,
+                    6 * 10u64.pow(i as u32),
+                    "{size} attributes: {found:?}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -9,9 +9,9 @@
 //! saves hashes every byte and follows a pointer to each stored key.
 //!
 //! # Why equal addresses mean equal sets
-//! Only keys held by the shard's [`SetMap`] (which never drops one) are entered, and only when
-//! their words are the caller's: the strings behind an entry stay alive and unchanged for the
-//! life of the map. A string a caller passes is alive and unchanged while it adds, so if it has
+//! Only keys the instrument's registry holds (it drops none while the instrument lives, and
+//! the map lives no longer) are entered, and only when their words are the caller's: the
+//! strings behind an entry stay alive and unchanged for the life of the map. A string a caller passes is alive and unchanged while it adds, so if it has
 //! the address and length of a stored one, it is the same memory read at the same time: the
 //! same bytes. Strings that are owned (`String`, `Box<str>`) are copied when the set is stored,
 //! so their addresses never match; such sets are left to the [`SetMap`] and never entered here.
@@ -122,7 +122,7 @@ pub(crate) struct AddressMap {
     /// Open addressing with linear probing, at most a quarter full: 0 for a free slot, else the
     /// upper half of the entry's hash above its offset in `entries` plus one.
     slots: Vec<u64>,
-    /// Each entry: its hash, its id with its number of attributes above it, and its words.
+    /// Each entry: its id with its number of attributes above it, then its words.
     entries: Vec<u64>,
     len: usize,
     seed: u64,
@@ -152,9 +152,10 @@ impl AddressMap {
 
     #[inline(always)]
     fn finish(&self, hash: u64) -> u64 {
+        // The last slot of any table of up to 2^16 slots, so that probes wrap around.
         #[cfg(test)]
         if self.colliding {
-            return 0x5eed_0000_0000;
+            return 0x5eed_0000_ffff;
         }
         hash
     }
@@ -244,7 +245,7 @@ impl AddressMap {
         let at = hash as usize & self.slots.len().wrapping_sub(1);
         if !self.slots.is_empty()
             && let Some(offset) = self.near(at, tag)
-            && let Some(entry) = self.entries.get(offset + 1..offset + 2 + 3 * N)
+            && let Some(entry) = self.entries.get(offset..offset + 1 + 3 * N)
             && entry[0] >> 32 == N as u64
         {
             // Indexed, so that the loop over a constant count unrolls and keeps no iterator.
@@ -290,12 +291,12 @@ impl AddressMap {
     /// The id of the entry at `offset` if its words are `probe`'s.
     #[inline(always)]
     fn matches(&self, offset: usize, probe: &Probe) -> Option<u32> {
-        let header = self.entries[offset + 1];
+        let header = self.entries[offset];
         if (header >> 32) as usize != probe.attributes {
             return None;
         }
         let words = probe.words();
-        let stored = self.entries.get(offset + 2..offset + 2 + words.len())?;
+        let stored = self.entries.get(offset + 1..offset + 1 + words.len())?;
         // Word by word, not as slices: `memcmp` is a call, and a vector load of the words just
         // stored cannot be served by store forwarding. No early exit: the words of a matching
         // tag almost always match.
@@ -306,9 +307,10 @@ impl AddressMap {
         (differ == 0).then_some(header as u32)
     }
 
-    /// Enters `key` as `id`, if its words are `probe`'s; the caller keeps `key` alive and
-    /// unchanged for the life of this map, and has checked that `probe` finds no entry.
-    pub(crate) fn insert(&mut self, key: &[KeyValue], probe: &Probe, id: u32) {
+    /// Enters `key` as `id` if its words are `probe`'s, and says whether it did; the caller
+    /// keeps `key` alive and unchanged for the life of this map, and has checked that `probe`
+    /// finds no entry.
+    pub(crate) fn insert(&mut self, key: &[KeyValue], probe: &Probe, id: u32) -> bool {
         let given = probe.words();
         if key.len() != probe.attributes
             || !key
@@ -316,21 +318,35 @@ impl AddressMap {
                 .zip(given.chunks_exact(3))
                 .all(|(kv, given)| words(kv).is_some_and(|stored| stored == given))
         {
-            return;
+            return false;
         }
         let offset = self.entries.len();
         // Offsets (plus one) fit in the lower half of a slot; a map that large stops growing.
-        if offset + 2 + given.len() >= u32::MAX as usize {
-            return;
+        if offset + 1 + given.len() >= u32::MAX as usize {
+            return false;
         }
         if (self.len + 1) * 4 > self.slots.len() {
             self.grow();
         }
-        self.entries.push(probe.hash);
         self.entries.push(u64::from(id) | (key.len() as u64) << 32);
         self.entries.extend_from_slice(given);
         self.place(probe.hash, offset);
         self.len += 1;
+        true
+    }
+
+    /// The hash of a set's words, as [`probe`](AddressMap::probe) and
+    /// [`find`](AddressMap::find) compute it: entries keep no hash, for the rare growth.
+    fn hash_of(&self, words: &[u64]) -> u64 {
+        let mut hash = self.seed ^ (words.len() / 3) as u64;
+        for (i, attribute) in words.chunks_exact(3).enumerate() {
+            hash = hash.wrapping_add(Self::mix(
+                [attribute[0], attribute[1], attribute[2]],
+                i,
+                self.seed,
+            ));
+        }
+        self.finish(hash)
     }
 
     fn place(&mut self, hash: u64, offset: usize) {
@@ -347,10 +363,10 @@ impl AddressMap {
         self.slots = vec![0; capacity];
         let mut offset = 0;
         while offset < self.entries.len() {
-            let hash = self.entries[offset];
-            let attributes = (self.entries[offset + 1] >> 32) as usize;
-            self.place(hash, offset);
-            offset += 2 + 3 * attributes;
+            let attributes = (self.entries[offset] >> 32) as usize;
+            let words = &self.entries[offset + 1..offset + 1 + 3 * attributes];
+            self.place(self.hash_of(words), offset);
+            offset += 1 + 3 * attributes;
         }
     }
 }
@@ -419,25 +435,19 @@ mod tests {
     }
 
     /// Sets entered under one hash fill consecutive slots, past the first two and around the
-    /// end of the table; each is found there.
+    /// end of the table, growing it; each is found there.
     #[test]
     fn sets_of_one_hash_are_found_however_far_they_lie() {
         let mut map = AddressMap::new(7);
+        map.colliding = true;
         let sets: Vec<[KeyValue; 1]> = (0..6).map(|i| [KeyValue::new("n", i)]).collect();
-        let under = |map: &AddressMap, set: &[KeyValue]| {
-            let mut probe = probe(map, set);
-            // The last slot of the table, whatever its size.
-            probe.hash = (0x5eed << 32) | 0xffff;
-            probe
-        };
         for (id, set) in sets.iter().enumerate() {
-            let probe = under(&map, set);
-            map.insert(set, &probe, id as u32);
+            entered(&mut map, set, id as u32);
         }
         for (id, set) in sets.iter().enumerate() {
-            assert_eq!(map.get(&under(&map, set)), Some(id as u32), "{set:?}");
+            assert_eq!(find(&map, set), Some(id as u32), "{set:?}");
         }
-        assert_eq!(map.get(&under(&map, &[KeyValue::new("n", 6)])), None);
+        assert_eq!(find(&map, &[KeyValue::new("n", 6)]), None);
     }
 
     /// Sets of one to four attributes (looked up with their words in registers) and of more,

@@ -39,7 +39,7 @@ struct Resolved {
 }
 
 /// One CPU's share: the sets it has met (in the orders they were given), by the addresses of
-/// their strings and by their bytes, and a slot per series.
+/// their strings or else by their bytes, and a slot per series.
 #[derive(Debug, Default)]
 struct Shard {
     addresses: AddressMap,
@@ -85,7 +85,8 @@ impl Shard {
             return false;
         };
         if probed {
-            // `ids` keeps `key` for the life of the shard; `probe` holds `attributes`' words.
+            // The registry holds `key` as long as the store, so as long as this shard; `probe`
+            // holds `attributes`' words.
             self.addresses.insert(key, &self.probe, id);
         }
         self.add_to(id, value);
@@ -94,14 +95,18 @@ impl Shard {
 
     /// Caches `key` (the set as given, held by the registry) as `id`, then counts `value`.
     /// Another thread may have cached it on this CPU since this one looked.
+    ///
+    /// A set entered by address is not cached by bytes too, which would cost each CPU about as
+    /// much memory again: should it come with owned strings later, the first such add on this
+    /// CPU finds it in the registry and caches it by bytes then.
     fn add_first(&mut self, value: u64, attributes: &[KeyValue], key: Attributes, id: u32) {
-        if self.ids.get(attributes).is_none() {
-            if self.addresses.probe(attributes, &mut self.probe)
-                && self.addresses.get(&self.probe).is_none()
-            {
-                // `ids` keeps `key` for the life of the shard.
-                self.addresses.insert(&key, &self.probe, id);
-            }
+        let by_address = self.addresses.probe(attributes, &mut self.probe);
+        let cached = (by_address
+            && (self.addresses.get(&self.probe).is_some()
+                // The registry holds `key` as long as the store, so as long as this shard.
+                || self.addresses.insert(&key, &self.probe, id)))
+            || self.ids.get(attributes).is_some();
+        if !cached {
             self.ids.insert(key, id);
         }
         self.add_to(id, value);

@@ -11,10 +11,12 @@
 //! # Why equal addresses mean equal sets
 //! Only keys the instrument's registry holds (it drops none while the instrument lives, and
 //! the map lives no longer) are entered, and only when their words are the caller's: the
-//! strings behind an entry stay alive and unchanged for the life of the map. A string a caller passes is alive and unchanged while it adds, so if it has
-//! the address and length of a stored one, it is the same memory read at the same time: the
-//! same bytes. Strings that are owned (`String`, `Box<str>`) are copied when the set is stored,
-//! so their addresses never match; such sets are left to the [`SetMap`] and never entered here.
+//! strings behind an entry stay alive and unchanged for the life of the map. A string a caller
+//! passes is alive and unchanged while it adds, so if it has the address and length of a
+//! stored one, it is the same memory read at the same time: the same bytes. Strings that are
+//! owned (`String`, `Box<str>`) are copied when the set is stored, so their addresses never
+//! match; such sets are left to the [`SetMap`] and never entered here. No address is ever read
+//! through: the words are plain integers, and the map has no `unsafe`.
 //!
 //! [`SetMap`]: crate::set_map::SetMap
 

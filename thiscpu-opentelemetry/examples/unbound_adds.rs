@@ -8,9 +8,11 @@
 //!
 //! MODE is `percpu` (`PerCpuCounter::add`, the default), `otel` (the same through the API's
 //! `Counter<u64>`), `sdk` (the SDK's own counter), `attributes` (only the draws and the
-//! `KeyValue`s every mode builds, so that their cost can be told apart from the add's) or
-//! `sharded` (those and the take of a `thiscpu::Sharded` shard, as every unbound add makes). The
-//! adds are preceded by a warm-up that meets every set once.
+//! `KeyValue`s every mode builds, so that their cost can be told apart from the add's),
+//! `sharded` (those and the take of a `thiscpu::Sharded` shard, as every unbound add makes),
+//! `owned` (`PerCpuCounter::add` of copies of the sets whose strings are owned, made at every
+//! add) or `owned-attributes` (only those copies). The adds are preceded by a warm-up that
+//! meets every set once.
 
 use opentelemetry::KeyValue;
 use opentelemetry::metrics::MeterProvider;
@@ -69,6 +71,24 @@ fn main() {
             let sharded = thiscpu::Sharded::new(|_| 0u64);
             Box::new(move |set| sharded.with_current(|n| *n += set.len() as u64))
         }
+        "owned" => {
+            // The same sets with owned copies of their strings, made at every add: strings
+            // whose addresses change from one add to the next.
+            let counter = meter.percpu_u64_counter("adds").build();
+            Box::new(move |set| {
+                let owned = set.iter().map(|kv| {
+                    KeyValue::new(kv.key.as_str().to_owned(), kv.value.as_str().into_owned())
+                });
+                let owned: Vec<KeyValue> = owned.collect();
+                counter.add(1, &owned)
+            })
+        }
+        "owned-attributes" => Box::new(|set| {
+            let owned = set.iter().map(|kv| {
+                KeyValue::new(kv.key.as_str().to_owned(), kv.value.as_str().into_owned())
+            });
+            black_box(owned.collect::<Vec<KeyValue>>());
+        }),
         "attributes" => Box::new(|set| {
             black_box(set);
         }),

@@ -172,6 +172,27 @@ impl AddressMap {
         )
     }
 
+    /// Whether nothing was entered.
+    #[inline(always)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Whether the first attributes of `key` and `attributes` have the same words (and both
+    /// have some): false says that `key` cannot be entered for `attributes`.
+    #[inline]
+    pub(crate) fn same_first_words(key: &[KeyValue], attributes: &[KeyValue]) -> bool {
+        match (key.first(), attributes.first()) {
+            (Some(a), Some(b)) => words(a).is_some_and(|[key, lengths, value]| {
+                words(b).is_some_and(|given| {
+                    key == given[0] && lengths == given[1] && value == given[2]
+                })
+            }),
+            (None, None) => true,
+            _ => false,
+        }
+    }
+
     /// Fills `probe` with the words of `attributes` and their hash: false for a set that
     /// cannot be entered.
     #[inline(always)]
@@ -318,7 +339,13 @@ impl AddressMap {
             || !key
                 .iter()
                 .zip(given.chunks_exact(3))
-                .all(|(kv, given)| words(kv).is_some_and(|stored| stored == given))
+                // Word by word, for store forwarding (see `matches`): a caller with owned
+                // strings comes here at every add.
+                .all(|(kv, given)| {
+                    words(kv).is_some_and(|[key, lengths, value]| {
+                        key == given[0] && lengths == given[1] && value == given[2]
+                    })
+                })
         {
             return false;
         }
@@ -492,6 +519,18 @@ mod tests {
         check::<3>();
         check::<4>();
         check::<6>();
+    }
+
+    /// The check that spares a caller with owned strings reading its whole set at every add.
+    #[test]
+    fn the_first_attribute_tells_owned_copies_from_the_same_strings() {
+        let set = [KeyValue::new("route", "/a"), KeyValue::new("n", 1)];
+        let owned = [KeyValue::new("route", String::from("/a")), set[1].clone()];
+        assert!(AddressMap::same_first_words(&set, &set.clone()));
+        assert!(AddressMap::same_first_words(&[], &[]));
+        assert!(!AddressMap::same_first_words(&set, &owned));
+        assert!(!AddressMap::same_first_words(&set[1..], &set));
+        assert!(!AddressMap::same_first_words(&set, &[]));
     }
 
     #[test]

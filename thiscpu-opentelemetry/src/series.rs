@@ -52,6 +52,11 @@ impl Shard {
     /// Counts `value` in the series of `attributes` if this CPU has met the set: false if not.
     #[inline(always)]
     fn add(&mut self, value: u64, attributes: &[KeyValue]) -> bool {
+        if self.addresses.is_empty() {
+            // Nothing entered by address on this CPU yet (or only owned strings met here):
+            // reading the set's words would find nothing.
+            return self.add_by_bytes(value, attributes, Words::Unread);
+        }
         let found = if let Ok(set) = <&[KeyValue; 1]>::try_from(attributes) {
             self.addresses.find(set, &mut self.probe)
         } else if let Ok(set) = <&[KeyValue; 2]>::try_from(attributes) {
@@ -72,17 +77,28 @@ impl Shard {
                 self.add_to(id, value);
                 true
             }
-            Found::Missing => self.add_by_bytes(value, attributes, true),
-            Found::Never => self.add_by_bytes(value, attributes, false),
+            Found::Missing => self.add_by_bytes(value, attributes, Words::Probed),
+            Found::Never => self.add_by_bytes(value, attributes, Words::Unenterable),
         }
     }
 
     /// The add of a set not found by address: its strings are owned, or this is the first add
-    /// of its order on this CPU since the set was met by bytes.
+    /// of its order on this CPU since the set was met by bytes. `words` says what `probe`
+    /// holds.
     #[inline(never)]
-    fn add_by_bytes(&mut self, value: u64, attributes: &[KeyValue], probed: bool) -> bool {
+    fn add_by_bytes(&mut self, value: u64, attributes: &[KeyValue], words: Words) -> bool {
         let Some((key, id)) = self.ids.get(attributes) else {
             return false;
+        };
+        let probed = match words {
+            Words::Probed => true,
+            Words::Unenterable => false,
+            // Owned strings, met at every add of a caller that has them, differ from the key's
+            // in their first attribute already: such a caller reads no more.
+            Words::Unread => {
+                AddressMap::same_first_words(key, attributes)
+                    && self.addresses.probe(attributes, &mut self.probe)
+            }
         };
         if probed {
             // The registry holds `key` as long as the store, so as long as this shard; `probe`
@@ -120,6 +136,16 @@ impl Shard {
         }
         self.counts[id] = self.counts[id].wrapping_add(value);
     }
+}
+
+/// What a shard's probe holds when an add goes on by bytes.
+enum Words {
+    /// The set's words: it can be entered by address, and was not found there.
+    Probed,
+    /// Nothing: the address map was empty, and the set was not read.
+    Unread,
+    /// Nothing: the set cannot be entered by address.
+    Unenterable,
 }
 
 /// The series of one instrument and their per-CPU counts.

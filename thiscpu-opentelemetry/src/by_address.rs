@@ -116,6 +116,8 @@ pub(crate) enum Found {
     Missing,
     /// A set that cannot be entered.
     Never,
+    /// Nothing was entered: the set was not read.
+    Empty,
 }
 
 /// Attribute sets (by the addresses of their strings) to series ids.
@@ -254,6 +256,9 @@ impl AddressMap {
     /// no entry: its words stay in registers, and its loops are unrolled.
     #[inline(always)]
     pub(crate) fn find<const N: usize>(&self, set: &[KeyValue; N], probe: &mut Probe) -> Found {
+        if self.slots.is_empty() {
+            return Found::Empty;
+        }
         let mut words = [[0; 3]; N];
         let mut hash = self.seed ^ N as u64;
         for (i, kv) in set.iter().enumerate() {
@@ -265,9 +270,8 @@ impl AddressMap {
         }
         let hash = self.finish(hash);
         let tag = hash >> 32;
-        let at = hash as usize & self.slots.len().wrapping_sub(1);
-        if !self.slots.is_empty()
-            && let Some(offset) = self.near(at, tag)
+        let at = hash as usize & (self.slots.len() - 1);
+        if let Some(offset) = self.near(at, tag)
             && let Some(entry) = self.entries.get(offset..offset + 1 + 3 * N)
             && entry[0] >> 32 == N as u64
         {
@@ -286,10 +290,7 @@ impl AddressMap {
         for (i, given) in words.iter().enumerate() {
             probe.words[3 * i..3 * i + 3].copy_from_slice(given);
         }
-        match self.slots.is_empty() {
-            true => Found::Missing,
-            false => self.get_beyond(probe, at).map_or(Found::Missing, Found::Id),
-        }
+        self.get_beyond(probe, at).map_or(Found::Missing, Found::Id)
     }
 
     /// [`get`](AddressMap::get) from slot `at` on: a set not found in its first two slots.
@@ -503,7 +504,11 @@ mod tests {
             sets.push(std::array::from_fn(|_| KeyValue::new("k", VALUE)));
             let mut probe = Probe::default();
             for (id, set) in sets.iter().enumerate() {
-                assert!(matches!(map.find(set, &mut probe), Found::Missing));
+                match map.find(set, &mut probe) {
+                    Found::Missing => {}
+                    Found::Empty => assert!(map.probe(set, &mut probe)),
+                    _ => panic!("{set:?} found before it was entered"),
+                }
                 map.insert(set, &probe, id as u32);
             }
             for (id, set) in sets.iter().enumerate() {

@@ -52,11 +52,6 @@ impl Shard {
     /// Counts `value` in the series of `attributes` if this CPU has met the set: false if not.
     #[inline(always)]
     fn add(&mut self, value: u64, attributes: &[KeyValue]) -> bool {
-        if self.addresses.is_empty() {
-            // Nothing entered by address on this CPU yet (or only owned strings met here):
-            // reading the set's words would find nothing.
-            return self.add_by_bytes(value, attributes, Words::Unread);
-        }
         let found = if let Ok(set) = <&[KeyValue; 1]>::try_from(attributes) {
             self.addresses.find(set, &mut self.probe)
         } else if let Ok(set) = <&[KeyValue; 2]>::try_from(attributes) {
@@ -65,6 +60,8 @@ impl Shard {
             self.addresses.find(set, &mut self.probe)
         } else if let Ok(set) = <&[KeyValue; 4]>::try_from(attributes) {
             self.addresses.find(set, &mut self.probe)
+        } else if self.addresses.is_empty() {
+            Found::Empty
         } else if !self.addresses.probe(attributes, &mut self.probe) {
             Found::Never
         } else {
@@ -79,6 +76,7 @@ impl Shard {
             }
             Found::Missing => self.add_by_bytes(value, attributes, Words::Probed),
             Found::Never => self.add_by_bytes(value, attributes, Words::Unenterable),
+            Found::Empty => self.add_by_bytes(value, attributes, Words::Unread),
         }
     }
 
@@ -142,7 +140,8 @@ impl Shard {
 enum Words {
     /// The set's words: it can be entered by address, and was not found there.
     Probed,
-    /// Nothing: the address map was empty, and the set was not read.
+    /// Nothing: the address map is empty (nothing met on this CPU yet, or only sets of owned
+    /// strings), and the set was not read.
     Unread,
     /// Nothing: the set cannot be entered by address.
     Unenterable,

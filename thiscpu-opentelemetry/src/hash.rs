@@ -39,7 +39,7 @@ const K1: u64 = 0x243f_6a88_85a3_08d3;
 const K2: u64 = 0x1319_8a2e_0370_7344;
 
 #[inline(always)]
-fn folded_multiply(x: u64, y: u64) -> u64 {
+pub(crate) fn folded_multiply(x: u64, y: u64) -> u64 {
     let full = u128::from(x) * u128::from(y);
     (full as u64) ^ ((full >> 64) as u64)
 }

@@ -16,8 +16,9 @@
 //! - [`PerCpuMeterExt`] makes per-CPU instruments from any [`Meter`](opentelemetry::metrics::Meter):
 //!   [`PerCpuCounter`] (monotonic, `u64`) and [`PerCpuUpDownCounter`] (`i64`).
 //! - **Unbound adds** with attributes ([`PerCpuCounter::add`]) look the attribute set up in the
-//!   current CPU's own map ([`thiscpu::Sharded`]): the same set in another order, or with a key
-//!   repeated, is the same series, as in the SDK.
+//!   current CPU's own maps ([`thiscpu::Sharded`]): first by the addresses of its strings (a
+//!   `&'static str` keeps its address from one add to the next), then by their bytes. The same
+//!   set in another order, or with a key repeated, is the same series, as in the SDK.
 //! - **Bound handles** ([`PerCpuCounter::bind`]) own one [`thiscpu::Counter`] per series: an
 //!   add is one per-CPU increment.
 //! - [`PerCpuCounter::counter`] hands out a real [`opentelemetry::metrics::Counter<u64>`], so
@@ -82,6 +83,7 @@
 #[doc = include_str!("../../docs/opentelemetry.md")]
 struct GuideSnippets;
 
+mod by_address;
 mod hash;
 mod instrument;
 mod registry;

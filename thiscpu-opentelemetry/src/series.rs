@@ -5,6 +5,7 @@
 //! Values are `u64` words that wrap: an `i64` up-down counter stores its two's complement, and
 //! the wrapped sum read back as `i64` is the exact total.
 
+use crate::by_address::{AddressMap, Found, Probe};
 use crate::set_map::{Attributes, SetMap};
 use opentelemetry::KeyValue;
 use std::sync::{Arc, OnceLock, RwLock};
@@ -37,14 +38,94 @@ struct Resolved {
     key: Option<Attributes>,
 }
 
-/// One CPU's share: the sets it has met (in the orders they were given), and a slot per series.
+/// One CPU's share: the sets it has met (in the orders they were given), by the addresses of
+/// their strings or else by their bytes, and a slot per series.
 #[derive(Debug, Default)]
 struct Shard {
+    addresses: AddressMap,
+    probe: Probe,
     ids: SetMap,
     counts: Vec<u64>,
 }
 
 impl Shard {
+    /// Counts `value` in the series of `attributes` if this CPU has met the set: false if not.
+    #[inline(always)]
+    fn add(&mut self, value: u64, attributes: &[KeyValue]) -> bool {
+        let found = if let Ok(set) = <&[KeyValue; 1]>::try_from(attributes) {
+            self.addresses.find(set, &mut self.probe)
+        } else if let Ok(set) = <&[KeyValue; 2]>::try_from(attributes) {
+            self.addresses.find(set, &mut self.probe)
+        } else if let Ok(set) = <&[KeyValue; 3]>::try_from(attributes) {
+            self.addresses.find(set, &mut self.probe)
+        } else if let Ok(set) = <&[KeyValue; 4]>::try_from(attributes) {
+            self.addresses.find(set, &mut self.probe)
+        } else if self.addresses.is_empty() {
+            Found::Empty
+        } else if !self.addresses.probe(attributes, &mut self.probe) {
+            Found::Never
+        } else {
+            self.addresses
+                .get(&self.probe)
+                .map_or(Found::Missing, Found::Id)
+        };
+        match found {
+            Found::Id(id) => {
+                self.add_to(id, value);
+                true
+            }
+            Found::Missing => self.add_by_bytes(value, attributes, Words::Probed),
+            Found::Never => self.add_by_bytes(value, attributes, Words::Unenterable),
+            Found::Empty => self.add_by_bytes(value, attributes, Words::Unread),
+        }
+    }
+
+    /// The add of a set not found by address: its strings are owned, or this is the first add
+    /// of its order on this CPU since the set was met by bytes. `words` says what `probe`
+    /// holds.
+    #[inline(never)]
+    fn add_by_bytes(&mut self, value: u64, attributes: &[KeyValue], words: Words) -> bool {
+        let Some((key, id)) = self.ids.get(attributes) else {
+            return false;
+        };
+        let probed = match words {
+            Words::Probed => true,
+            Words::Unenterable => false,
+            // Owned strings, met at every add of a caller that has them, differ from the key's
+            // in their first attribute already: such a caller reads no more.
+            Words::Unread => {
+                AddressMap::same_first_words(key, attributes)
+                    && self.addresses.probe(attributes, &mut self.probe)
+            }
+        };
+        if probed {
+            // The registry holds `key` as long as the store, so as long as this shard; `probe`
+            // holds `attributes`' words.
+            self.addresses.insert(key, &self.probe, id);
+        }
+        self.add_to(id, value);
+        true
+    }
+
+    /// Caches `key` (the set as given, held by the registry) as `id`, then counts `value`.
+    /// Another thread may have cached it on this CPU since this one looked.
+    ///
+    /// A set entered by address is not cached by bytes too, which would cost each CPU about as
+    /// much memory again: should it come with owned strings later, the first such add on this
+    /// CPU finds it in the registry and caches it by bytes then.
+    fn add_first(&mut self, value: u64, attributes: &[KeyValue], key: Attributes, id: u32) {
+        let by_address = self.addresses.probe(attributes, &mut self.probe);
+        let cached = (by_address
+            && (self.addresses.get(&self.probe).is_some()
+                // The registry holds `key` as long as the store, so as long as this shard.
+                || self.addresses.insert(&key, &self.probe, id)))
+            || self.ids.get(attributes).is_some();
+        if !cached {
+            self.ids.insert(key, id);
+        }
+        self.add_to(id, value);
+    }
+
     #[inline]
     fn add_to(&mut self, id: u32, value: u64) {
         let id = id as usize;
@@ -53,6 +134,17 @@ impl Shard {
         }
         self.counts[id] = self.counts[id].wrapping_add(value);
     }
+}
+
+/// What a shard's probe holds when an add goes on by bytes.
+enum Words {
+    /// The set's words: it can be entered by address, and was not found there.
+    Probed,
+    /// Nothing: the address map is empty (nothing met on this CPU yet, or only sets of owned
+    /// strings), and the set was not read.
+    Unread,
+    /// Nothing: the set cannot be entered by address.
+    Unenterable,
 }
 
 /// The series of one instrument and their per-CPU counts.
@@ -92,14 +184,7 @@ impl Store {
     pub(crate) fn add(&self, value: u64, attributes: &[KeyValue]) {
         let counted = self
             .shards
-            .with_current(|shard| match shard.ids.get(attributes) {
-                Some((_, id)) => {
-                    // Cached ids always have their slot (`add_to` made it).
-                    shard.add_to(id, value);
-                    true
-                }
-                None => false,
-            });
+            .with_current(|shard| shard.add(value, attributes));
         if !counted {
             self.add_first(value, attributes);
         }
@@ -110,11 +195,9 @@ impl Store {
     #[cold]
     fn add_first(&self, value: u64, attributes: &[KeyValue]) {
         let resolved = self.resolve(attributes);
-        self.shards.with_current(|shard| {
-            if let Some(key) = resolved.key {
-                shard.ids.insert(key, resolved.id);
-            }
-            shard.add_to(resolved.id, value);
+        self.shards.with_current(|shard| match resolved.key {
+            Some(key) => shard.add_first(value, attributes, key, resolved.id),
+            None => shard.add_to(resolved.id, value),
         });
     }
 
@@ -244,6 +327,7 @@ impl Store {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use opentelemetry::Value;
 
     fn totals(store: &Store) -> Vec<(Vec<KeyValue>, u64)> {
         let mut out = Vec::new();
@@ -260,6 +344,77 @@ mod tests {
         store.add(2, &[b.clone(), a.clone()]);
         store.add(4, &[a.clone(), b.clone(), KeyValue::new("a", 2)]);
         assert_eq!(totals(&store), vec![(vec![a, b], 7)]);
+    }
+
+    /// A set met by the addresses of its strings, by their bytes (owned copies) and in another
+    /// order is one series; strings at one address but of other lengths, and values of the
+    /// same bits but another kind, are other series.
+    #[test]
+    fn sets_found_by_address_are_the_sets_found_by_bytes() {
+        const VALUE10: &str = "value10";
+        let store = Store::new(10);
+        let given = [KeyValue::new("k", VALUE10), KeyValue::new("b", true)];
+        let owned = [
+            KeyValue::new(String::from("k"), String::from(VALUE10)),
+            KeyValue::new(String::from("b"), true),
+        ];
+        for _ in 0..3 {
+            store.add(1, &given);
+            store.add(10, &owned);
+            store.add(100, &[given[1].clone(), given[0].clone()]);
+        }
+        // The same address as `VALUE10`, a shorter string: "value1".
+        store.add(1000, &[KeyValue::new("k", &VALUE10[..6]), given[1].clone()]);
+        // The bits of `true`, as an integer.
+        store.add(10000, &[given[0].clone(), KeyValue::new("b", 1)]);
+        assert_eq!(
+            totals(&store),
+            vec![
+                (vec![given[1].clone(), given[0].clone()], 333),
+                (vec![given[1].clone(), KeyValue::new("k", "value1")], 1000),
+                (vec![KeyValue::new("b", 1), given[0].clone()], 10000),
+            ]
+        );
+    }
+
+    /// For every size of set, up to beyond those looked up with their words in registers: sets
+    /// that differ in one word of their last attribute only are different series, each exact.
+    #[test]
+    fn sets_of_every_size_that_differ_in_one_word_are_different_series() {
+        const KEYS: [&str; 7] = ["a", "b", "c", "d", "e", "f", "g"];
+        const VALUE: &str = "value10";
+        for size in 1..=KEYS.len() {
+            let store = Store::new(100);
+            let set = |last: Value| -> Vec<KeyValue> {
+                let mut set: Vec<KeyValue> = KEYS[..size - 1]
+                    .iter()
+                    .map(|&key| KeyValue::new(key, VALUE))
+                    .collect();
+                set.push(KeyValue::new(KEYS[size - 1], last));
+                set
+            };
+            let sets = [
+                set(VALUE.into()),
+                set(VALUE[..6].into()),
+                set(true.into()),
+                set(1.into()),
+                set(1.0.into()),
+            ];
+            for round in 1..=3 {
+                for (i, set) in sets.iter().enumerate() {
+                    store.add(10u64.pow(i as u32) * round, set);
+                }
+            }
+            let found = totals(&store);
+            assert_eq!(found.len(), sets.len(), "{size} attributes: {found:?}");
+            for (i, (_, total)) in found.iter().enumerate() {
+                assert_eq!(
+                    *total,
+                    6 * 10u64.pow(i as u32),
+                    "{size} attributes: {found:?}"
+                );
+            }
+        }
     }
 
     #[test]

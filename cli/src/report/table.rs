@@ -278,8 +278,11 @@ fn legend(family: &Family, results: &[Measured]) -> String {
     if seen.is_empty() {
         return String::new();
     }
+    let has_ratio_column = results
+        .iter()
+        .any(|m| family.baseline_for(m.case).as_deref() == Some(m.case));
     let ratio = match (family.baseline, family.baseline_label()) {
-        (Some(baseline), Some(label)) if baseline.contains('*') => format!(
+        (Some(baseline), Some(label)) if baseline.contains('*') && has_ratio_column => format!(
             " (÷ {label}: each row's median over the {label} row with the same {} and thread \
              count)",
             if baseline.starts_with('*') {

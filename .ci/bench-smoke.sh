@@ -33,6 +33,11 @@ for family in ("getcpu", "counter", "metrics", "bpf", "mask", "pool", "memory", 
 otel = {r["case"] for r in bench["results"] if r["bench"] == "otel"}
 for case in ("unbound/sdk", "unbound/thiscpu", "bound/sdk", "bound/thiscpu", "memory/resident"):
     assert case in otel, f"otel/{case} produced no result"
+# The portable path, measured beside the fast one in child processes with rseq off.
+portable = {(r["bench"], r["case"]) for r in bench["results"] if r["case"].endswith("-rseq-off")}
+for pair in (("counter", "thiscpu-counter-rseq-off"), ("sharded", "update/thiscpu-rseq-off"),
+             ("rwlock", "read/thiscpu-rseq-off"), ("rwlock", "write/thiscpu-rseq-off")):
+    assert pair in portable, f"{pair[0]}/{pair[1]} produced no result"
 # rseq-mode compares the kernel's two rseq modes where it offers both (Linux 7.1+), and says
 # why it cannot elsewhere.
 left_out = {s["bench"] for s in bench.get("skipped", [])}

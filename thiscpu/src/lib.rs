@@ -44,14 +44,20 @@
 //! ([`Unavailable::NotPorted`]), every per-CPU update is an atomic read-modify-write on the
 //! current CPU's slot, and `Sharded`, `RwLock` and `EpochCell` run in their atomic modes.
 //!
-//! | target | "which CPU" ([`CpuSource`]) | notes |
+//! | target | "which CPU" ([`CpuSource`]) | per-CPU updates |
 //! |---|---|---|
-//! | Linux x86_64, aarch64, riscv64 | rseq; else `rdpid`, vDSO, system call | the fast path |
-//! | Linux, other architectures | glibc's `sched_getcpu` (reads glibc's rseq area, 2.35+) | |
-//! | macOS 11+, iOS 14.2+ | `pthread_cpu_number_np` | |
-//! | Windows | `GetCurrentProcessorNumberEx`, groups made one index | |
-//! | FreeBSD 13.1+ | `sched_getcpu` | |
-//! | others (wasm, ...) | a per-thread index, so threads still spread | |
+//! | Linux x86_64, aarch64, riscv64 | rseq; else `rdpid`, vDSO, system call | restartable sequences |
+//! | Linux, other architectures | glibc's `sched_getcpu` (reads glibc's rseq area, 2.35+) | atomic |
+//! | macOS 11+, iOS 14.2+ | `pthread_cpu_number_np` | atomic |
+//! | Windows | `GetCurrentProcessorNumberEx`, groups made one index | atomic |
+//! | FreeBSD 13.1+ | `sched_getcpu` | atomic |
+//! | others (wasm, ...) | a per-thread index, so threads still spread | atomic |
+//!
+//! What the atomic updates cost is measured on Linux by running the same structures with
+//! `THISCPU_RSEQ=off`: in the repository's recorded run (a 2-CPU x86_64 VM) a
+//! [`Counter::inc`] took 8.55 ns per thread against 0.613 with restartable sequences (and 13.6
+//! for one shared `AtomicU64`), an [`RwLock`] read 14.6 ns against 2.01, and an [`RwLock`]
+//! write 29.6 ns against 740 (no `membarrier` is needed when readers count with atomics).
 //!
 //! Off Linux, [`topology`] counts CPUs with `std::thread::available_parallelism` and the
 //! system's configured processors and puts every CPU on node 0; [`topology::pin_to`] and

@@ -164,8 +164,8 @@ const PHASE: usize = 0;
 ///
 /// # When not to use it
 /// Where writes are more frequent than about one in a hundred reads: in the recorded run (a
-/// 2-CPU VM; the break-even table of the repository's docs/results.md) one write per 91 reads
-/// cost as much as `std::sync::RwLock`, per 97 as `parking_lot::RwLock` and per 84 as
+/// 2-CPU VM; the break-even table of the repository's docs/results.md) one write per 93 reads
+/// cost as much as `std::sync::RwLock`, per 99 as `parking_lot::RwLock` and per 85 as
 /// crossbeam's `ShardedLock`, the worst case over one and two threads (with both CPUs reading,
 /// the peers' contended reads move the break-even to one write in 13 or 14 reads). Also where
 /// the write latency matters (a writer waits for the slowest reader and makes system calls),

@@ -675,7 +675,10 @@ fn help_explains_with_examples() {
         .take_while(|line| !line.trim_start().starts_with("--seconds"))
         .collect::<Vec<_>>()
         .join(" ");
-    assert!(quick.contains("on top") || quick.contains("7.5 s"), "{quick}");
+    assert!(
+        quick.contains("on top") || quick.contains("7.5 s"),
+        "{quick}"
+    );
     assert!(!quick.contains("about a second"), "{quick}");
 }
 

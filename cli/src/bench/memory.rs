@@ -21,8 +21,9 @@
 //! The padded layout is measured on a twentieth as many counters (each costs 128 bytes per
 //! possible CPU, plus the allocator's rounding) and reported per counter like the dense one.
 
+use super::runner::cpus_for;
 use super::model::{
-    Case, Family, Measured, Measuring, ProcessMemory, Unit, cpus_for, on_each_cpu,
+    Case, Family, Measured, Measuring, ProcessMemory, Unit, on_each_cpu,
 };
 use crate::report::table::{align_right, fmt_num, new_table, render, verdict};
 use std::hint::black_box;

@@ -175,14 +175,6 @@ pub fn on_each_cpu(cpus: &[u32], mut touch: impl FnMut()) -> Result<(), String> 
     Ok(())
 }
 
-/// The CPUs a measurement with `threads` threads uses: the first ones the runner would pin
-/// workers to, each once.
-pub fn cpus_for(threads: usize) -> Vec<u32> {
-    let mut cpus = super::runner::worker_cpus();
-    cpus.truncate(threads.max(1));
-    cpus
-}
-
 /// A stateless workload: a function that performs `ops` operations.
 #[derive(Debug)]
 pub struct Loop(pub fn(u64));

@@ -23,8 +23,9 @@
 //! included; from two CPU counts the report separates it from the part on each CPU, so the
 //! rows are that shared part plus one per-CPU part per CPU.
 
+use super::runner::cpus_for;
 use super::model::{
-    Case, Family, Measured, Measuring, ProcessMemory, Unit, Workload, cpus_for, median_of,
+    Case, Family, Measured, Measuring, ProcessMemory, Unit, Workload, median_of,
 };
 use crate::report::table::{fmt_num, fmt_ratio, verdict};
 use opentelemetry::KeyValue;

@@ -320,3 +320,11 @@ pub fn worker_cpus() -> Vec<u32> {
     cpus.sort_unstable_by(|a, b| b.cmp(a));
     cpus
 }
+
+/// The CPUs a measurement with `threads` threads uses: the first ones the runner pins workers
+/// to, each once.
+pub fn cpus_for(threads: usize) -> Vec<u32> {
+    let mut cpus = worker_cpus();
+    cpus.truncate(threads.max(1));
+    cpus
+}

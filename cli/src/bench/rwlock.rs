@@ -18,8 +18,9 @@
 //! The value is four words that every write sets to one number; after each round every
 //! structure must hold four equal words, or the run fails.
 
+use super::runner::cpus_for;
 use super::model::{
-    Case, Family, Measured, Measuring, ProcessMemory, Unit, Workload, cpus_for, median_of as median,
+    Case, Family, Measured, Measuring, ProcessMemory, Unit, Workload, median_of as median,
     on_each_cpu,
 };
 use super::rseq_off;

@@ -255,7 +255,7 @@ fn cases() -> Vec<Case> {
     } else {
         "Counter::by_mm_cid().inc(); no mm_cid here: spreads by CPU"
     };
-    vec![
+    let mut cases = vec![
         Case::new(
             "atomic-global",
             "one AtomicU64, fetch_add",
@@ -315,13 +315,10 @@ fn cases() -> Vec<Case> {
             ns,
             Exact::new(ThiscpuAdder(Counter::by_mm_cid())),
         ),
-        rseq_off::case("thiscpu-counter-rseq-off", "counter", "Counter::inc(), by CPU"),
-        rseq_off::case(
-            "thiscpu-adder-rseq-off",
-            "counter",
-            "Counter::adder() per round, then adder.inc()",
-        ),
-    ]
+    ];
+    let mirrors = rseq_off::mirrors("counter", CASES, &cases);
+    cases.extend(mirrors);
+    cases
 }
 
 /// Per-round values of one (case, threads) result, mapped through `f`.

@@ -32,25 +32,35 @@ pub const CHILD_ENV: &str = "THISCPU_BENCH_RSEQ_OFF_CHILD";
 /// The suffix of a case that mirrors another with rseq off.
 pub const SUFFIX: &str = "-rseq-off";
 
-/// A case named `name`, the name of a case of `family` followed by [`SUFFIX`], that runs that
-/// case in a child process with restartable sequences off; `how` is what that case calls.
-pub fn case(name: &'static str, family: &'static str, how: &str) -> Case {
-    let Some(mirrored) = name.strip_suffix(SUFFIX) else {
-        return Case::skipped(name, Unit::NsPerOp, format!("not named …{SUFFIX}"));
-    };
-    if std::env::current_exe().is_err() {
-        return Case::skipped(
-            name,
-            Unit::NsPerOp,
-            "this program cannot find its own executable to start a child with rseq off",
-        );
-    }
-    Case::new(
-        name,
-        format!("{how}; THISCPU_RSEQ=off (atomic updates), in a child process"),
-        Unit::NsPerOp,
-        Mirror::new(family, mirrored),
-    )
+/// The cases of `names` (a family's case list) named with [`SUFFIX`]: each runs the case of
+/// `built` named without it in a child process with restartable sequences off, and is described
+/// as that case is.
+pub fn mirrors(family: &'static str, names: &[&'static str], built: &[Case]) -> Vec<Case> {
+    names
+        .iter()
+        .filter_map(|&name| Some((name, name.strip_suffix(SUFFIX)?)))
+        .map(|(name, mirrored)| {
+            let Some(original) = built.iter().find(|case| case.name == mirrored) else {
+                return Case::skipped(name, Unit::NsPerOp, format!("no case {mirrored} here"));
+            };
+            if std::env::current_exe().is_err() {
+                return Case::skipped(
+                    name,
+                    Unit::NsPerOp,
+                    "this program cannot find its own executable to start a child with rseq off",
+                );
+            }
+            Case::new(
+                name,
+                format!(
+                    "{}; run with THISCPU_RSEQ=off (atomic updates instead), in a child process",
+                    original.how
+                ),
+                Unit::NsPerOp,
+                Mirror::new(family, mirrored),
+            )
+        })
+        .collect()
 }
 
 /// Each mirrored case beside the case it mirrors: ns/op with rseq and without, and their

@@ -446,19 +446,8 @@ fn cases() -> Vec<Case> {
         unit: Unit::NsPerOp,
         workload: Ok(with_subject("thiscpu-lazy", MixMaker { every: 0 })),
     });
-    for name in [
-        "read/thiscpu-rseq-off",
-        "read/epoch-rseq-off",
-        "write/thiscpu-rseq-off",
-        "write/epoch-rseq-off",
-    ] {
-        let mirrored = name.strip_suffix(rseq_off::SUFFIX).unwrap_or(name);
-        let how = cases
-            .iter()
-            .find(|case: &&Case| case.name == mirrored)
-            .map_or_else(String::new, |case| case.how.clone());
-        cases.push(rseq_off::case(name, "rwlock", &how));
-    }
+    let mirrors = rseq_off::mirrors("rwlock", CASES, &cases);
+    cases.extend(mirrors);
     for (name, resident) in [("resident/thiscpu", true), ("address-space/thiscpu", false)] {
         cases.push(Case {
             name,

@@ -422,11 +422,8 @@ fn cases() -> Vec<Case> {
             workload: Ok(workload),
         });
     }
-    for name in ["update/thiscpu-rseq-off", "insert/thiscpu-rseq-off"] {
-        let mirrored = name.strip_suffix(rseq_off::SUFFIX).unwrap_or(name);
-        let how = how(mirrored).replace(mode, "compare-and-swap take");
-        cases.push(rseq_off::case(name, "sharded", &how));
-    }
+    let mirrors = rseq_off::mirrors("sharded", CASES, &cases);
+    cases.extend(mirrors);
     for (name, holder, threads) in [
         ("memory-100/thread_local", Holder::ThreadLocal, 100),
         ("memory-100/thiscpu", Holder::Thiscpu, 100),

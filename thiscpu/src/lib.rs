@@ -151,6 +151,8 @@
 #[allow(unsafe_code)]
 pub mod abi;
 #[allow(unsafe_code)]
+pub mod allocator;
+#[allow(unsafe_code)]
 mod arch;
 #[allow(unsafe_code)]
 mod counter;
@@ -208,6 +210,7 @@ mod variance_checks;
 #[doc(hidden)]
 pub use arch::model;
 
+pub use allocator::PerCpuAlloc;
 pub use counter::{Adder, Counter};
 pub use cpu::{Source, current_cpu, current_node, getcpu, mm_cid, source};
 pub use epoch::{AsRawPtr, EpochCell, EpochCellOption, EpochGuard};

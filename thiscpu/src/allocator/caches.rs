@@ -65,7 +65,9 @@ pub(super) struct Caches {
     /// Regions: possible CPUs when the caches were made.
     pub(super) cpus: usize,
     /// Bytes from one CPU's region to the next.
-    stride: usize,
+    /// log2 of the bytes from one CPU's region to the next (a power of two: a shift, not a
+    /// multiplication, on the fast path).
+    stride_shift: u32,
     counters_offset: usize,
     hits_offset: usize,
     slot_offsets: [usize; CLASSES],
@@ -107,7 +109,8 @@ impl Caches {
             *offset = end;
             end += capacity as usize * size_of::<Slot>();
         }
-        let stride = round_up(end, LINE);
+        let stride = end.next_power_of_two();
+        let stride_shift = stride.trailing_zeros();
         let header = round_up(size_of::<Caches>(), LINE);
         let bytes = stride.checked_mul(cpus)?.checked_add(header)?;
         let layout = Layout::from_size_align(bytes, 4096).ok()?;
@@ -125,7 +128,7 @@ impl Caches {
             caches.write(Caches {
                 base,
                 cpus,
-                stride,
+                stride_shift,
                 counters_offset,
                 hits_offset,
                 slot_offsets,
@@ -193,7 +196,7 @@ impl Caches {
     #[inline(always)]
     fn head(&self, cpu: usize, class: usize) -> *const StackHead {
         self.base
-            .wrapping_add(cpu * self.stride + class * size_of::<StackHead>())
+            .wrapping_add((cpu << self.stride_shift) + class * size_of::<StackHead>())
             .cast()
     }
 
@@ -201,13 +204,13 @@ impl Caches {
     #[inline(always)]
     fn slots(&self, cpu: usize, class: usize) -> *mut usize {
         self.base
-            .wrapping_add(cpu * self.stride + self.slot_offsets[class])
+            .wrapping_add((cpu << self.stride_shift) + self.slot_offsets[class])
             .cast()
     }
 
     fn hits_word(&self, cpu: usize) -> *mut u64 {
         self.base
-            .wrapping_add(cpu * self.stride + self.hits_offset)
+            .wrapping_add((cpu << self.stride_shift) + self.hits_offset)
             .cast()
     }
 
@@ -219,7 +222,7 @@ impl Caches {
         unsafe {
             &*self
                 .base
-                .add(cpu * self.stride + self.counters_offset)
+                .add((cpu << self.stride_shift) + self.counters_offset)
                 .cast::<SlowCounters>()
         }
     }

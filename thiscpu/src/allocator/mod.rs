@@ -27,7 +27,7 @@
 //! # Bounds
 //! Each CPU caches at most [`with_cache_bytes`](PerCpuAlloc::with_cache_bytes) bytes
 //! ([`DEFAULT_CACHE_BYTES`] by default), split evenly over the classes. The caches take one
-//! region of address space per possible CPU (about 75 KiB at the default), allocated zeroed
+//! region of address space per possible CPU (64 KiB at the default), allocated zeroed
 //! from the inner allocator on first use, of which only the pages of CPUs and classes in use
 //! become resident. [`release`](PerCpuAlloc::release) gives every CPU's cache back,
 //! [`release_idle`](PerCpuAlloc::release_idle) those of CPUs that did not use theirs since
@@ -103,6 +103,9 @@ pub struct PerCpuAlloc<A: GlobalAlloc = System> {
     cache_bytes: usize,
     count_hits: bool,
     caches: AtomicPtr<Caches>,
+    /// `caches` for the allocation fast path, which only counts no hits: null while hits are
+    /// counted, so that the fast path tests one word.
+    uncounted: AtomicPtr<Caches>,
     state: AtomicU8,
 }
 
@@ -133,6 +136,7 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
             cache_bytes: DEFAULT_CACHE_BYTES,
             count_hits: false,
             caches: AtomicPtr::new(core::ptr::null_mut()),
+            uncounted: AtomicPtr::new(core::ptr::null_mut()),
             state: AtomicU8::new(UNSTARTED),
         }
     }
@@ -206,6 +210,9 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
             return None;
         };
         self.caches.store(caches.cast_mut(), Ordering::Release);
+        if !self.count_hits {
+            self.uncounted.store(caches.cast_mut(), Ordering::Release);
+        }
         self.state.store(STARTED, Ordering::Release);
         self.started()
     }
@@ -214,9 +221,10 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
     /// path.
     #[inline(always)]
     fn take(&self, class: usize) -> *mut u8 {
-        if !self.count_hits
-            && let Some(caches) = self.started()
-        {
+        let caches = self.uncounted.load(Ordering::Acquire);
+        if !caches.is_null() {
+            // SAFETY: as in `started`.
+            let caches = unsafe { &*caches };
             let at = ops::position_as_is::<ByCpu>();
             if (at.index() as usize) < caches.cpus {
                 // SAFETY: `at` was just read on this thread; its index is below the CPUs.

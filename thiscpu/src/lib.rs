@@ -227,7 +227,7 @@ pub use rwlock::{
 pub use sharded::{ShardGuard, Sharded};
 pub use via::{CpuNode, CpuSource};
 
-// The Rust snippets of the README and of the guide, compiled and run as doctests when every
+// The Rust snippets of the README, the guide and the allocator's page, compiled and run as doctests when every
 // feature they use is on (CI's features step), so that the documentation cannot drift from
 // the API. docs/opentelemetry.md is thiscpu-opentelemetry's, compiled by that crate; the
 // repository's tests (cli/tests/docs.rs) check that every Markdown file holding Rust snippets
@@ -240,6 +240,7 @@ pub use via::{CpuNode, CpuSource};
 ))]
 #[doc = include_str!("../../README.md")]
 #[doc = include_str!("../../docs/guide.md")]
+#[doc = include_str!("../../docs/allocator.md")]
 struct MarkdownSnippets;
 
 #[cfg(test)]

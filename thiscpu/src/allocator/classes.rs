@@ -55,7 +55,9 @@ pub fn size_classes() -> &'static [usize] {
 /// aligned beyond [`CACHED_ALIGN`]).
 #[inline(always)]
 pub(crate) fn class_of(layout: Layout) -> Option<usize> {
-    if layout.size() > MAX_CACHED_SIZE || layout.align() > CACHED_ALIGN {
+    // One comparison for both bounds: an alignment beyond 16 scaled by 256 is beyond 4096.
+    const _: () = assert!(CACHED_ALIGN * 256 == MAX_CACHED_SIZE);
+    if layout.size().max(layout.align() << 8) > MAX_CACHED_SIZE {
         return None;
     }
     Some(CLASS_OF[layout.size().div_ceil(16)] as usize)

@@ -32,13 +32,14 @@
 //! releaser reads and writes a stopped and fenced CPU's stacks. Each block states why it holds.
 
 use super::classes::{CLASS_SIZES, CLASSES, class_layout};
+use crate::decided_once::Claimants;
 use crate::fence::{self, FenceUnavailable};
 use crate::ops::{self, ByCpu, Position, StackHead, StackOutcome};
 use crate::sync::atomic::{AtomicU64 as SectionWord, AtomicUsize as Slot};
 use crate::topology;
 use core::alloc::{GlobalAlloc, Layout};
 use core::mem::size_of;
-use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 
 /// The most objects one class caches per CPU.
 const MAX_SLOTS_PER_CLASS: usize = 2048;
@@ -74,8 +75,8 @@ pub(super) struct Caches {
     capacities: [u64; CLASSES],
     /// The layout the whole allocation was made with.
     layout: Layout,
-    /// Held by a release in progress.
-    releasing: AtomicBool,
+    /// The thread id of the release in progress, 0 if none.
+    releasing: AtomicI32,
     /// Hits whose count no section could commit (a thread aborted `ABORT_LIMIT` times).
     hits_elsewhere: AtomicU64,
 }
@@ -134,7 +135,7 @@ impl Caches {
                 slot_offsets,
                 capacities,
                 layout,
-                releasing: AtomicBool::new(false),
+                releasing: AtomicI32::new(0),
                 hits_elsewhere: AtomicU64::new(0),
             })
         };
@@ -366,16 +367,48 @@ impl Caches {
         self.counters(cpu).seen.swap(activity, Ordering::Relaxed)
     }
 
-    /// Takes the release lock until the guard is dropped.
-    pub(super) fn lock_releases(&self) -> ReleaseLock<'_> {
-        while self
-            .releasing
-            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
+    /// Takes the release lock until the guard is dropped; `None` if this very thread holds it
+    /// (a signal handler that interrupted a release), which would otherwise wait for itself.
+    ///
+    /// The lock word holds its holder's thread id, so that a waiter can tell a holder that no
+    /// longer exists in this process (it was in the parent of a `fork`) and take the lock over,
+    /// as the process decision does (`DecidedOnce`). The flags such a holder set protect nothing
+    /// any more, and the new holder clears them; the counts it left are exact, because a
+    /// release takes each object out of its count before giving it back (`empty_owned`).
+    pub(super) fn lock_releases(&self) -> Option<ReleaseLock<'_>> {
+        let threads = crate::os::Threads;
+        let me = threads.me();
+        loop {
+            let owner =
+                match self
+                    .releasing
+                    .compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed)
+                {
+                    Ok(_) => return Some(ReleaseLock(&self.releasing)),
+                    Err(owner) => owner,
+                };
+            // Under the model checker every model thread has the one OS thread's id.
+            if owner == me && !cfg!(thiscpu_model) {
+                return None;
+            }
+            if owner != me
+                && threads.is_gone(owner)
+                && self
+                    .releasing
+                    .compare_exchange(owner, me, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+            {
+                for cpu in 0..self.cpus {
+                    for class in 0..CLASSES {
+                        self.head_ref(cpu, class)
+                            .stopped
+                            .store(0, Ordering::Release);
+                    }
+                }
+                return Some(ReleaseLock(&self.releasing));
+            }
             crate::sync::yield_now();
         }
-        ReleaseLock(&self.releasing)
     }
 
     /// Gives CPU `cpu`'s cached objects back to `inner` by the stop-and-fence protocol;
@@ -390,6 +423,8 @@ impl Caches {
         for class in 0..CLASSES {
             self.head_ref(cpu, class).stopped.store(1, Ordering::SeqCst);
         }
+        // Clears the flags however this returns (an inner allocator's `dealloc` may panic).
+        let _resume = Resume { caches: self, cpu };
         let fenced = fence::fence_cpu(cpu as u32);
         if fenced.is_ok() {
             // Acquire: pairs with nothing a section writes, but orders the reads below after
@@ -405,11 +440,6 @@ impl Caches {
             Ok(()) => unsafe { self.empty_owned(cpu, inner) },
             Err(_) => 0,
         };
-        for class in 0..CLASSES {
-            self.head_ref(cpu, class)
-                .stopped
-                .store(0, Ordering::Release);
-        }
         fenced.map(|()| bytes)
     }
 
@@ -423,14 +453,16 @@ impl Caches {
         for (class, size) in CLASS_SIZES.iter().enumerate() {
             let head = self.head_ref(cpu, class);
             let count = head.count.load(Ordering::Relaxed) as usize;
-            for slot in 0..count {
+            // Top down, each object out of the count before it is given back: a `fork` by
+            // another thread meanwhile leaves the child a count that covers no freed object.
+            for slot in (0..count).rev() {
                 let object = self.slot_ref(cpu, class, slot).load(Ordering::Relaxed);
-                // SAFETY: a slot below the count holds an object that a committed push gave
+                head.count.store(slot as u64, Ordering::Relaxed);
+                // SAFETY: a slot below the count held an object that a committed push gave
                 // to the cache: an allocation of the class's layout by `inner`, owned by the
-                // cache alone, and taken out of it by the count's reset below.
+                // cache alone, and taken out of it by the count's store above.
                 unsafe { inner.dealloc(object as *mut u8, class_layout(class)) };
             }
-            head.count.store(0, Ordering::Relaxed);
             bytes += (count * size) as u64;
         }
         bytes
@@ -482,11 +514,48 @@ impl Caches {
     }
 }
 
+#[cfg(all(test, not(thiscpu_model)))]
+impl Caches {
+    /// What a releaser that vanished in the middle of its work leaves: the lock held by
+    /// `thread` and CPU `cpu`'s flags set.
+    pub(super) fn abandon_release(&self, thread: i32, cpu: usize) {
+        self.releasing.store(thread, Ordering::SeqCst);
+        for class in 0..CLASSES {
+            self.head_ref(cpu, class).stopped.store(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether any CPU's flags are set.
+    pub(super) fn stopped_anywhere(&self) -> bool {
+        (0..self.cpus).any(|cpu| {
+            (0..CLASSES).any(|class| self.head_ref(cpu, class).stopped.load(Ordering::SeqCst) != 0)
+        })
+    }
+}
+
 /// The release lock, held until dropped.
-pub(super) struct ReleaseLock<'a>(&'a AtomicBool);
+pub(super) struct ReleaseLock<'a>(&'a AtomicI32);
 
 impl Drop for ReleaseLock<'_> {
     fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
+        self.0.store(0, Ordering::Release);
+    }
+}
+
+/// Clears a stopped CPU's flags when dropped: its stacks go back to the sections, which then
+/// see (release, paired with their acquire load of the flag) everything the releaser stored.
+struct Resume<'a> {
+    caches: &'a Caches,
+    cpu: usize,
+}
+
+impl Drop for Resume<'_> {
+    fn drop(&mut self) {
+        for class in 0..CLASSES {
+            self.caches
+                .head_ref(self.cpu, class)
+                .stopped
+                .store(0, Ordering::Release);
+        }
     }
 }

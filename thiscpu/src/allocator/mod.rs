@@ -391,7 +391,9 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
         if cpu as usize >= caches.cpus {
             return Err(ReleaseError::NoSuchCpu(cpu));
         }
-        let lock = caches.lock_releases();
+        let Some(lock) = caches.lock_releases() else {
+            return Err(ReleaseError::InProgress);
+        };
         match caches.release_fenced(cpu as usize, &self.inner, &lock) {
             Ok(bytes) => Ok(bytes as usize),
             Err(refused) => caches
@@ -645,6 +647,8 @@ pub enum ReleaseError {
         /// Bytes that the other CPUs of the same call gave back.
         released: usize,
     },
+    /// This thread is in the middle of a release already (a signal handler interrupted it).
+    InProgress,
 }
 
 impl core::fmt::Display for ReleaseError {
@@ -660,6 +664,12 @@ impl core::fmt::Display for ReleaseError {
                 "the cache of CPU {cpu} could not be released ({fence}, and this thread cannot \
                  run there); {released} bytes released from other CPUs"
             ),
+            ReleaseError::InProgress => {
+                write!(
+                    f,
+                    "this thread is releasing caches already (a signal handler?)"
+                )
+            }
         }
     }
 }
@@ -668,7 +678,7 @@ impl std::error::Error for ReleaseError {
     fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
         match self {
             ReleaseError::Unavailable { fence, .. } => Some(fence),
-            ReleaseError::NoSuchCpu(_) => None,
+            ReleaseError::NoSuchCpu(_) | ReleaseError::InProgress => None,
         }
     }
 }
@@ -958,6 +968,33 @@ mod tests {
         assert_eq!(
             allocator.release_idle().map(|bytes| bytes as u64),
             Ok(cached)
+        );
+        assert_eq!(allocator.stats().cached_bytes(), 0);
+    }
+
+    #[test]
+    fn a_release_left_by_a_vanished_thread_is_taken_over() {
+        use crate::decided_once::Claimants;
+        let allocator = std::sync::Arc::new(counting(DEFAULT_CACHE_BYTES));
+        churn(&allocator, &[64], 10, 1);
+        let Some(caches) = allocator.started() else {
+            return;
+        };
+        // A thread that has exited: what a releaser in the parent of a `fork` is to the child.
+        let gone = std::thread::spawn(|| crate::os::Threads.me())
+            .join()
+            .unwrap();
+        caches.abandon_release(gone, 0);
+        let (done, finished) = std::sync::mpsc::channel();
+        let releaser = allocator.clone();
+        std::thread::spawn(move || done.send(releaser.release()).unwrap());
+        let released = finished
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("a release waited for a thread that no longer exists");
+        assert!(released.is_ok(), "{released:?}");
+        assert!(
+            !caches.stopped_anywhere(),
+            "the vanished releaser's flags are still set"
         );
         assert_eq!(allocator.stats().cached_bytes(), 0);
     }

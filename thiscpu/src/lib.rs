@@ -135,7 +135,8 @@
 //! - `serde`: `Serialize` and `Deserialize` on the plain data types ([`CpuNode`], [`Source`]
 //!   and the enums in it, written as snake_case ids such as `"rseq_glibc"`,
 //!   [`dense::DenseStats`], [`histogram::HistogramSnapshot`], whose infinite bounds are written
-//!   `"+Inf"`), and `Serialize` on the `metrics` backend's snapshot.
+//!   `"+Inf"`), and `Serialize` on the `metrics` backend's snapshot and on the allocator's
+//!   statistics ([`allocator::AllocStats`]).
 //!
 //! The integrations re-export the crates they plug into (`metrics::metrics`,
 //! `metrics::metrics_util`, `prometheus::prometheus_client`): using those paths keeps a

@@ -55,6 +55,7 @@
 
 mod caches;
 mod classes;
+mod export;
 
 pub use classes::{MAX_CACHED_SIZE, size_classes};
 

@@ -127,7 +127,9 @@
 //! # Features
 //! All are off by default; without them thiscpu depends on `libc` alone. Items that need one
 //! are marked with it in the documentation.
-//! - `metrics`: the `metrics` module, a per-CPU backend for the `metrics` 0.24 facade.
+//! - `metrics`: the `metrics` module, a per-CPU backend for the `metrics` 0.24 facade; and
+//!   `AllocStats::record`, which publishes the allocator's statistics through the facade to
+//!   any recorder.
 //! - `metrics-layer` (implies `metrics`): `metrics::PerCpuLayer`, per-CPU counters in front of
 //!   another recorder, as a `metrics-util` 0.20 `Layer`.
 //! - `prometheus-client`: the `prometheus` module, a per-CPU counter and histogram for a

@@ -1,5 +1,201 @@
-//! A `PerCpuAlloc`'s statistics through the library's integrations: `serde` (feature
-//! `serde`).
+//! A `PerCpuAlloc`'s statistics through the library's integrations: the `metrics` facade
+//! (feature `metrics`) and `serde` (feature `serde`).
+//!
+//! # Calling them from any thread
+//! Exporting reads the caches' words with atomic loads (`PerCpuAlloc::stats`) and takes none
+//! of the allocator's locks: its only one, the release lock, is held by `release`,
+//! `release_cpu` and `release_idle` alone, never by `alloc` or `dealloc`. An export allocates
+//! (the statistics, label strings, the recorder's own tables), and when the
+//! allocator is the global one those allocations re-enter it on the exporting thread; they take
+//! no lock either, so they cannot wait for a lock that the export (or a recorder under it)
+//! holds. Exporting is therefore safe from any thread, at any time, also while other
+//! threads allocate, release or export. It is not for a signal handler, nor for code running
+//! inside an allocation, since it allocates.
+
+/// The series of the table below, one constant each.
+#[cfg(feature = "metrics")]
+mod series {
+    /// One exported series: its name as exposed (counters end in `_total`, byte counts in
+    /// `_bytes`) and its help text.
+    pub(super) struct Series {
+        pub(super) name: &'static str,
+        pub(super) help: &'static str,
+    }
+
+    pub(super) const CACHED_BYTES: Series = Series {
+        name: "thiscpu_alloc_cached_bytes",
+        help: "Bytes of free objects in the CPU's cache",
+    };
+    pub(super) const CACHED_OBJECTS: Series = Series {
+        name: "thiscpu_alloc_cached_objects",
+        help: "Free objects in the CPU's cache",
+    };
+    pub(super) const HITS: Series = Series {
+        name: "thiscpu_alloc_hits_total",
+        help: "Allocations served from the CPU's cache",
+    };
+    pub(super) const MISSES: Series = Series {
+        name: "thiscpu_alloc_misses_total",
+        help: "Allocations that found the CPU's cache empty and went to the inner allocator",
+    };
+    pub(super) const SPILLS: Series = Series {
+        name: "thiscpu_alloc_spills_total",
+        help: "Frees that found the CPU's cache full and went to the inner allocator",
+    };
+    pub(super) const PASSED_THROUGH: Series = Series {
+        name: "thiscpu_alloc_passed_through_total",
+        help: "Calls that found the CPU's cache being released and went to the inner allocator",
+    };
+    pub(super) const HITS_ELSEWHERE: Series = Series {
+        name: "thiscpu_alloc_hits_elsewhere_total",
+        help: "Allocations served from a cache whose hit no CPU's count holds",
+    };
+    pub(super) const CAPACITY_BYTES: Series = Series {
+        name: "thiscpu_alloc_capacity_bytes",
+        help: "The most bytes one CPU's cache holds",
+    };
+    pub(super) const CACHING: Series = Series {
+        name: "thiscpu_alloc_caching",
+        help: "1 while the per-CPU caches are in use, 0 before the first allocation or without rseq",
+    };
+}
+
+/// The series [`AllocStats::record`] publishes, for its documentation.
+#[cfg(feature = "metrics")]
+macro_rules! series_table {
+    () => {
+        "| series | type | labels | value |
+|---|---|---|---|
+| `thiscpu_alloc_cached_bytes` | gauge | `cpu` | [`CpuAllocStats::cached_bytes`] |
+| `thiscpu_alloc_cached_objects` | gauge | `cpu` | [`CpuAllocStats::cached_objects`] |
+| `thiscpu_alloc_hits_total` | counter | `cpu` | [`CpuAllocStats::hits`], only while hits are counted |
+| `thiscpu_alloc_misses_total` | counter | `cpu` | [`CpuAllocStats::misses`] |
+| `thiscpu_alloc_spills_total` | counter | `cpu` | [`CpuAllocStats::spills`] |
+| `thiscpu_alloc_passed_through_total` | counter | `cpu` | [`CpuAllocStats::passed_through`] |
+| `thiscpu_alloc_hits_elsewhere_total` | counter | | [`AllocStats::hits_elsewhere`], only while hits are counted |
+| `thiscpu_alloc_capacity_bytes` | gauge | | [`AllocStats::capacity_bytes`] (per CPU) |
+| `thiscpu_alloc_caching` | gauge | | [`AllocStats::caching`], 1 or 0 |
+
+`cpu` is the CPU's number (`\"0\"`, `\"1\"`, ...). Every possible CPU has its series once the
+caches are in use, none before. All hits are the sum of `thiscpu_alloc_hits_total` over the
+CPUs plus `thiscpu_alloc_hits_elsewhere_total`."
+    };
+}
+
+#[cfg(feature = "metrics")]
+mod facade {
+    use super::series::*;
+    use crate::allocator::{AllocStats, CpuAllocStats, PerCpuAlloc};
+    use core::alloc::GlobalAlloc;
+
+    #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+    impl AllocStats {
+        /// Publishes these figures through the [`metrics`] facade, to whatever recorder is
+        /// installed (thiscpu's [`PerCpuRecorder`](crate::metrics::PerCpuRecorder),
+        /// `metrics-exporter-prometheus`, ...): gauges are `set`, counters raised with
+        /// `absolute`, and every series is described (recorders keep or replace the
+        /// description; either way it is the same).
+        ///
+        #[doc = series_table!()]
+        ///
+        /// Call it periodically, or before each scrape; safe from any thread, also while this
+        /// allocator is the global one and other threads allocate (it takes no lock the
+        /// allocator needs). Shorthand: [`PerCpuAlloc::record_stats`].
+        ///
+        /// ```
+        /// use std::alloc::{GlobalAlloc, Layout};
+        ///
+        /// static ALLOCATOR: thiscpu::PerCpuAlloc = thiscpu::PerCpuAlloc::new();
+        /// let layout = Layout::from_size_align(100, 8).unwrap();
+        /// // SAFETY: a non-zero layout; the object is freed with it.
+        /// unsafe { ALLOCATOR.dealloc(ALLOCATOR.alloc(layout), layout) };
+        ///
+        /// let recorder = thiscpu::metrics::PerCpuRecorder::new();
+        /// let stats = ALLOCATOR.stats();
+        /// metrics::with_local_recorder(&recorder, || stats.record());
+        ///
+        /// let snapshot = recorder.snapshot();
+        /// assert_eq!(snapshot.gauge("thiscpu_alloc_caching"), Some(f64::from(u8::from(stats.caching))));
+        /// for cpu in &stats.per_cpu {
+        ///     let label = vec![metrics::Label::new("cpu", cpu.cpu.to_string())];
+        ///     let key = |name| metrics::Key::from_parts(name, label.clone());
+        ///     assert_eq!(snapshot.counter(key("thiscpu_alloc_misses_total")), Some(cpu.misses));
+        ///     assert_eq!(
+        ///         snapshot.gauge(key("thiscpu_alloc_cached_bytes")),
+        ///         Some(cpu.cached_bytes as f64)
+        ///     );
+        /// }
+        /// ```
+        pub fn record(&self) {
+            // Destructured in full, so that a new field cannot be left out unnoticed.
+            let AllocStats {
+                per_cpu,
+                caching,
+                capacity_bytes,
+                hits_elsewhere,
+            } = self;
+            describe();
+            metrics::gauge!(CACHING.name).set(f64::from(u8::from(*caching)));
+            metrics::gauge!(CAPACITY_BYTES.name).set(*capacity_bytes as f64);
+            if let Some(hits) = hits_elsewhere {
+                metrics::counter!(HITS_ELSEWHERE.name).absolute(*hits);
+            }
+            for stats in per_cpu {
+                let CpuAllocStats {
+                    cpu,
+                    hits,
+                    misses,
+                    spills,
+                    passed_through,
+                    cached_objects,
+                    cached_bytes,
+                } = *stats;
+                let cpu = cpu.to_string();
+                metrics::gauge!(CACHED_BYTES.name, "cpu" => cpu.clone()).set(cached_bytes as f64);
+                metrics::gauge!(CACHED_OBJECTS.name, "cpu" => cpu.clone())
+                    .set(cached_objects as f64);
+                if let Some(hits) = hits {
+                    metrics::counter!(HITS.name, "cpu" => cpu.clone()).absolute(hits);
+                }
+                metrics::counter!(MISSES.name, "cpu" => cpu.clone()).absolute(misses);
+                metrics::counter!(SPILLS.name, "cpu" => cpu.clone()).absolute(spills);
+                metrics::counter!(PASSED_THROUGH.name, "cpu" => cpu).absolute(passed_through);
+            }
+        }
+    }
+
+    /// Describes every series to the current recorder.
+    fn describe() {
+        use metrics::Unit;
+        for gauge in [&CACHED_BYTES, &CAPACITY_BYTES] {
+            metrics::describe_gauge!(gauge.name, Unit::Bytes, gauge.help);
+        }
+        for gauge in [&CACHED_OBJECTS, &CACHING] {
+            metrics::describe_gauge!(gauge.name, gauge.help);
+        }
+        for counter in [&HITS, &MISSES, &SPILLS, &PASSED_THROUGH, &HITS_ELSEWHERE] {
+            metrics::describe_counter!(counter.name, Unit::Count, counter.help);
+        }
+    }
+
+    #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
+    impl<A: GlobalAlloc> PerCpuAlloc<A> {
+        /// Reads the [`stats`](PerCpuAlloc::stats) and publishes them through the `metrics`
+        /// facade: [`AllocStats::record`], which lists the series.
+        ///
+        /// ```
+        /// static ALLOCATOR: thiscpu::PerCpuAlloc = thiscpu::PerCpuAlloc::new();
+        ///
+        /// let recorder = thiscpu::metrics::PerCpuRecorder::new();
+        /// metrics::with_local_recorder(&recorder, || ALLOCATOR.record_stats());
+        /// // Nothing allocated through it yet: the caches are not in use.
+        /// assert_eq!(recorder.snapshot().gauge("thiscpu_alloc_caching"), Some(0.0));
+        /// ```
+        pub fn record_stats(&self) {
+            self.stats().record();
+        }
+    }
+}
 
 #[cfg(feature = "serde")]
 mod serialize {
@@ -64,9 +260,12 @@ mod serialize {
     }
 }
 
-#[cfg(all(test, not(thiscpu_model), feature = "serde"))]
+#[cfg(all(test, not(thiscpu_model), any(feature = "metrics", feature = "serde")))]
 mod tests {
     use super::super::PerCpuAlloc;
+    #[cfg(feature = "metrics")]
+    use {super::super::AllocStats, std::collections::BTreeMap};
+
     use std::alloc::{GlobalAlloc, Layout};
 
     /// An allocator used by one test alone (not the global one), after it allocated, spilled
@@ -102,6 +301,97 @@ mod tests {
             );
         }
         allocator
+    }
+
+    /// Every series and value the table documents for `stats`, keyed as the Prometheus text
+    /// format writes them (`name{cpu="N"}`).
+    #[cfg(feature = "metrics")]
+    fn expected(stats: &AllocStats) -> BTreeMap<String, f64> {
+        let mut series = BTreeMap::new();
+        series.insert(
+            "thiscpu_alloc_caching".into(),
+            f64::from(u8::from(stats.caching)),
+        );
+        series.insert(
+            "thiscpu_alloc_capacity_bytes".into(),
+            stats.capacity_bytes as f64,
+        );
+        if let Some(hits) = stats.hits_elsewhere {
+            series.insert("thiscpu_alloc_hits_elsewhere_total".into(), hits as f64);
+        }
+        for cpu in &stats.per_cpu {
+            let mut add = |name: &str, value: u64| {
+                series.insert(format!("{name}{{cpu=\"{}\"}}", cpu.cpu), value as f64);
+            };
+            add("thiscpu_alloc_cached_bytes", cpu.cached_bytes);
+            add("thiscpu_alloc_cached_objects", cpu.cached_objects);
+            if let Some(hits) = cpu.hits {
+                add("thiscpu_alloc_hits_total", hits);
+            }
+            add("thiscpu_alloc_misses_total", cpu.misses);
+            add("thiscpu_alloc_spills_total", cpu.spills);
+            add("thiscpu_alloc_passed_through_total", cpu.passed_through);
+        }
+        series
+    }
+
+    /// The samples of a Prometheus or OpenMetrics text exposition.
+    #[cfg(feature = "metrics")]
+    fn samples(text: &str) -> BTreeMap<String, f64> {
+        text.lines()
+            .filter(|line| !line.starts_with('#') && !line.is_empty())
+            .map(|line| {
+                let (key, value) = line.rsplit_once(' ').expect("a sample line");
+                (key.to_owned(), value.parse().expect("a number"))
+            })
+            .collect()
+    }
+
+    #[cfg(feature = "metrics")]
+    #[test]
+    fn recorded_metrics_equal_the_stats() {
+        let allocator = churned();
+        let recorder = crate::metrics::PerCpuRecorder::new();
+        metrics::with_local_recorder(&recorder, || allocator.record_stats());
+        let snapshot = recorder.snapshot();
+        let key = |key: &metrics::Key| {
+            let labels: Vec<String> = key
+                .labels()
+                .map(|label| format!("{}=\"{}\"", label.key(), label.value()))
+                .collect();
+            match labels.is_empty() {
+                true => key.name().to_owned(),
+                false => format!("{}{{{}}}", key.name(), labels.join(",")),
+            }
+        };
+        let mut recorded: BTreeMap<String, f64> = snapshot
+            .counters
+            .iter()
+            .map(|(k, value)| (key(k), *value as f64))
+            .collect();
+        recorded.extend(snapshot.gauges.iter().map(|(k, value)| (key(k), *value)));
+        assert_eq!(recorded, expected(&allocator.stats()));
+        let described = |name: &str| {
+            snapshot
+                .descriptions
+                .iter()
+                .any(|d| d.name.as_str() == name)
+        };
+        assert!(
+            recorded
+                .keys()
+                .all(|key| described(key.split('{').next().unwrap()))
+        );
+    }
+
+    #[cfg(feature = "metrics")]
+    #[test]
+    fn the_prometheus_exporter_renders_the_stats() {
+        let allocator = churned();
+        let exporter = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = exporter.handle();
+        metrics::with_local_recorder(&exporter, || allocator.record_stats());
+        assert_eq!(samples(&handle.render()), expected(&allocator.stats()));
     }
 
     #[cfg(feature = "serde")]

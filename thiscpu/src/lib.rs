@@ -133,7 +133,8 @@
 //! - `metrics-layer` (implies `metrics`): `metrics::PerCpuLayer`, per-CPU counters in front of
 //!   another recorder, as a `metrics-util` 0.20 `Layer`.
 //! - `prometheus-client`: the `prometheus` module, a per-CPU counter and histogram for a
-//!   `prometheus-client` 0.26 registry.
+//!   `prometheus-client` 0.26 registry; and `allocator::AllocCollector`, a collector that
+//!   encodes the allocator's statistics at every scrape.
 //! - `serde`: `Serialize` and `Deserialize` on the plain data types ([`CpuNode`], [`Source`]
 //!   and the enums in it, written as snake_case ids such as `"rseq_glibc"`,
 //!   [`dense::DenseStats`], [`histogram::HistogramSnapshot`], whose infinite bounds are written

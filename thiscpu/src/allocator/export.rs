@@ -1,19 +1,24 @@
 //! A `PerCpuAlloc`'s statistics through the library's integrations: the `metrics` facade
-//! (feature `metrics`) and `serde` (feature `serde`).
+//! (feature `metrics`), a `prometheus_client` registry (feature `prometheus-client`) and
+//! `serde` (feature `serde`).
+//!
+//! Both metric exports expose the same series under the same names (the table on
+//! `AllocStats::record` and `AllocCollector`), so dashboards do not depend on which one a
+//! program uses.
 //!
 //! # Calling them from any thread
 //! Exporting reads the caches' words with atomic loads (`PerCpuAlloc::stats`) and takes none
 //! of the allocator's locks: its only one, the release lock, is held by `release`,
 //! `release_cpu` and `release_idle` alone, never by `alloc` or `dealloc`. An export allocates
-//! (the statistics, label strings, the recorder's own tables), and when the
+//! (the statistics, label strings, the recorder's or the registry's own tables), and when the
 //! allocator is the global one those allocations re-enter it on the exporting thread; they take
-//! no lock either, so they cannot wait for a lock that the export (or a recorder under it)
-//! holds. Exporting is therefore safe from any thread, at any time, also while other
+//! no lock either, so they cannot wait for a lock that the export (or a recorder or registry
+//! under it) holds. Exporting is therefore safe from any thread, at any time, also while other
 //! threads allocate, release or export. It is not for a signal handler, nor for code running
 //! inside an allocation, since it allocates.
 
 /// The series of the table below, one constant each.
-#[cfg(feature = "metrics")]
+#[cfg(any(feature = "metrics", feature = "prometheus-client"))]
 mod series {
     /// One exported series: its name as exposed (counters end in `_total`, byte counts in
     /// `_bytes`) and its help text.
@@ -60,8 +65,8 @@ mod series {
     };
 }
 
-/// The series [`AllocStats::record`] publishes, for its documentation.
-#[cfg(feature = "metrics")]
+/// The series both exports expose, for their documentation.
+#[cfg(any(feature = "metrics", feature = "prometheus-client"))]
 macro_rules! series_table {
     () => {
         "| series | type | labels | value |
@@ -197,6 +202,187 @@ mod facade {
     }
 }
 
+#[cfg(feature = "prometheus-client")]
+pub use registry::AllocCollector;
+
+#[cfg(feature = "prometheus-client")]
+mod registry {
+    use super::series::*;
+    use crate::allocator::{AllocStats, CpuAllocStats, PerCpuAlloc};
+    use crate::prometheus::prometheus_client;
+    use core::alloc::GlobalAlloc;
+    use prometheus_client::collector::Collector;
+    use prometheus_client::encoding::{DescriptorEncoder, EncodeGaugeValue};
+    use prometheus_client::metrics::MetricType;
+    use prometheus_client::registry::Unit;
+
+    /// A `prometheus_client` [`Collector`] that encodes a static [`PerCpuAlloc`]'s statistics,
+    /// read afresh at every scrape (every encoding of the registry).
+    ///
+    #[doc = series_table!()]
+    ///
+    /// These are the series [`AllocStats::record`] publishes through the `metrics` facade,
+    /// under the same names: the two series in bytes (`thiscpu_alloc_cached_bytes`,
+    /// `thiscpu_alloc_capacity_bytes`) carry the unit `bytes` (an OpenMetrics `# UNIT` line),
+    /// and the counters get their `_total` as `prometheus_client` adds it. A registry with a prefix (`sub_registry_with_prefix`)
+    /// puts it in front of each name.
+    ///
+    /// Encoding is safe from any thread, also while the allocator is the global one and
+    /// other threads allocate: it takes no lock the allocator needs.
+    ///
+    /// ```
+    /// use std::alloc::{GlobalAlloc, Layout};
+    /// use thiscpu::prometheus::prometheus_client;
+    /// use prometheus_client::registry::Registry;
+    ///
+    /// // In a program, with `#[global_allocator]`.
+    /// static ALLOCATOR: thiscpu::PerCpuAlloc = thiscpu::PerCpuAlloc::new();
+    ///
+    /// let mut registry = Registry::default();
+    /// registry.register_collector(Box::new(thiscpu::allocator::AllocCollector::new(&ALLOCATOR)));
+    ///
+    /// let layout = Layout::from_size_align(100, 8).unwrap();
+    /// // SAFETY: a non-zero layout; the object is freed with it.
+    /// unsafe { ALLOCATOR.dealloc(ALLOCATOR.alloc(layout), layout) };
+    ///
+    /// let mut text = String::new();
+    /// prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    /// let stats = ALLOCATOR.stats();
+    /// assert!(text.contains(&format!("thiscpu_alloc_caching {}\n", u8::from(stats.caching))));
+    /// for cpu in &stats.per_cpu {
+    ///     let line = format!("thiscpu_alloc_cached_bytes{{cpu=\"{}\"}} {}\n", cpu.cpu, cpu.cached_bytes);
+    ///     assert!(text.contains(&line), "{text}");
+    /// }
+    /// ```
+    pub struct AllocCollector<A: GlobalAlloc + Sync + 'static = std::alloc::System> {
+        allocator: &'static PerCpuAlloc<A>,
+    }
+
+    impl<A: GlobalAlloc + Sync + 'static> AllocCollector<A> {
+        /// A collector of `allocator`'s statistics, for
+        /// `Registry::register_collector(Box::new(..))`.
+        pub fn new(allocator: &'static PerCpuAlloc<A>) -> Self {
+            AllocCollector { allocator }
+        }
+    }
+
+    impl<A: GlobalAlloc + Sync + 'static> core::fmt::Debug for AllocCollector<A> {
+        fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+            f.debug_tuple("AllocCollector")
+                .field(self.allocator)
+                .finish()
+        }
+    }
+
+    impl<A: GlobalAlloc + Sync + 'static> Collector for AllocCollector<A> {
+        fn encode(&self, encoder: DescriptorEncoder) -> Result<(), core::fmt::Error> {
+            encode(&self.allocator.stats(), encoder)
+        }
+    }
+
+    /// `stats` as the series of the table above.
+    fn encode(stats: &AllocStats, mut encoder: DescriptorEncoder) -> Result<(), core::fmt::Error> {
+        let AllocStats {
+            per_cpu,
+            caching,
+            capacity_bytes,
+            hits_elsewhere,
+        } = stats;
+        per_cpu_gauge(&mut encoder, &CACHED_BYTES, per_cpu, |cpu| cpu.cached_bytes)?;
+        per_cpu_gauge(&mut encoder, &CACHED_OBJECTS, per_cpu, |cpu| {
+            cpu.cached_objects
+        })?;
+        if per_cpu.iter().all(|cpu| cpu.hits.is_some()) {
+            per_cpu_counter(&mut encoder, &HITS, per_cpu, |cpu| cpu.hits.unwrap_or(0))?;
+        }
+        per_cpu_counter(&mut encoder, &MISSES, per_cpu, |cpu| cpu.misses)?;
+        per_cpu_counter(&mut encoder, &SPILLS, per_cpu, |cpu| cpu.spills)?;
+        per_cpu_counter(&mut encoder, &PASSED_THROUGH, per_cpu, |cpu| {
+            cpu.passed_through
+        })?;
+        if let Some(hits) = hits_elsewhere {
+            let (name, unit) = descriptor(&HITS_ELSEWHERE);
+            encoder
+                .encode_descriptor(
+                    name,
+                    HITS_ELSEWHERE.help,
+                    unit.as_ref(),
+                    MetricType::Counter,
+                )?
+                .encode_counter::<prometheus_client::encoding::NoLabelSet, _, u64>(hits, None)?;
+        }
+        gauge(&mut encoder, &CAPACITY_BYTES, capacity_bytes)?;
+        gauge(&mut encoder, &CACHING, &u64::from(*caching))
+    }
+
+    /// The name and unit to give `prometheus_client` for `series`, which adds `_total` to a
+    /// counter's name and the unit's name to the name.
+    fn descriptor(series: &Series) -> (&'static str, Option<Unit>) {
+        let name = series.name;
+        let name = name.strip_suffix("_total").unwrap_or(name);
+        match name.strip_suffix("_bytes") {
+            Some(stem) => (stem, Some(Unit::Bytes)),
+            None => (name, None),
+        }
+    }
+
+    fn gauge(
+        encoder: &mut DescriptorEncoder,
+        series: &Series,
+        value: &impl EncodeGaugeValue,
+    ) -> Result<(), core::fmt::Error> {
+        let (name, unit) = descriptor(series);
+        encoder
+            .encode_descriptor(name, series.help, unit.as_ref(), MetricType::Gauge)?
+            .encode_gauge(value)
+    }
+
+    /// One gauge per CPU, labelled `cpu`; nothing while there are no CPUs' figures.
+    fn per_cpu_gauge(
+        encoder: &mut DescriptorEncoder,
+        series: &Series,
+        per_cpu: &[CpuAllocStats],
+        value: impl Fn(&CpuAllocStats) -> u64,
+    ) -> Result<(), core::fmt::Error> {
+        if per_cpu.is_empty() {
+            return Ok(());
+        }
+        let (name, unit) = descriptor(series);
+        let mut metric =
+            encoder.encode_descriptor(name, series.help, unit.as_ref(), MetricType::Gauge)?;
+        for cpu in per_cpu {
+            metric
+                .encode_family(&[("cpu", cpu.cpu)])?
+                .encode_gauge(&value(cpu))?;
+        }
+        Ok(())
+    }
+
+    /// One counter per CPU, labelled `cpu`; nothing while there are no CPUs' figures.
+    fn per_cpu_counter(
+        encoder: &mut DescriptorEncoder,
+        series: &Series,
+        per_cpu: &[CpuAllocStats],
+        value: impl Fn(&CpuAllocStats) -> u64,
+    ) -> Result<(), core::fmt::Error> {
+        if per_cpu.is_empty() {
+            return Ok(());
+        }
+        let (name, unit) = descriptor(series);
+        let mut metric =
+            encoder.encode_descriptor(name, series.help, unit.as_ref(), MetricType::Counter)?;
+        for cpu in per_cpu {
+            metric
+                .encode_family(&[("cpu", cpu.cpu)])?
+                .encode_counter::<prometheus_client::encoding::NoLabelSet, _, u64>(
+                    &value(cpu),
+                    None,
+                )?;
+        }
+        Ok(())
+    }
+}
+
 #[cfg(feature = "serde")]
 mod serialize {
     use crate::allocator::{AllocStats, CpuAllocStats};
@@ -260,10 +446,14 @@ mod serialize {
     }
 }
 
-#[cfg(all(test, not(thiscpu_model), any(feature = "metrics", feature = "serde")))]
+#[cfg(all(
+    test,
+    not(thiscpu_model),
+    any(feature = "metrics", feature = "prometheus-client", feature = "serde")
+))]
 mod tests {
     use super::super::PerCpuAlloc;
-    #[cfg(feature = "metrics")]
+    #[cfg(any(feature = "metrics", feature = "prometheus-client"))]
     use {super::super::AllocStats, std::collections::BTreeMap};
 
     use std::alloc::{GlobalAlloc, Layout};
@@ -305,7 +495,7 @@ mod tests {
 
     /// Every series and value the table documents for `stats`, keyed as the Prometheus text
     /// format writes them (`name{cpu="N"}`).
-    #[cfg(feature = "metrics")]
+    #[cfg(any(feature = "metrics", feature = "prometheus-client"))]
     fn expected(stats: &AllocStats) -> BTreeMap<String, f64> {
         let mut series = BTreeMap::new();
         series.insert(
@@ -336,7 +526,7 @@ mod tests {
     }
 
     /// The samples of a Prometheus or OpenMetrics text exposition.
-    #[cfg(feature = "metrics")]
+    #[cfg(any(feature = "metrics", feature = "prometheus-client"))]
     fn samples(text: &str) -> BTreeMap<String, f64> {
         text.lines()
             .filter(|line| !line.starts_with('#') && !line.is_empty())
@@ -392,6 +582,32 @@ mod tests {
         let handle = exporter.handle();
         metrics::with_local_recorder(&exporter, || allocator.record_stats());
         assert_eq!(samples(&handle.render()), expected(&allocator.stats()));
+    }
+
+    #[cfg(feature = "prometheus-client")]
+    #[test]
+    fn the_collector_encodes_the_stats_at_every_scrape() {
+        use crate::prometheus::prometheus_client::encoding::text::encode;
+        use crate::prometheus::prometheus_client::registry::Registry;
+
+        let allocator = churned();
+        let mut registry = Registry::default();
+        registry.register_collector(Box::new(super::AllocCollector::new(allocator)));
+        let mut text = String::new();
+        encode(&mut text, &registry).unwrap();
+        assert_eq!(samples(&text), expected(&allocator.stats()), "{text}");
+        assert!(
+            text.contains("# UNIT thiscpu_alloc_cached_bytes bytes\n"),
+            "{text}"
+        );
+
+        // A later scrape reads the figures again.
+        let layout = Layout::from_size_align(4096, 8).unwrap();
+        // SAFETY: a non-zero layout; freed with it.
+        unsafe { allocator.dealloc(allocator.alloc(layout), layout) };
+        let mut again = String::new();
+        encode(&mut again, &registry).unwrap();
+        assert_eq!(samples(&again), expected(&allocator.stats()), "{again}");
     }
 
     #[cfg(feature = "serde")]

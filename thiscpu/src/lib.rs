@@ -127,15 +127,19 @@
 //! # Features
 //! All are off by default; without them thiscpu depends on `libc` alone. Items that need one
 //! are marked with it in the documentation.
-//! - `metrics`: the `metrics` module, a per-CPU backend for the `metrics` 0.24 facade.
+//! - `metrics`: the `metrics` module, a per-CPU backend for the `metrics` 0.24 facade; and
+//!   `AllocStats::record`, which publishes the allocator's statistics through the facade to
+//!   any recorder.
 //! - `metrics-layer` (implies `metrics`): `metrics::PerCpuLayer`, per-CPU counters in front of
 //!   another recorder, as a `metrics-util` 0.20 `Layer`.
 //! - `prometheus-client`: the `prometheus` module, a per-CPU counter and histogram for a
-//!   `prometheus-client` 0.26 registry.
+//!   `prometheus-client` 0.26 registry; and `allocator::AllocCollector`, a collector that
+//!   encodes the allocator's statistics at every scrape.
 //! - `serde`: `Serialize` and `Deserialize` on the plain data types ([`CpuNode`], [`Source`]
 //!   and the enums in it, written as snake_case ids such as `"rseq_glibc"`,
 //!   [`dense::DenseStats`], [`histogram::HistogramSnapshot`], whose infinite bounds are written
-//!   `"+Inf"`), and `Serialize` on the `metrics` backend's snapshot.
+//!   `"+Inf"`), and `Serialize` on the `metrics` backend's snapshot and on the allocator's
+//!   statistics ([`allocator::AllocStats`]).
 //!
 //! The integrations re-export the crates they plug into (`metrics::metrics`,
 //! `metrics::metrics_util`, `prometheus::prometheus_client`): using those paths keeps a

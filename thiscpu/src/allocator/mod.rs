@@ -55,8 +55,12 @@
 
 mod caches;
 mod classes;
+mod export;
 
 pub use classes::{MAX_CACHED_SIZE, size_classes};
+#[cfg(feature = "prometheus-client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "prometheus-client")))]
+pub use export::AllocCollector;
 
 use crate::fence::FenceUnavailable;
 use crate::ops::{self, ByCpu, StackOutcome};

@@ -79,6 +79,9 @@
 //!   read-mostly data, whose readers count themselves per CPU with restartable sequences (no
 //!   atomic instruction, no shared cache line written) and whose writers fence with
 //!   `membarrier`.
+//! - [`PerCpuAlloc`]: a per-CPU cache of small objects in front of any global allocator
+//!   (`#[global_allocator]` in one line), each `alloc` a restartable pop and each `dealloc` a
+//!   restartable push, bounded per CPU, releasable from any thread ([`allocator`]).
 //! - [`CpuMask`]: a set of CPUs whose `set` skips the atomic write when the bit already holds.
 //! - [`fence`]: `membarrier`-based fences that let one thread take over another CPU's data.
 //! - [`ops`]: the raw restartable operations (add, compare-and-store, list pop and push) for

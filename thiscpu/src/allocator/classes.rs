@@ -55,12 +55,14 @@ pub fn size_classes() -> &'static [usize] {
 /// aligned beyond [`CACHED_ALIGN`]).
 #[inline(always)]
 pub(crate) fn class_of(layout: Layout) -> Option<usize> {
-    // One comparison for both bounds: an alignment beyond 16 scaled by 256 is beyond 4096.
-    const _: () = assert!(CACHED_ALIGN * 256 == MAX_CACHED_SIZE);
-    if layout.size().max(layout.align() << 8) > MAX_CACHED_SIZE {
+    if layout.align() > CACHED_ALIGN {
         return None;
     }
-    Some(CLASS_OF[layout.size().div_ceil(16)] as usize)
+    // The table's bounds are the size limit: one comparison for both. A layout's size is at
+    // most `isize::MAX`, so adding 15 cannot wrap.
+    CLASS_OF
+        .get((layout.size() + 15) >> 4)
+        .map(|&class| class as usize)
 }
 
 /// The layout every object of `class` is allocated with from the inner allocator.

@@ -3,8 +3,9 @@
 //!
 //! A CPU's region holds, each part starting on a line of its own:
 //! - a stack head (`count`, `stopped`) per size class, as tcmalloc's slab keeps one per class;
-//! - the counters of the slow paths (misses, spills, pass-throughs), updated atomically;
-//! - the hit count, written only by restartable sequences on that CPU;
+//! - the tallies of hits, misses and spills, written only by restartable sequences on that
+//!   CPU (a thread that cannot commit one adds it atomically to a word beside them instead);
+//! - the pass-through count and the releaser's notes, updated atomically;
 //! - each class's slots: `capacity[class]` object addresses.
 //!
 //! A pop and a push are one guarded stack section each (`ops::stack_pop`, `ops::stack_push`,
@@ -47,14 +48,28 @@ const MAX_SLOTS_PER_CLASS: usize = 2048;
 /// The alignment of each part of a region: a cache line on every supported machine.
 const LINE: usize = 128;
 
-/// The counters of one CPU's slow paths, written with atomic read-modify-writes (never by
-/// sections), and the releaser's note of the CPU's activity.
+/// What a CPU's tallies count: the index of each one's word.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Tally {
+    /// Allocations served from the cache (counted only when asked for).
+    Hits = 0,
+    /// Allocations that found the cache empty.
+    Misses = 1,
+    /// Frees that found it full.
+    Spills = 2,
+}
+
+const TALLIES: usize = 3;
+
+/// One CPU's counters that sections do not write: updated with atomic read-modify-writes,
+/// rarely (a call that found the cache being released), and the releaser's note.
 #[derive(Default)]
 #[repr(C)]
 pub(super) struct SlowCounters {
-    pub(super) misses: AtomicU64,
-    pub(super) spills: AtomicU64,
     pub(super) passed: AtomicU64,
+    /// Tallies of this CPU that no section could commit (a thread that aborted
+    /// `ABORT_LIMIT` times in a row), by `Tally`.
+    uncommitted: [AtomicU64; TALLIES],
     /// What `release_idle` saw of the CPU last time (see `Caches::activity`).
     seen: AtomicU64,
 }
@@ -70,15 +85,13 @@ pub(super) struct Caches {
     /// multiplication, on the fast path).
     stride_shift: u32,
     counters_offset: usize,
-    hits_offset: usize,
+    tallies_offset: usize,
     slot_offsets: [usize; CLASSES],
     capacities: [u64; CLASSES],
     /// The layout the whole allocation was made with.
     layout: Layout,
     /// The thread id of the release in progress, 0 if none.
     releasing: AtomicI32,
-    /// Hits whose count no section could commit (a thread aborted `ABORT_LIMIT` times).
-    hits_elsewhere: AtomicU64,
 }
 
 /// Rounds `n` up to a multiple of `to`, a power of two.
@@ -103,9 +116,9 @@ impl Caches {
         }
         let heads = CLASSES * size_of::<StackHead>();
         let counters_offset = round_up(heads, LINE);
-        let hits_offset = round_up(counters_offset + size_of::<SlowCounters>(), LINE);
+        let tallies_offset = round_up(counters_offset + size_of::<SlowCounters>(), LINE);
         let mut slot_offsets = [0usize; CLASSES];
-        let mut end = round_up(hits_offset + size_of::<SectionWord>(), LINE);
+        let mut end = round_up(tallies_offset + TALLIES * size_of::<SectionWord>(), LINE);
         for (offset, &capacity) in slot_offsets.iter_mut().zip(&capacities) {
             *offset = end;
             end += capacity as usize * size_of::<Slot>();
@@ -131,12 +144,11 @@ impl Caches {
                 cpus,
                 stride_shift,
                 counters_offset,
-                hits_offset,
+                tallies_offset,
                 slot_offsets,
                 capacities,
                 layout,
                 releasing: AtomicI32::new(0),
-                hits_elsewhere: AtomicU64::new(0),
             })
         };
         // SAFETY: just written.
@@ -156,9 +168,11 @@ impl Caches {
                         slots.add(slot).write(Slot::new(0));
                     }
                 }
-                made.hits_word(cpu)
-                    .cast::<SectionWord>()
-                    .write(SectionWord::new(0));
+                for tally in 0..TALLIES {
+                    made.tally_word(cpu, tally)
+                        .cast::<SectionWord>()
+                        .write(SectionWord::new(0));
+                }
             }
         }
         Some(made)
@@ -185,7 +199,9 @@ impl Caches {
                         core::ptr::drop_in_place(slots.add(slot));
                     }
                 }
-                core::ptr::drop_in_place(this.hits_word(cpu).cast::<SectionWord>());
+                for tally in 0..TALLIES {
+                    core::ptr::drop_in_place(this.tally_word(cpu, tally).cast::<SectionWord>());
+                }
             }
         }
         let layout = this.layout;
@@ -209,9 +225,12 @@ impl Caches {
             .cast()
     }
 
-    fn hits_word(&self, cpu: usize) -> *mut u64 {
+    /// CPU `cpu`'s word for tally number `tally` (`cpu` below `self.cpus`).
+    fn tally_word(&self, cpu: usize, tally: usize) -> *mut u64 {
         self.base
-            .wrapping_add((cpu << self.stride_shift) + self.hits_offset)
+            .wrapping_add(
+                (cpu << self.stride_shift) + self.tallies_offset + tally * size_of::<SectionWord>(),
+            )
             .cast()
     }
 
@@ -283,19 +302,18 @@ impl Caches {
         }
     }
 
-    /// Counts one hit on the calling thread's CPU, retrying aborts; a thread that cannot commit
-    /// the count adds it to a shared word instead, so the total stays exact.
-    pub(super) fn count_hit(&self) {
+    /// Counts one `tally` on the CPU of `at` (which the caller just read, on a CPU below
+    /// `self.cpus`), or, if that section aborts, on the calling thread's CPU then, retrying; a
+    /// thread that cannot commit the count adds it atomically to that CPU's uncommitted word,
+    /// so that the total stays exact.
+    pub(super) fn count(&self, mut at: Position<ByCpu>, tally: Tally) {
         let mut aborts = ops::AbortRun::new();
-        while let Some(at) = ops::position() {
-            let cpu = at.index() as usize;
-            if cpu >= self.cpus {
-                break;
-            }
-            // SAFETY: the word is CPU `cpu`'s hit count, written only by sections positioned
-            // on `cpu` (this one), 8-byte aligned on a line of its own; readers load it
-            // atomically.
-            match unsafe { ops::load_add_store(at, self.hits_word(cpu), 1) } {
+        let mut cpu = at.index() as usize;
+        loop {
+            // SAFETY: `at` was read by this thread; the word is CPU `cpu`'s tally, written only
+            // by sections positioned on `cpu` (like this one), 8-byte aligned, on a line that
+            // no other CPU writes; readers load it atomically.
+            match unsafe { ops::load_add_store(at, self.tally_word(cpu, tally as usize), 1) } {
                 ops::Outcome::Committed(()) => return,
                 _ => {
                     ops::note_abort();
@@ -304,21 +322,25 @@ impl Caches {
                     }
                 }
             }
+            match ops::position() {
+                Some(now) if (now.index() as usize) < self.cpus => {
+                    at = now;
+                    cpu = at.index() as usize;
+                }
+                _ => break,
+            }
         }
-        self.hits_elsewhere.fetch_add(1, Ordering::Relaxed);
+        self.counters(cpu).uncommitted[tally as usize].fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Hits counted on CPU `cpu`.
-    pub(super) fn hits(&self, cpu: usize) -> u64 {
-        assert!(cpu < self.cpus);
-        // SAFETY: CPU `cpu`'s hit word, initialised; sections write it with plain stores of
-        // whole words, which an atomic load may read.
-        unsafe { &*self.hits_word(cpu).cast::<SectionWord>() }.load(Ordering::Relaxed)
-    }
-
-    /// Hits that no CPU's count holds.
-    pub(super) fn hits_elsewhere(&self) -> u64 {
-        self.hits_elsewhere.load(Ordering::Relaxed)
+    /// `tally` counted on CPU `cpu`.
+    pub(super) fn tally(&self, cpu: usize, tally: Tally) -> u64 {
+        let uncommitted = self.counters(cpu).uncommitted[tally as usize].load(Ordering::Relaxed);
+        // SAFETY: CPU `cpu`'s tally word (`counters` checked the CPU), initialised; sections
+        // write it with plain stores of whole words, which an atomic load may read.
+        let committed = unsafe { &*self.tally_word(cpu, tally as usize).cast::<SectionWord>() }
+            .load(Ordering::Relaxed);
+        committed + uncommitted
     }
 
     /// Objects and bytes in CPU `cpu`'s cache now.
@@ -345,14 +367,13 @@ impl Caches {
     /// A fingerprint of CPU `cpu`'s cache: its counts and its slow paths' counters. Unchanged
     /// between two looks means no miss, spill or change of contents in between.
     pub(super) fn activity(&self, cpu: usize) -> u64 {
-        let counters = self.counters(cpu);
         let mut fingerprint = 0xcbf2_9ce4_8422_2325u64;
         let counts =
             (0..CLASSES).map(|class| self.head_ref(cpu, class).count.load(Ordering::Relaxed));
         for word in [
-            counters.misses.load(Ordering::Relaxed),
-            counters.spills.load(Ordering::Relaxed),
-            self.hits(cpu),
+            self.tally(cpu, Tally::Misses),
+            self.tally(cpu, Tally::Spills),
+            self.tally(cpu, Tally::Hits),
         ]
         .into_iter()
         .chain(counts)

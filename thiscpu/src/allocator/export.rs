@@ -51,10 +51,6 @@ mod series {
         name: "thiscpu_alloc_passed_through_total",
         help: "Calls that found the CPU's cache being released and went to the inner allocator",
     };
-    pub(super) const HITS_ELSEWHERE: Series = Series {
-        name: "thiscpu_alloc_hits_elsewhere_total",
-        help: "Allocations served from a cache whose hit no CPU's count holds",
-    };
     pub(super) const CAPACITY_BYTES: Series = Series {
         name: "thiscpu_alloc_capacity_bytes",
         help: "The most bytes one CPU's cache holds",
@@ -77,13 +73,11 @@ macro_rules! series_table {
 | `thiscpu_alloc_misses_total` | counter | `cpu` | [`CpuAllocStats::misses`] |
 | `thiscpu_alloc_spills_total` | counter | `cpu` | [`CpuAllocStats::spills`] |
 | `thiscpu_alloc_passed_through_total` | counter | `cpu` | [`CpuAllocStats::passed_through`] |
-| `thiscpu_alloc_hits_elsewhere_total` | counter | | [`AllocStats::hits_elsewhere`], only while hits are counted |
 | `thiscpu_alloc_capacity_bytes` | gauge | | [`AllocStats::capacity_bytes`] (per CPU) |
 | `thiscpu_alloc_caching` | gauge | | [`AllocStats::caching`], 1 or 0 |
 
 `cpu` is the CPU's number (`\"0\"`, `\"1\"`, ...). Every possible CPU has its series once the
-caches are in use, none before. All hits are the sum of `thiscpu_alloc_hits_total` over the
-CPUs plus `thiscpu_alloc_hits_elsewhere_total`."
+caches are in use, none before."
     };
 }
 
@@ -137,14 +131,11 @@ mod facade {
                 per_cpu,
                 caching,
                 capacity_bytes,
-                hits_elsewhere,
+                counting_hits: _,
             } = self;
             describe();
             metrics::gauge!(CACHING.name).set(f64::from(u8::from(*caching)));
             metrics::gauge!(CAPACITY_BYTES.name).set(*capacity_bytes as f64);
-            if let Some(hits) = hits_elsewhere {
-                metrics::counter!(HITS_ELSEWHERE.name).absolute(*hits);
-            }
             for stats in per_cpu {
                 let CpuAllocStats {
                     cpu,
@@ -178,7 +169,7 @@ mod facade {
         for gauge in [&CACHED_OBJECTS, &CACHING] {
             metrics::describe_gauge!(gauge.name, gauge.help);
         }
-        for counter in [&HITS, &MISSES, &SPILLS, &PASSED_THROUGH, &HITS_ELSEWHERE] {
+        for counter in [&HITS, &MISSES, &SPILLS, &PASSED_THROUGH] {
             metrics::describe_counter!(counter.name, Unit::Count, counter.help);
         }
     }
@@ -286,7 +277,7 @@ mod registry {
             per_cpu,
             caching,
             capacity_bytes,
-            hits_elsewhere,
+            counting_hits: _,
         } = stats;
         per_cpu_gauge(&mut encoder, &CACHED_BYTES, per_cpu, |cpu| cpu.cached_bytes)?;
         per_cpu_gauge(&mut encoder, &CACHED_OBJECTS, per_cpu, |cpu| {
@@ -300,17 +291,6 @@ mod registry {
         per_cpu_counter(&mut encoder, &PASSED_THROUGH, per_cpu, |cpu| {
             cpu.passed_through
         })?;
-        if let Some(hits) = hits_elsewhere {
-            let (name, unit) = descriptor(&HITS_ELSEWHERE);
-            encoder
-                .encode_descriptor(
-                    name,
-                    HITS_ELSEWHERE.help,
-                    unit.as_ref(),
-                    MetricType::Counter,
-                )?
-                .encode_counter::<prometheus_client::encoding::NoLabelSet, _, u64>(hits, None)?;
-        }
         gauge(&mut encoder, &CAPACITY_BYTES, capacity_bytes)?;
         gauge(&mut encoder, &CACHING, &u64::from(*caching))
     }
@@ -389,14 +369,14 @@ mod serialize {
 
     /// With the `serde` feature, the statistics serialize as their fields, under their names:
     /// `{"per_cpu": [{"cpu", "hits", "misses", "spills", "passed_through", "cached_objects",
-    /// "cached_bytes"}, ..], "caching", "capacity_bytes", "hits_elsewhere"}`, with `null` for hits
+    /// "cached_bytes"}, ..], "caching", "capacity_bytes", "counting_hits"}`, with `null` for hits
     /// that are not counted.
     ///
     /// ```
     /// let stats = thiscpu::PerCpuAlloc::new().counting_hits().stats();
     /// let json = serde_json::to_value(&stats).unwrap();
     /// assert_eq!(json["caching"], false);
-    /// assert_eq!(json["hits_elsewhere"], 0);
+    /// assert_eq!(json["counting_hits"], true);
     /// assert_eq!(json["per_cpu"], serde_json::json!([]));
     /// ```
     #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
@@ -407,13 +387,13 @@ mod serialize {
                 per_cpu,
                 caching,
                 capacity_bytes,
-                hits_elsewhere,
+                counting_hits,
             } = self;
             let mut state = serializer.serialize_struct("AllocStats", 4)?;
             state.serialize_field("per_cpu", per_cpu)?;
             state.serialize_field("caching", caching)?;
             state.serialize_field("capacity_bytes", capacity_bytes)?;
-            state.serialize_field("hits_elsewhere", hits_elsewhere)?;
+            state.serialize_field("counting_hits", counting_hits)?;
             state.end()
         }
     }
@@ -506,9 +486,6 @@ mod tests {
             "thiscpu_alloc_capacity_bytes".into(),
             stats.capacity_bytes as f64,
         );
-        if let Some(hits) = stats.hits_elsewhere {
-            series.insert("thiscpu_alloc_hits_elsewhere_total".into(), hits as f64);
-        }
         for cpu in &stats.per_cpu {
             let mut add = |name: &str, value: u64| {
                 series.insert(format!("{name}{{cpu=\"{}\"}}", cpu.cpu), value as f64);
@@ -633,10 +610,10 @@ mod tests {
             "per_cpu": per_cpu,
             "caching": stats.caching,
             "capacity_bytes": stats.capacity_bytes,
-            "hits_elsewhere": stats.hits_elsewhere,
+            "counting_hits": stats.counting_hits,
         });
         assert_eq!(serde_json::to_value(&stats).unwrap(), expected);
         let uncounted = serde_json::to_value(PerCpuAlloc::new().stats()).unwrap();
-        assert_eq!(uncounted["hits_elsewhere"], serde_json::Value::Null);
+        assert_eq!(uncounted["counting_hits"], false);
     }
 }

@@ -66,7 +66,7 @@ use crate::fence::FenceUnavailable;
 use crate::ops::{self, ByCpu, StackOutcome};
 use crate::registration::{self, Registrar};
 use crate::topology;
-use caches::Caches;
+use caches::{Caches, Tally};
 use classes::class_layout;
 use core::alloc::{GlobalAlloc, Layout};
 use core::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
@@ -232,13 +232,24 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
             let at = ops::position_as_is::<ByCpu>();
             if (at.index() as usize) < caches.cpus {
                 // SAFETY: `at` was just read on this thread; its index is below the CPUs.
-                let (outcome, object) = unsafe { caches.pop_at(at, class) };
-                if outcome == StackOutcome::Committed {
-                    return object as *mut u8;
+                match unsafe { caches.pop_at(at, class) } {
+                    (StackOutcome::Committed, object) => return object as *mut u8,
+                    (StackOutcome::Refused, _) => return self.miss(caches, at, class),
+                    _ => {}
                 }
             }
         }
         self.take_slow(class)
+    }
+
+    /// The cache of `at`'s CPU had no object of `class`: counts the miss there and asks the
+    /// inner allocator.
+    #[cold]
+    #[inline(never)]
+    fn miss(&self, caches: &Caches, at: ops::Position<ByCpu>, class: usize) -> *mut u8 {
+        caches.count(at, Tally::Misses);
+        // SAFETY: a class layout is never zero-sized.
+        unsafe { self.inner.alloc(class_layout(class)) }
     }
 
     #[cold]
@@ -255,14 +266,11 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
                 match unsafe { caches.pop_at(at, class) } {
                     (StackOutcome::Committed, object) => {
                         if self.count_hits {
-                            caches.count_hit();
+                            caches.count(at, Tally::Hits);
                         }
                         return object as *mut u8;
                     }
-                    (StackOutcome::Refused, _) => {
-                        caches.counters(cpu).misses.fetch_add(1, Ordering::Relaxed);
-                        break;
-                    }
+                    (StackOutcome::Refused, _) => return self.miss(caches, at, class),
                     (StackOutcome::Stopped, _) => {
                         caches.counters(cpu).passed.fetch_add(1, Ordering::Relaxed);
                         break;
@@ -292,13 +300,38 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
             if (at.index() as usize) < caches.cpus {
                 // SAFETY: `at` was just read on this thread, its index is below the CPUs, and
                 // the object is the caller's to give.
-                if unsafe { caches.push_at(at, class, object) } == StackOutcome::Committed {
-                    return;
+                match unsafe { caches.push_at(at, class, object) } {
+                    StackOutcome::Committed => return,
+                    StackOutcome::Refused => {
+                        // SAFETY: the push did not commit: the object is still the caller's.
+                        return unsafe { self.spill(caches, at, object, class) };
+                    }
+                    _ => {}
                 }
             }
         }
         // SAFETY: forwarded contract (the push did not commit: the object is still ours).
         unsafe { self.give_slow(object, class) }
+    }
+
+    /// The cache of `at`'s CPU was full: counts the spill there and gives `object` to the
+    /// inner allocator.
+    ///
+    /// # Safety
+    /// As for [`PerCpuAlloc::give`].
+    #[cold]
+    #[inline(never)]
+    unsafe fn spill(
+        &self,
+        caches: &Caches,
+        at: ops::Position<ByCpu>,
+        object: *mut u8,
+        class: usize,
+    ) {
+        caches.count(at, Tally::Spills);
+        // SAFETY: the object is an allocation of the class's layout by the inner allocator,
+        // and no cache took it.
+        unsafe { self.inner.dealloc(object, class_layout(class)) }
     }
 
     /// # Safety
@@ -317,8 +350,8 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
                 match unsafe { caches.push_at(at, class, object) } {
                     StackOutcome::Committed => return,
                     StackOutcome::Refused => {
-                        caches.counters(cpu).spills.fetch_add(1, Ordering::Relaxed);
-                        break;
+                        // SAFETY: as in `give`.
+                        return unsafe { self.spill(caches, at, object, class) };
                     }
                     StackOutcome::Stopped => {
                         caches.counters(cpu).passed.fetch_add(1, Ordering::Relaxed);
@@ -352,7 +385,7 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
                 per_cpu: Vec::new(),
                 caching: false,
                 capacity_bytes: 0,
-                hits_elsewhere: self.count_hits.then_some(0),
+                counting_hits: self.count_hits,
             };
         };
         let per_cpu = (0..caches.cpus)
@@ -361,9 +394,9 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
                 let (cached_objects, cached_bytes) = caches.cached(cpu);
                 CpuAllocStats {
                     cpu: cpu as u32,
-                    hits: self.count_hits.then(|| caches.hits(cpu)),
-                    misses: counters.misses.load(Ordering::Relaxed),
-                    spills: counters.spills.load(Ordering::Relaxed),
+                    hits: self.count_hits.then(|| caches.tally(cpu, Tally::Hits)),
+                    misses: caches.tally(cpu, Tally::Misses),
+                    spills: caches.tally(cpu, Tally::Spills),
                     passed_through: counters.passed.load(Ordering::Relaxed),
                     cached_objects,
                     cached_bytes,
@@ -374,7 +407,7 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
             per_cpu,
             caching: true,
             capacity_bytes: caches.capacity_bytes(),
-            hits_elsewhere: self.count_hits.then(|| caches.hits_elsewhere()),
+            counting_hits: self.count_hits,
         }
     }
 
@@ -541,6 +574,8 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for PerCpuAlloc<A> {
             (Some(old), Some(new)) if old == new => ptr,
             // SAFETY: neither layout is cached: the inner allocator made `ptr` with `layout`.
             (None, None) => unsafe { self.inner.realloc(ptr, layout, new_size) },
+            // SAFETY: forwarded contract.
+            (Some(old), Some(new)) => unsafe { self.move_between_classes(ptr, layout, old, new) },
             _ => {
                 // SAFETY: `new_layout` is non-zero (the caller's contract).
                 let moved = unsafe { self.alloc(new_layout) };
@@ -556,6 +591,54 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for PerCpuAlloc<A> {
                 moved
             }
         }
+    }
+}
+
+impl<A: GlobalAlloc> PerCpuAlloc<A> {
+    /// `realloc` from one cached class to another: into an object of the new class from this
+    /// CPU's cache if it has one (the old object then goes back to the cache), or else by the
+    /// inner allocator's own `realloc`, which may grow or shrink the object where it lies: both
+    /// objects are allocations of their class's layout by it, so it can move one into the
+    /// other, where a miss and a spill would cost two calls and a copy.
+    ///
+    /// # Safety
+    /// As for `GlobalAlloc::realloc`; `layout` is of class `old`, and the new size of class
+    /// `new`.
+    unsafe fn move_between_classes(
+        &self,
+        ptr: *mut u8,
+        layout: Layout,
+        old: usize,
+        new: usize,
+    ) -> *mut u8 {
+        let new_size = classes::CLASS_SIZES[new];
+        if let Some(caches) = self.started() {
+            let at = ops::position_as_is::<ByCpu>();
+            if (at.index() as usize) < caches.cpus {
+                // SAFETY: `at` was just read on this thread; its index is below the CPUs.
+                match unsafe { caches.pop_at(at, new) } {
+                    (StackOutcome::Committed, moved) => {
+                        if self.count_hits {
+                            caches.count(at, Tally::Hits);
+                        }
+                        let moved = moved as *mut u8;
+                        // SAFETY: both objects hold at least the smaller size and are distinct
+                        // live allocations; the old one, of class `old`, is given up.
+                        unsafe {
+                            core::ptr::copy_nonoverlapping(ptr, moved, layout.size().min(new_size));
+                            self.give(ptr, old);
+                        }
+                        return moved;
+                    }
+                    (StackOutcome::Refused, _) => caches.count(at, Tally::Misses),
+                    _ => {}
+                }
+            }
+        }
+        // SAFETY: `ptr` is an allocation of `old`'s class layout by the inner allocator (every
+        // cached-size object is); what it returns is one of `new`'s class layout (the same
+        // alignment, the class's size), or null with `ptr` left as it was.
+        unsafe { self.inner.realloc(ptr, class_layout(old), new_size) }
     }
 }
 
@@ -587,16 +670,15 @@ pub struct AllocStats {
     /// The most bytes one CPU can cache (what [`PerCpuAlloc::with_cache_bytes`] allows, less
     /// the rounding of each class's share to whole objects).
     pub capacity_bytes: u64,
-    /// Hits counted outside every CPU's count (a thread that could not commit one), `None`
-    /// unless hits are counted.
-    pub hits_elsewhere: Option<u64>,
+    /// Whether hits are counted ([`PerCpuAlloc::counting_hits`]).
+    pub counting_hits: bool,
 }
 
 impl AllocStats {
     /// Allocations served from a cache, `None` unless [`PerCpuAlloc::counting_hits`].
     pub fn hits(&self) -> Option<u64> {
-        let elsewhere = self.hits_elsewhere?;
-        Some(elsewhere + self.per_cpu.iter().filter_map(|cpu| cpu.hits).sum::<u64>())
+        self.counting_hits
+            .then(|| self.per_cpu.iter().filter_map(|cpu| cpu.hits).sum())
     }
 
     /// Allocations that found their CPU's cache empty.

@@ -267,8 +267,8 @@ pub fn bench_options(args: BenchArgs) -> Result<Options, Error> {
 /// `thiscpu stress`'s options.
 #[derive(Debug, clap::Args)]
 pub struct StressArgs {
-    /// How long each of the two parts (the counter, then the pool) runs, in seconds (fractions
-    /// allowed): the whole run takes about twice N.
+    /// How long each of the three parts (the counter, the pool, then the allocator) runs, in
+    /// seconds (fractions allowed): the whole run takes about three times N.
     #[arg(
         long,
         value_name = "N",

@@ -1,0 +1,561 @@
+//! The per-CPU caches of a [`super::PerCpuAlloc`]: one allocation from the inner allocator
+//! that holds a header and, for every possible CPU, a region of its own.
+//!
+//! A CPU's region holds, each part starting on a line of its own:
+//! - a stack head (`count`, `stopped`) per size class, as tcmalloc's slab keeps one per class;
+//! - the counters of the slow paths (misses, spills, pass-throughs), updated atomically;
+//! - the hit count, written only by restartable sequences on that CPU;
+//! - each class's slots: `capacity[class]` object addresses.
+//!
+//! A pop and a push are one guarded stack section each (`ops::stack_pop`, `ops::stack_push`,
+//! the pool's): check `stopped`, read `count`, move one address, commit the count with one
+//! store. The count is the only word they commit, so it is exact: an aborted push leaves an
+//! address in a slot no count covers, an aborted pop changes nothing.
+//!
+//! # Releasing a CPU's cache
+//! Under the release lock, the releaser sets `stopped` on every class of the CPU, fences that
+//! CPU once (`fence::fence_cpu`: a section that read `stopped` clear before the store has
+//! committed or aborted when the fence returns, and every later one sees it set and leaves),
+//! gives every cached object back to the inner allocator, stores 0 into each count and clears
+//! the flags with a release store. Sections never write `stopped`, and releases are
+//! serialised, so no step has to check that it still owns the flags. Where membarrier is
+//! refused, the releaser runs on the CPU and pops its stacks there with the same sections.
+//!
+//! # Memory
+//! Pages are touched only where a CPU pushes: the region is allocated zeroed (zero is an empty
+//! stack, an unset flag and a zero counter), so a CPU that never caches costs address space
+//! only. Each class holds at most `per_cpu_bytes / CLASSES` bytes, so a CPU never caches more
+//! than `per_cpu_bytes`.
+//!
+//! # Safety
+//! The sections index the slots without bounds checks, from addresses computed here; the
+//! releaser reads and writes a stopped and fenced CPU's stacks. Each block states why it holds.
+
+use super::classes::{CLASS_SIZES, CLASSES, class_layout};
+use crate::decided_once::Claimants;
+use crate::fence::{self, FenceUnavailable};
+use crate::ops::{self, ByCpu, Position, StackHead, StackOutcome};
+use crate::sync::atomic::{AtomicU64 as SectionWord, AtomicUsize as Slot};
+use crate::topology;
+use core::alloc::{GlobalAlloc, Layout};
+use core::mem::size_of;
+use core::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+
+/// The most objects one class caches per CPU.
+const MAX_SLOTS_PER_CLASS: usize = 2048;
+
+/// The alignment of each part of a region: a cache line on every supported machine.
+const LINE: usize = 128;
+
+/// The counters of one CPU's slow paths, written with atomic read-modify-writes (never by
+/// sections), and the releaser's note of the CPU's activity.
+#[derive(Default)]
+#[repr(C)]
+pub(super) struct SlowCounters {
+    pub(super) misses: AtomicU64,
+    pub(super) spills: AtomicU64,
+    pub(super) passed: AtomicU64,
+    /// What `release_idle` saw of the CPU last time (see `Caches::activity`).
+    seen: AtomicU64,
+}
+
+/// The header of the caches' allocation, and the map of a CPU's region.
+pub(super) struct Caches {
+    /// Start of CPU 0's region.
+    base: *mut u8,
+    /// Regions: possible CPUs when the caches were made.
+    pub(super) cpus: usize,
+    /// Bytes from one CPU's region to the next.
+    /// log2 of the bytes from one CPU's region to the next (a power of two: a shift, not a
+    /// multiplication, on the fast path).
+    stride_shift: u32,
+    counters_offset: usize,
+    hits_offset: usize,
+    slot_offsets: [usize; CLASSES],
+    capacities: [u64; CLASSES],
+    /// The layout the whole allocation was made with.
+    layout: Layout,
+    /// The thread id of the release in progress, 0 if none.
+    releasing: AtomicI32,
+    /// Hits whose count no section could commit (a thread aborted `ABORT_LIMIT` times).
+    hits_elsewhere: AtomicU64,
+}
+
+/// Rounds `n` up to a multiple of `to`, a power of two.
+const fn round_up(n: usize, to: usize) -> usize {
+    (n + to - 1) & !(to - 1)
+}
+
+impl Caches {
+    /// Allocates and initialises the caches of `cpus` CPUs holding at most `per_cpu_bytes`
+    /// each, from `inner`. `None` if the inner allocator refuses, or if nothing would be cached.
+    pub(super) fn allocate<A: GlobalAlloc>(
+        inner: &A,
+        cpus: usize,
+        per_cpu_bytes: usize,
+    ) -> Option<*const Caches> {
+        let mut capacities = [0u64; CLASSES];
+        for (capacity, size) in capacities.iter_mut().zip(CLASS_SIZES) {
+            *capacity = (per_cpu_bytes / CLASSES / size).min(MAX_SLOTS_PER_CLASS) as u64;
+        }
+        if capacities.iter().all(|&capacity| capacity == 0) || cpus == 0 {
+            return None;
+        }
+        let heads = CLASSES * size_of::<StackHead>();
+        let counters_offset = round_up(heads, LINE);
+        let hits_offset = round_up(counters_offset + size_of::<SlowCounters>(), LINE);
+        let mut slot_offsets = [0usize; CLASSES];
+        let mut end = round_up(hits_offset + size_of::<SectionWord>(), LINE);
+        for (offset, &capacity) in slot_offsets.iter_mut().zip(&capacities) {
+            *offset = end;
+            end += capacity as usize * size_of::<Slot>();
+        }
+        let stride = end.next_power_of_two();
+        let stride_shift = stride.trailing_zeros();
+        let header = round_up(size_of::<Caches>(), LINE);
+        let bytes = stride.checked_mul(cpus)?.checked_add(header)?;
+        let layout = Layout::from_size_align(bytes, 4096).ok()?;
+        // SAFETY: `layout` has a non-zero size (the header alone is not empty).
+        let start = unsafe { inner.alloc_zeroed(layout) };
+        if start.is_null() {
+            return None;
+        }
+        // SAFETY: `header` bytes from `start` lie inside the allocation, aligned to 4096.
+        let base = unsafe { start.add(header) };
+        let caches = start.cast::<Caches>();
+        // SAFETY: the allocation starts with room for a `Caches`, suitably aligned, which
+        // nothing else uses.
+        unsafe {
+            caches.write(Caches {
+                base,
+                cpus,
+                stride_shift,
+                counters_offset,
+                hits_offset,
+                slot_offsets,
+                capacities,
+                layout,
+                releasing: AtomicI32::new(0),
+                hits_elsewhere: AtomicU64::new(0),
+            })
+        };
+        // SAFETY: just written.
+        let made = unsafe { &*caches };
+        // Zeroed memory is an empty stack, an unset flag and zero counters; the model checker's
+        // atomics are not plain words and must be made in place.
+        #[cfg(thiscpu_model)]
+        for cpu in 0..cpus {
+            // SAFETY: every address is inside CPU `cpu`'s region, aligned for its type (the
+            // parts start on lines, and the types' sizes are multiples of their alignments),
+            // and nothing refers to it yet.
+            unsafe {
+                for class in 0..CLASSES {
+                    made.head(cpu, class).cast_mut().write(StackHead::default());
+                    let slots = made.slots(cpu, class).cast::<Slot>();
+                    for slot in 0..made.capacities[class] as usize {
+                        slots.add(slot).write(Slot::new(0));
+                    }
+                }
+                made.hits_word(cpu)
+                    .cast::<SectionWord>()
+                    .write(SectionWord::new(0));
+            }
+        }
+        Some(made)
+    }
+
+    /// Gives every cached object and the caches' own allocation back to `inner`.
+    ///
+    /// # Safety
+    /// `caches` came from [`Caches::allocate`] with `inner`, and nothing else uses it any more:
+    /// no section runs on it and no reference to it outlives this call.
+    pub(super) unsafe fn free<A: GlobalAlloc>(caches: *const Caches, inner: &A) {
+        // SAFETY: the caller's contract: the caches are ours alone.
+        let this = unsafe { &*caches };
+        for cpu in 0..this.cpus {
+            // SAFETY: nothing else uses the caches, so every stack is ours.
+            unsafe { this.empty_owned(cpu, inner) };
+            #[cfg(thiscpu_model)]
+            // SAFETY: made in place by `allocate`, and dropped once, here.
+            unsafe {
+                for class in 0..CLASSES {
+                    core::ptr::drop_in_place(this.head(cpu, class).cast_mut());
+                    let slots = this.slots(cpu, class).cast::<Slot>();
+                    for slot in 0..this.capacities[class] as usize {
+                        core::ptr::drop_in_place(slots.add(slot));
+                    }
+                }
+                core::ptr::drop_in_place(this.hits_word(cpu).cast::<SectionWord>());
+            }
+        }
+        let layout = this.layout;
+        // SAFETY: allocated by `inner` with `layout`; nothing refers to it after this.
+        unsafe { inner.dealloc(caches.cast_mut().cast(), layout) };
+    }
+
+    /// CPU `cpu`'s head for `class` (`cpu` below `self.cpus`).
+    #[inline(always)]
+    fn head(&self, cpu: usize, class: usize) -> *const StackHead {
+        self.base
+            .wrapping_add((cpu << self.stride_shift) + class * size_of::<StackHead>())
+            .cast()
+    }
+
+    /// CPU `cpu`'s first slot for `class` (`cpu` below `self.cpus`).
+    #[inline(always)]
+    fn slots(&self, cpu: usize, class: usize) -> *mut usize {
+        self.base
+            .wrapping_add((cpu << self.stride_shift) + self.slot_offsets[class])
+            .cast()
+    }
+
+    fn hits_word(&self, cpu: usize) -> *mut u64 {
+        self.base
+            .wrapping_add((cpu << self.stride_shift) + self.hits_offset)
+            .cast()
+    }
+
+    /// CPU `cpu`'s slow-path counters (`cpu` below `self.cpus`).
+    pub(super) fn counters(&self, cpu: usize) -> &SlowCounters {
+        assert!(cpu < self.cpus);
+        // SAFETY: inside CPU `cpu`'s region (checked), on a line of its own, zero-initialised
+        // (a valid `SlowCounters`), and only ever accessed through shared references.
+        unsafe {
+            &*self
+                .base
+                .add((cpu << self.stride_shift) + self.counters_offset)
+                .cast::<SlowCounters>()
+        }
+    }
+
+    /// CPU `cpu`'s head for `class`, as a reference (`cpu` below `self.cpus`).
+    fn head_ref(&self, cpu: usize, class: usize) -> &StackHead {
+        assert!(cpu < self.cpus && class < CLASSES);
+        // SAFETY: inside CPU `cpu`'s region (checked), initialised (zeroed or made in place),
+        // and only ever accessed through shared references and the sections.
+        unsafe { &*self.head(cpu, class) }
+    }
+
+    /// Slot `slot` of CPU `cpu`'s stack for `class` (all in bounds).
+    fn slot_ref(&self, cpu: usize, class: usize, slot: usize) -> &Slot {
+        assert!(cpu < self.cpus && class < CLASSES && slot < self.capacities[class] as usize);
+        // SAFETY: inside the class's slots (checked), initialised, accessed atomically here.
+        unsafe { &*self.slots(cpu, class).cast::<Slot>().add(slot) }
+    }
+
+    /// One try at popping an object of `class` from the cache of `at`'s CPU. `at.index()` must
+    /// be below `self.cpus` (checked by the caller, so that the fast path checks once).
+    ///
+    /// # Safety
+    /// `at` was read by the calling thread just now; `at.index() < self.cpus`.
+    #[inline(always)]
+    pub(super) unsafe fn pop_at(&self, at: Position<ByCpu>, class: usize) -> (StackOutcome, usize) {
+        let cpu = at.index() as usize;
+        // SAFETY: the head and slots are CPU `cpu`'s stack for `class` (`cpu < self.cpus` by
+        // the caller's contract, `class < CLASSES` by its type's construction), whose count and
+        // slots only sections positioned on `cpu` write, or a releaser that set `stopped` and
+        // fenced `cpu`, which the section checks.
+        unsafe { ops::stack_pop(at, self.head(cpu, class), self.slots(cpu, class)) }
+    }
+
+    /// One try at pushing `object` onto the cache of `at`'s CPU for `class`.
+    ///
+    /// # Safety
+    /// As for [`Caches::pop_at`]; `object` is an allocation of `class`'s layout by the inner
+    /// allocator that the caller owns, and gives up if the push commits.
+    #[inline(always)]
+    pub(super) unsafe fn push_at(
+        &self,
+        at: Position<ByCpu>,
+        class: usize,
+        object: *mut u8,
+    ) -> StackOutcome {
+        let cpu = at.index() as usize;
+        // SAFETY: as in `pop_at`; the capacity is the number of slots the class has.
+        unsafe {
+            ops::stack_push(
+                at,
+                self.head(cpu, class),
+                self.slots(cpu, class),
+                self.capacities[class],
+                object as usize,
+            )
+        }
+    }
+
+    /// Counts one hit on the calling thread's CPU, retrying aborts; a thread that cannot commit
+    /// the count adds it to a shared word instead, so the total stays exact.
+    pub(super) fn count_hit(&self) {
+        let mut aborts = ops::AbortRun::new();
+        while let Some(at) = ops::position() {
+            let cpu = at.index() as usize;
+            if cpu >= self.cpus {
+                break;
+            }
+            // SAFETY: the word is CPU `cpu`'s hit count, written only by sections positioned
+            // on `cpu` (this one), 8-byte aligned on a line of its own; readers load it
+            // atomically.
+            match unsafe { ops::load_add_store(at, self.hits_word(cpu), 1) } {
+                ops::Outcome::Committed(()) => return,
+                _ => {
+                    ops::note_abort();
+                    if aborts.gives_up() {
+                        break;
+                    }
+                }
+            }
+        }
+        self.hits_elsewhere.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Hits counted on CPU `cpu`.
+    pub(super) fn hits(&self, cpu: usize) -> u64 {
+        assert!(cpu < self.cpus);
+        // SAFETY: CPU `cpu`'s hit word, initialised; sections write it with plain stores of
+        // whole words, which an atomic load may read.
+        unsafe { &*self.hits_word(cpu).cast::<SectionWord>() }.load(Ordering::Relaxed)
+    }
+
+    /// Hits that no CPU's count holds.
+    pub(super) fn hits_elsewhere(&self) -> u64 {
+        self.hits_elsewhere.load(Ordering::Relaxed)
+    }
+
+    /// Objects and bytes in CPU `cpu`'s cache now.
+    pub(super) fn cached(&self, cpu: usize) -> (u64, u64) {
+        let mut objects = 0;
+        let mut bytes = 0;
+        for (class, size) in CLASS_SIZES.iter().enumerate() {
+            let count = self.head_ref(cpu, class).count.load(Ordering::Relaxed);
+            objects += count;
+            bytes += count * *size as u64;
+        }
+        (objects, bytes)
+    }
+
+    /// The most bytes one CPU can cache.
+    pub(super) fn capacity_bytes(&self) -> u64 {
+        CLASS_SIZES
+            .iter()
+            .zip(self.capacities)
+            .map(|(&size, capacity)| size as u64 * capacity)
+            .sum()
+    }
+
+    /// A fingerprint of CPU `cpu`'s cache: its counts and its slow paths' counters. Unchanged
+    /// between two looks means no miss, spill or change of contents in between.
+    pub(super) fn activity(&self, cpu: usize) -> u64 {
+        let counters = self.counters(cpu);
+        let mut fingerprint = 0xcbf2_9ce4_8422_2325u64;
+        let counts =
+            (0..CLASSES).map(|class| self.head_ref(cpu, class).count.load(Ordering::Relaxed));
+        for word in [
+            counters.misses.load(Ordering::Relaxed),
+            counters.spills.load(Ordering::Relaxed),
+            self.hits(cpu),
+        ]
+        .into_iter()
+        .chain(counts)
+        {
+            fingerprint = (fingerprint ^ word).wrapping_mul(0x0100_0000_01b3);
+        }
+        fingerprint | 1
+    }
+
+    /// Records `activity` as what CPU `cpu` showed; returns what it showed before.
+    pub(super) fn swap_seen(&self, cpu: usize, activity: u64) -> u64 {
+        self.counters(cpu).seen.swap(activity, Ordering::Relaxed)
+    }
+
+    /// Takes the release lock until the guard is dropped; `None` if this very thread holds it
+    /// (a signal handler that interrupted a release), which would otherwise wait for itself.
+    ///
+    /// The lock word holds its holder's thread id, so that a waiter can tell a holder that no
+    /// longer exists in this process (it was in the parent of a `fork`) and take the lock over,
+    /// as the process decision does (`DecidedOnce`). The flags such a holder set protect nothing
+    /// any more, and the new holder clears them; the counts it left are exact, because a
+    /// release takes each object out of its count before giving it back (`empty_owned`).
+    pub(super) fn lock_releases(&self) -> Option<ReleaseLock<'_>> {
+        let threads = crate::os::Threads;
+        let me = threads.me();
+        loop {
+            let owner =
+                match self
+                    .releasing
+                    .compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed)
+                {
+                    Ok(_) => return Some(ReleaseLock(&self.releasing)),
+                    Err(owner) => owner,
+                };
+            // Under the model checker every model thread has the one OS thread's id.
+            if owner == me && !cfg!(thiscpu_model) {
+                return None;
+            }
+            if owner != me
+                && threads.is_gone(owner)
+                && self
+                    .releasing
+                    .compare_exchange(owner, me, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+            {
+                for cpu in 0..self.cpus {
+                    for class in 0..CLASSES {
+                        self.head_ref(cpu, class)
+                            .stopped
+                            .store(0, Ordering::Release);
+                    }
+                }
+                return Some(ReleaseLock(&self.releasing));
+            }
+            crate::sync::yield_now();
+        }
+    }
+
+    /// Gives CPU `cpu`'s cached objects back to `inner` by the stop-and-fence protocol;
+    /// returns the bytes given back. The caller holds the release lock; `cpu < self.cpus`.
+    pub(super) fn release_fenced<A: GlobalAlloc>(
+        &self,
+        cpu: usize,
+        inner: &A,
+        _lock: &ReleaseLock<'_>,
+    ) -> Result<u64, FenceUnavailable> {
+        fence::register()?;
+        for class in 0..CLASSES {
+            self.head_ref(cpu, class).stopped.store(1, Ordering::SeqCst);
+        }
+        // Clears the flags however this returns (an inner allocator's `dealloc` may panic).
+        let _resume = Resume { caches: self, cpu };
+        let fenced = fence::fence_cpu(cpu as u32);
+        if fenced.is_ok() {
+            // Acquire: pairs with nothing a section writes, but orders the reads below after
+            // the fence's return, as `fence::take_over` does.
+            let _ = self.head_ref(cpu, 0).stopped.load(Ordering::Acquire);
+        }
+        let bytes = match fenced {
+            // SAFETY: every class's `stopped` is set and CPU `cpu` was fenced: a section there
+            // that read the flag clear has committed or aborted, and later ones leave at the
+            // flag, so the stacks are ours until the flags are cleared (only releasers write
+            // them, and the caller holds the release lock). The fence made the sections' plain
+            // stores visible.
+            Ok(()) => unsafe { self.empty_owned(cpu, inner) },
+            Err(_) => 0,
+        };
+        fenced.map(|()| bytes)
+    }
+
+    /// Gives every object cached on `cpu` to `inner` and empties its stacks; the bytes.
+    ///
+    /// # Safety
+    /// No section can commit on CPU `cpu`'s stacks until this returns (stopped and fenced, or
+    /// no user left).
+    unsafe fn empty_owned<A: GlobalAlloc>(&self, cpu: usize, inner: &A) -> u64 {
+        let mut bytes = 0;
+        for (class, size) in CLASS_SIZES.iter().enumerate() {
+            let head = self.head_ref(cpu, class);
+            let count = head.count.load(Ordering::Relaxed) as usize;
+            // Top down, each object out of the count before it is given back: a `fork` by
+            // another thread meanwhile leaves the child a count that covers no freed object.
+            for slot in (0..count).rev() {
+                let object = self.slot_ref(cpu, class, slot).load(Ordering::Relaxed);
+                head.count.store(slot as u64, Ordering::Relaxed);
+                // SAFETY: a slot below the count held an object that a committed push gave
+                // to the cache: an allocation of the class's layout by `inner`, owned by the
+                // cache alone, and taken out of it by the count's store above.
+                unsafe { inner.dealloc(object as *mut u8, class_layout(class)) };
+            }
+            bytes += (count * size) as u64;
+        }
+        bytes
+    }
+
+    /// The fallback where membarrier is refused: runs this thread on `cpu` and pops its stacks
+    /// there, giving the objects to `inner`. `None` if this thread cannot run there or has no
+    /// rseq. The caller holds the release lock.
+    pub(super) fn release_by_visiting<A: GlobalAlloc>(
+        &self,
+        cpu: usize,
+        inner: &A,
+        _lock: &ReleaseLock<'_>,
+    ) -> Option<u64> {
+        ops::position()?;
+        // Restores this thread's affinity when the function returns.
+        let _pinned = topology::pin_to_beyond_mask(cpu as u32).ok()?;
+        let mut bytes = 0;
+        for (class, &size) in CLASS_SIZES.iter().enumerate() {
+            // Pushes by other threads on `cpu` meanwhile may refill the stack: stop after a
+            // full stack's worth beyond what was there.
+            let limit =
+                self.head_ref(cpu, class).count.load(Ordering::Relaxed) + self.capacities[class];
+            let mut tries = 0;
+            let mut taken = 0;
+            while taken < limit && tries < 4 * limit + 16 {
+                tries += 1;
+                let Some(at) = ops::position() else { break };
+                if at.index() as usize != cpu {
+                    crate::sync::yield_now();
+                    continue;
+                }
+                // SAFETY: `at` was just read on this thread, and its index is `cpu`, below
+                // `self.cpus`.
+                match unsafe { self.pop_at(at, class) } {
+                    (StackOutcome::Committed, object) => {
+                        // SAFETY: a committed pop made this call the object's only owner; it
+                        // is an allocation of the class's layout by `inner`.
+                        unsafe { inner.dealloc(object as *mut u8, class_layout(class)) };
+                        taken += 1;
+                        bytes += size as u64;
+                    }
+                    (StackOutcome::Aborted, _) => ops::note_abort(),
+                    _ => break,
+                }
+            }
+        }
+        Some(bytes)
+    }
+}
+
+#[cfg(all(test, not(thiscpu_model)))]
+impl Caches {
+    /// What a releaser that vanished in the middle of its work leaves: the lock held by
+    /// `thread` and CPU `cpu`'s flags set.
+    pub(super) fn abandon_release(&self, thread: i32, cpu: usize) {
+        self.releasing.store(thread, Ordering::SeqCst);
+        for class in 0..CLASSES {
+            self.head_ref(cpu, class).stopped.store(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether any CPU's flags are set.
+    pub(super) fn stopped_anywhere(&self) -> bool {
+        (0..self.cpus).any(|cpu| {
+            (0..CLASSES).any(|class| self.head_ref(cpu, class).stopped.load(Ordering::SeqCst) != 0)
+        })
+    }
+}
+
+/// The release lock, held until dropped.
+pub(super) struct ReleaseLock<'a>(&'a AtomicI32);
+
+impl Drop for ReleaseLock<'_> {
+    fn drop(&mut self) {
+        self.0.store(0, Ordering::Release);
+    }
+}
+
+/// Clears a stopped CPU's flags when dropped: its stacks go back to the sections, which then
+/// see (release, paired with their acquire load of the flag) everything the releaser stored.
+struct Resume<'a> {
+    caches: &'a Caches,
+    cpu: usize,
+}
+
+impl Drop for Resume<'_> {
+    fn drop(&mut self) {
+        for class in 0..CLASSES {
+            self.caches
+                .head_ref(self.cpu, class)
+                .stopped
+                .store(0, Ordering::Release);
+        }
+    }
+}

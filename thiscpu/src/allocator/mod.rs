@@ -1,0 +1,1005 @@
+//! `PerCpuAlloc`: a per-CPU cache of small objects in front of any global allocator, in the
+//! manner of tcmalloc's per-CPU caches, for `#[global_allocator]` in one line.
+//!
+//! ```
+//! #[global_allocator]
+//! static ALLOCATOR: thiscpu::PerCpuAlloc = thiscpu::PerCpuAlloc::new();
+//!
+//! let words: Vec<String> = (0..1000).map(|i| i.to_string()).collect();
+//! assert_eq!(words[999], "999");
+//! ```
+//!
+//! # How it works
+//! Requests of at most [`MAX_CACHED_SIZE`] bytes aligned to at most 16 are rounded up to a
+//! size class ([`size_classes`]). Each possible CPU has a bounded stack of free objects per
+//! class; `alloc` pops the current CPU's stack and `dealloc` pushes onto it, each in one
+//! restartable sequence that commits with one store: no lock, no atomic read-modify-write, no
+//! line shared with another CPU. Rust's `dealloc` is told the layout, so the class of a freed
+//! object is known without a header or a page map.
+//!
+//! An empty stack is a *miss*: the object comes from the inner allocator. A full one is a
+//! *spill*: the object goes back to it. Every cached object is an allocation of its class's
+//! size aligned to 16 by the inner allocator, so any path may give it back there: larger or
+//! more aligned requests, a process without rseq, a CPU whose cache is being released, and a
+//! thread that a debugger single-steps (after [`crate::ops::ABORT_LIMIT`] aborts in a row)
+//! all go straight to the inner allocator.
+//!
+//! # Bounds
+//! Each CPU caches at most [`with_cache_bytes`](PerCpuAlloc::with_cache_bytes) bytes
+//! ([`DEFAULT_CACHE_BYTES`] by default), split evenly over the classes. The caches take one
+//! region of address space per possible CPU (64 KiB at the default), allocated zeroed
+//! from the inner allocator on first use, of which only the pages of CPUs and classes in use
+//! become resident. [`release`](PerCpuAlloc::release) gives every CPU's cache back,
+//! [`release_idle`](PerCpuAlloc::release_idle) those of CPUs that did not use theirs since
+//! the last call, without running anything there (a stop flag and a membarrier fence of the
+//! CPU, as [`crate::Pool::drain_cpu`]).
+//!
+//! # Odd states
+//! - Before the process has decided how rseq is registered, and inside that decision (which
+//!   may allocate), calls pass through to the inner allocator; so do calls from a thread
+//!   whose thread-locals are gone, or that the kernel does not give an rseq area.
+//! - Without rseq (kernels before 4.18, valgrind, qemu-user, a seccomp filter,
+//!   `THISCPU_RSEQ=off`, other systems) it is the inner allocator plus a size-class rounding.
+//! - After `fork`, the child inherits the caches as they were: each stack's count is exact at
+//!   every instant, whatever the other threads were doing.
+//!
+//! # When not to use it
+//! Programs whose allocations are mostly larger than [`MAX_CACHED_SIZE`], or that allocate
+//! many objects on one CPU and free them on another (the producer's cache empties, the
+//! consumer's fills, and both then pay the inner allocator): the caches help when objects are
+//! freed near where they were made.
+//!
+//! # Safety
+//! The `GlobalAlloc` implementation hands out and takes back raw memory; the caches' sections
+//! are in `caches`. Each block states why it holds.
+
+mod caches;
+mod classes;
+mod export;
+
+pub use classes::{MAX_CACHED_SIZE, size_classes};
+#[cfg(feature = "prometheus-client")]
+#[cfg_attr(docsrs, doc(cfg(feature = "prometheus-client")))]
+pub use export::AllocCollector;
+
+use crate::fence::FenceUnavailable;
+use crate::ops::{self, ByCpu, StackOutcome};
+use crate::registration::{self, Registrar};
+use crate::topology;
+use caches::Caches;
+use classes::class_layout;
+use core::alloc::{GlobalAlloc, Layout};
+use core::sync::atomic::{AtomicPtr, AtomicU8, Ordering};
+use std::alloc::System;
+
+/// The most bytes each CPU caches unless [`PerCpuAlloc::with_cache_bytes`] says otherwise.
+pub const DEFAULT_CACHE_BYTES: usize = 1 << 20;
+
+/// The caches are not made yet.
+const UNSTARTED: u8 = 0;
+/// A thread is making them (or the process is deciding about rseq on it).
+const STARTING: u8 = 1;
+/// They are made and published.
+const STARTED: u8 = 2;
+/// The process has no rseq, or the inner allocator refused the region: pass everything on.
+const PASSING: u8 = 3;
+
+/// A per-CPU cache of small objects in front of the global allocator `A` (the system's
+/// `malloc` by default): see the [module documentation](self) for how it works, its bounds and
+/// when not to use it.
+///
+/// ```
+/// use std::alloc::{GlobalAlloc, Layout};
+/// let allocator = thiscpu::PerCpuAlloc::new().with_cache_bytes(64 << 10);
+/// let layout = Layout::from_size_align(64, 8).unwrap();
+/// // SAFETY: a non-zero layout; the object is freed with the layout it was made with.
+/// unsafe {
+///     let object = allocator.alloc(layout);
+///     assert!(!object.is_null());
+///     object.write_bytes(7, 64);
+///     allocator.dealloc(object, layout);
+/// }
+/// let stats = allocator.stats();
+/// assert!(stats.cached_bytes() <= stats.per_cpu.len() as u64 * (64 << 10));
+/// ```
+pub struct PerCpuAlloc<A: GlobalAlloc = System> {
+    inner: A,
+    cache_bytes: usize,
+    count_hits: bool,
+    caches: AtomicPtr<Caches>,
+    /// `caches` for the allocation fast path, which only counts no hits: null while hits are
+    /// counted, so that the fast path tests one word.
+    uncounted: AtomicPtr<Caches>,
+    state: AtomicU8,
+}
+
+impl PerCpuAlloc<System> {
+    /// Per-CPU caches in front of the system allocator, caching up to [`DEFAULT_CACHE_BYTES`]
+    /// per CPU. Nothing is allocated until the first allocation.
+    pub const fn new() -> Self {
+        PerCpuAlloc::with_inner(System)
+    }
+}
+
+impl Default for PerCpuAlloc<System> {
+    fn default() -> Self {
+        PerCpuAlloc::new()
+    }
+}
+
+impl<A: GlobalAlloc> PerCpuAlloc<A> {
+    /// Per-CPU caches in front of `inner`.
+    ///
+    /// ```
+    /// static ALLOCATOR: thiscpu::PerCpuAlloc<std::alloc::System> =
+    ///     thiscpu::PerCpuAlloc::with_inner(std::alloc::System);
+    /// ```
+    pub const fn with_inner(inner: A) -> Self {
+        PerCpuAlloc {
+            inner,
+            cache_bytes: DEFAULT_CACHE_BYTES,
+            count_hits: false,
+            caches: AtomicPtr::new(core::ptr::null_mut()),
+            uncounted: AtomicPtr::new(core::ptr::null_mut()),
+            state: AtomicU8::new(UNSTARTED),
+        }
+    }
+
+    /// Caches at most `per_cpu` bytes on each CPU (0 caches nothing: every call goes to the
+    /// inner allocator). Each size class holds up to `per_cpu / 28` bytes, so small settings
+    /// leave the largest classes uncached.
+    ///
+    /// ```
+    /// static ALLOCATOR: thiscpu::PerCpuAlloc =
+    ///     thiscpu::PerCpuAlloc::new().with_cache_bytes(256 << 10);
+    /// ```
+    pub const fn with_cache_bytes(mut self, per_cpu: usize) -> Self {
+        self.cache_bytes = per_cpu;
+        self
+    }
+
+    /// Counts the allocations served from each CPU's cache ([`CpuAllocStats::hits`]), at the
+    /// cost of one more restartable sequence per allocation; without it, hits are `None`.
+    ///
+    /// ```
+    /// let allocator = thiscpu::PerCpuAlloc::new().counting_hits();
+    /// assert!(allocator.stats().hits().is_some());
+    /// ```
+    pub const fn counting_hits(mut self) -> Self {
+        self.count_hits = true;
+        self
+    }
+
+    /// The allocator behind the caches.
+    pub fn inner(&self) -> &A {
+        &self.inner
+    }
+
+    /// The caches if they are made, without making them.
+    #[inline(always)]
+    fn started(&self) -> Option<&Caches> {
+        let caches = self.caches.load(Ordering::Acquire);
+        // SAFETY: a non-null pointer was published (release) after the caches were made, and
+        // they live until `self` is dropped.
+        (!caches.is_null()).then(|| unsafe { &*caches })
+    }
+
+    /// The caches, making them on first use; `None` while they cannot be used.
+    fn caches(&self) -> Option<&Caches> {
+        self.started().or_else(|| self.start())
+    }
+
+    /// Makes the caches, once. Every call that finds another one making them (or the process
+    /// deciding about rseq on this very thread, which may allocate) passes through instead of
+    /// waiting, so nothing here can wait for itself.
+    #[cold]
+    #[inline(never)]
+    fn start(&self) -> Option<&Caches> {
+        self.state
+            .compare_exchange(UNSTARTED, STARTING, Ordering::Acquire, Ordering::Relaxed)
+            .ok()?;
+        let uses_rseq = match registration::decided() {
+            // This thread is making the decision: try again after it.
+            None => {
+                self.state.store(UNSTARTED, Ordering::Release);
+                return None;
+            }
+            Some(process) => process.registrar != Registrar::None,
+        };
+        let made = uses_rseq
+            .then(|| Caches::allocate(&self.inner, topology::possible_cpus(), self.cache_bytes))
+            .flatten();
+        let Some(caches) = made else {
+            self.state.store(PASSING, Ordering::Release);
+            return None;
+        };
+        self.caches.store(caches.cast_mut(), Ordering::Release);
+        if !self.count_hits {
+            self.uncounted.store(caches.cast_mut(), Ordering::Release);
+        }
+        self.state.store(STARTED, Ordering::Release);
+        self.started()
+    }
+
+    /// An object of `class` for the calling thread: the fast path's one try, then the slow
+    /// path.
+    #[inline(always)]
+    fn take(&self, class: usize) -> *mut u8 {
+        let caches = self.uncounted.load(Ordering::Acquire);
+        if !caches.is_null() {
+            // SAFETY: as in `started`.
+            let caches = unsafe { &*caches };
+            let at = ops::position_as_is::<ByCpu>();
+            if (at.index() as usize) < caches.cpus {
+                // SAFETY: `at` was just read on this thread; its index is below the CPUs.
+                let (outcome, object) = unsafe { caches.pop_at(at, class) };
+                if outcome == StackOutcome::Committed {
+                    return object as *mut u8;
+                }
+            }
+        }
+        self.take_slow(class)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn take_slow(&self, class: usize) -> *mut u8 {
+        if let Some(caches) = self.caches() {
+            let mut aborts = ops::AbortRun::new();
+            while let Some(at) = ops::position() {
+                let cpu = at.index() as usize;
+                if cpu >= caches.cpus {
+                    break;
+                }
+                // SAFETY: `at` was just read on this thread; its index is below the CPUs.
+                match unsafe { caches.pop_at(at, class) } {
+                    (StackOutcome::Committed, object) => {
+                        if self.count_hits {
+                            caches.count_hit();
+                        }
+                        return object as *mut u8;
+                    }
+                    (StackOutcome::Refused, _) => {
+                        caches.counters(cpu).misses.fetch_add(1, Ordering::Relaxed);
+                        break;
+                    }
+                    (StackOutcome::Stopped, _) => {
+                        caches.counters(cpu).passed.fetch_add(1, Ordering::Relaxed);
+                        break;
+                    }
+                    (StackOutcome::Aborted, _) => {
+                        ops::note_abort();
+                        if aborts.gives_up() {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        // SAFETY: a class layout is never zero-sized.
+        unsafe { self.inner.alloc(class_layout(class)) }
+    }
+
+    /// Gives `object`, of `class`, back: the fast path's one try, then the slow path.
+    ///
+    /// # Safety
+    /// `object` is an allocation of `class`'s layout by the inner allocator, owned by the
+    /// caller, who gives it up.
+    #[inline(always)]
+    unsafe fn give(&self, object: *mut u8, class: usize) {
+        if let Some(caches) = self.started() {
+            let at = ops::position_as_is::<ByCpu>();
+            if (at.index() as usize) < caches.cpus {
+                // SAFETY: `at` was just read on this thread, its index is below the CPUs, and
+                // the object is the caller's to give.
+                if unsafe { caches.push_at(at, class, object) } == StackOutcome::Committed {
+                    return;
+                }
+            }
+        }
+        // SAFETY: forwarded contract (the push did not commit: the object is still ours).
+        unsafe { self.give_slow(object, class) }
+    }
+
+    /// # Safety
+    /// As for [`PerCpuAlloc::give`].
+    #[cold]
+    #[inline(never)]
+    unsafe fn give_slow(&self, object: *mut u8, class: usize) {
+        if let Some(caches) = self.caches() {
+            let mut aborts = ops::AbortRun::new();
+            while let Some(at) = ops::position() {
+                let cpu = at.index() as usize;
+                if cpu >= caches.cpus {
+                    break;
+                }
+                // SAFETY: as in `give`.
+                match unsafe { caches.push_at(at, class, object) } {
+                    StackOutcome::Committed => return,
+                    StackOutcome::Refused => {
+                        caches.counters(cpu).spills.fetch_add(1, Ordering::Relaxed);
+                        break;
+                    }
+                    StackOutcome::Stopped => {
+                        caches.counters(cpu).passed.fetch_add(1, Ordering::Relaxed);
+                        break;
+                    }
+                    StackOutcome::Aborted => {
+                        ops::note_abort();
+                        if aborts.gives_up() {
+                            break;
+                        }
+                    }
+                }
+            }
+        }
+        // SAFETY: the object is an allocation of the class's layout by the inner allocator,
+        // and no cache took it.
+        unsafe { self.inner.dealloc(object, class_layout(class)) }
+    }
+
+    /// What the caches hold and did, read now (the counts of other CPUs may change while they
+    /// are read).
+    ///
+    /// ```
+    /// let allocator = thiscpu::PerCpuAlloc::new();
+    /// let stats = allocator.stats();
+    /// assert_eq!(stats.cached_bytes(), 0);
+    /// ```
+    pub fn stats(&self) -> AllocStats {
+        let Some(caches) = self.started() else {
+            return AllocStats {
+                per_cpu: Vec::new(),
+                caching: false,
+                capacity_bytes: 0,
+                hits_elsewhere: self.count_hits.then_some(0),
+            };
+        };
+        let per_cpu = (0..caches.cpus)
+            .map(|cpu| {
+                let counters = caches.counters(cpu);
+                let (cached_objects, cached_bytes) = caches.cached(cpu);
+                CpuAllocStats {
+                    cpu: cpu as u32,
+                    hits: self.count_hits.then(|| caches.hits(cpu)),
+                    misses: counters.misses.load(Ordering::Relaxed),
+                    spills: counters.spills.load(Ordering::Relaxed),
+                    passed_through: counters.passed.load(Ordering::Relaxed),
+                    cached_objects,
+                    cached_bytes,
+                }
+            })
+            .collect();
+        AllocStats {
+            per_cpu,
+            caching: true,
+            capacity_bytes: caches.capacity_bytes(),
+            hits_elsewhere: self.count_hits.then(|| caches.hits_elsewhere()),
+        }
+    }
+
+    /// Gives CPU `cpu`'s cached objects back to the inner allocator while threads there go on
+    /// allocating; returns the bytes given back.
+    ///
+    /// ```
+    /// let allocator = thiscpu::PerCpuAlloc::new();
+    /// match allocator.release_cpu(0) {
+    ///     Ok(bytes) => assert_eq!(bytes, 0, "nothing was cached yet"),
+    ///     Err(why) => println!("{why}"),
+    /// }
+    /// ```
+    pub fn release_cpu(&self, cpu: u32) -> Result<usize, ReleaseError> {
+        let Some(caches) = self.started() else {
+            return Ok(0);
+        };
+        if cpu as usize >= caches.cpus {
+            return Err(ReleaseError::NoSuchCpu(cpu));
+        }
+        let Some(lock) = caches.lock_releases() else {
+            return Err(ReleaseError::InProgress);
+        };
+        match caches.release_fenced(cpu as usize, &self.inner, &lock) {
+            Ok(bytes) => Ok(bytes as usize),
+            Err(refused) => caches
+                .release_by_visiting(cpu as usize, &self.inner, &lock)
+                .map(|bytes| bytes as usize)
+                .ok_or(ReleaseError::Unavailable {
+                    cpu,
+                    fence: refused,
+                    released: 0,
+                }),
+        }
+    }
+
+    /// Gives every CPU's cached objects back to the inner allocator; returns the bytes given
+    /// back. A CPU that cannot be reached does not stop the others: the error names the first
+    /// one, and says how much the others gave back.
+    ///
+    /// ```
+    /// let allocator = thiscpu::PerCpuAlloc::new();
+    /// let _ = allocator.release();
+    /// assert_eq!(allocator.stats().cached_bytes(), 0);
+    /// ```
+    pub fn release(&self) -> Result<usize, ReleaseError> {
+        self.release_where(|_, _| true)
+    }
+
+    /// Gives back the caches of the CPUs whose cache neither missed, spilled, nor changed its
+    /// contents since the previous call (no CPU, the first time): the caches of CPUs the program
+    /// stopped using, found without running anything on them. Call it periodically from any
+    /// thread; returns the bytes given back.
+    ///
+    /// ```
+    /// let allocator = thiscpu::PerCpuAlloc::new();
+    /// let _ = allocator.release_idle();
+    /// ```
+    pub fn release_idle(&self) -> Result<usize, ReleaseError> {
+        let Some(caches) = self.started() else {
+            return Ok(0);
+        };
+        self.release_where(|cpu, bytes| {
+            let now = caches.activity(cpu);
+            let before = caches.swap_seen(cpu, now);
+            bytes > 0 && now == before
+        })
+    }
+
+    /// Releases the caches of the CPUs for which `chosen(cpu, cached_bytes)` holds.
+    fn release_where(
+        &self,
+        mut chosen: impl FnMut(usize, u64) -> bool,
+    ) -> Result<usize, ReleaseError> {
+        let Some(caches) = self.started() else {
+            return Ok(0);
+        };
+        let mut released = 0;
+        let mut first_failure = None;
+        for cpu in 0..caches.cpus {
+            let (_, bytes) = caches.cached(cpu);
+            if !chosen(cpu, bytes) || bytes == 0 {
+                continue;
+            }
+            match self.release_cpu(cpu as u32) {
+                Ok(bytes) => released += bytes,
+                Err(why) => {
+                    first_failure.get_or_insert(why);
+                }
+            }
+        }
+        match first_failure {
+            None => Ok(released),
+            Some(ReleaseError::Unavailable { cpu, fence, .. }) => Err(ReleaseError::Unavailable {
+                cpu,
+                fence,
+                released,
+            }),
+            Some(other) => Err(other),
+        }
+    }
+}
+
+impl<A: GlobalAlloc> Drop for PerCpuAlloc<A> {
+    fn drop(&mut self) {
+        let caches = *self.caches.get_mut();
+        if !caches.is_null() {
+            // SAFETY: made by `Caches::allocate` with this inner allocator; `&mut self` means no
+            // call is in progress, so no section runs on the caches, and nothing refers to them
+            // after this.
+            unsafe { Caches::free(caches, &self.inner) };
+        }
+    }
+}
+
+// SAFETY: small requests are served by objects of a class at least as large, aligned to 16,
+// each of which the inner allocator made with its class's layout and which is in exactly one
+// place at a time (a cache, the caller, or back with the inner allocator: a stack's count is
+// committed by one store, so an object is popped once); every other request, and every object
+// leaving a cache, goes to the inner allocator with the layout it was made with.
+unsafe impl<A: GlobalAlloc> GlobalAlloc for PerCpuAlloc<A> {
+    #[inline]
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        match classes::class_of(layout) {
+            Some(class) => self.take(class),
+            // SAFETY: the caller's layout, forwarded.
+            None => unsafe { self.inner.alloc(layout) },
+        }
+    }
+
+    #[inline]
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        match classes::class_of(layout) {
+            // SAFETY: `ptr` was returned for `layout` by this allocator, so by `take` for the
+            // same class; the caller gives it up.
+            Some(class) => unsafe { self.give(ptr, class) },
+            // SAFETY: a layout no class serves was passed to the inner allocator as it is.
+            None => unsafe { self.inner.dealloc(ptr, layout) },
+        }
+    }
+
+    #[inline]
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        match classes::class_of(layout) {
+            Some(class) => {
+                let object = self.take(class);
+                if !object.is_null() {
+                    // SAFETY: the object holds at least `layout.size()` bytes.
+                    unsafe { object.write_bytes(0, layout.size()) };
+                }
+                object
+            }
+            // SAFETY: the caller's layout, forwarded.
+            None => unsafe { self.inner.alloc_zeroed(layout) },
+        }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: the caller guarantees that `new_size`, rounded up to `layout.align()`, does
+        // not overflow `isize`, and the alignment is `layout`'s.
+        let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
+        match (classes::class_of(layout), classes::class_of(new_layout)) {
+            // The object already holds its class's size.
+            (Some(old), Some(new)) if old == new => ptr,
+            // SAFETY: neither layout is cached: the inner allocator made `ptr` with `layout`.
+            (None, None) => unsafe { self.inner.realloc(ptr, layout, new_size) },
+            _ => {
+                // SAFETY: `new_layout` is non-zero (the caller's contract).
+                let moved = unsafe { self.alloc(new_layout) };
+                if !moved.is_null() {
+                    // SAFETY: both hold at least the smaller size and do not overlap (`moved`
+                    // is a live allocation distinct from the live `ptr`); `ptr` was made with
+                    // `layout` by this allocator and is given up.
+                    unsafe {
+                        core::ptr::copy_nonoverlapping(ptr, moved, layout.size().min(new_size));
+                        self.dealloc(ptr, layout);
+                    }
+                }
+                moved
+            }
+        }
+    }
+}
+
+impl<A: GlobalAlloc> core::fmt::Debug for PerCpuAlloc<A> {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        let state = match self.state.load(Ordering::Relaxed) {
+            UNSTARTED => "unstarted",
+            STARTING => "starting",
+            STARTED => "caching",
+            _ => "passing through",
+        };
+        f.debug_struct("PerCpuAlloc")
+            .field("cache_bytes", &self.cache_bytes)
+            .field("counting_hits", &self.count_hits)
+            .field("state", &state)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What a [`PerCpuAlloc`]'s caches hold and did ([`PerCpuAlloc::stats`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct AllocStats {
+    /// Each possible CPU's figures, by CPU number; empty while the caches are not in use.
+    pub per_cpu: Vec<CpuAllocStats>,
+    /// Whether the caches are in use (false before the first allocation, and for good in a
+    /// process without rseq).
+    pub caching: bool,
+    /// The most bytes one CPU can cache (what [`PerCpuAlloc::with_cache_bytes`] allows, less
+    /// the rounding of each class's share to whole objects).
+    pub capacity_bytes: u64,
+    /// Hits counted outside every CPU's count (a thread that could not commit one), `None`
+    /// unless hits are counted.
+    pub hits_elsewhere: Option<u64>,
+}
+
+impl AllocStats {
+    /// Allocations served from a cache, `None` unless [`PerCpuAlloc::counting_hits`].
+    pub fn hits(&self) -> Option<u64> {
+        let elsewhere = self.hits_elsewhere?;
+        Some(elsewhere + self.per_cpu.iter().filter_map(|cpu| cpu.hits).sum::<u64>())
+    }
+
+    /// Allocations that found their CPU's cache empty.
+    pub fn misses(&self) -> u64 {
+        self.per_cpu.iter().map(|cpu| cpu.misses).sum()
+    }
+
+    /// Frees that found their CPU's cache full.
+    pub fn spills(&self) -> u64 {
+        self.per_cpu.iter().map(|cpu| cpu.spills).sum()
+    }
+
+    /// Bytes in every CPU's cache.
+    pub fn cached_bytes(&self) -> u64 {
+        self.per_cpu.iter().map(|cpu| cpu.cached_bytes).sum()
+    }
+}
+
+/// One CPU's part of [`AllocStats`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct CpuAllocStats {
+    /// The CPU.
+    pub cpu: u32,
+    /// Allocations served from this CPU's cache, `None` unless hits are counted.
+    pub hits: Option<u64>,
+    /// Allocations that found it empty and went to the inner allocator.
+    pub misses: u64,
+    /// Frees that found it full and went to the inner allocator.
+    pub spills: u64,
+    /// Calls that found it being released and went to the inner allocator.
+    pub passed_through: u64,
+    /// Objects in it now.
+    pub cached_objects: u64,
+    /// Bytes in it now (objects times their class's size).
+    pub cached_bytes: u64,
+}
+
+/// Why a release did not reach a CPU's cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReleaseError {
+    /// The CPU is beyond the caches (not a possible CPU).
+    NoSuchCpu(u32),
+    /// membarrier is refused here, and this thread could not run on the CPU either (not among
+    /// its allowed CPUs, offline, or no rseq); its cache is as it was.
+    Unavailable {
+        /// The CPU not reached (the first, for a release of several).
+        cpu: u32,
+        /// Why the fence was refused.
+        fence: FenceUnavailable,
+        /// Bytes that the other CPUs of the same call gave back.
+        released: usize,
+    },
+    /// This thread is in the middle of a release already (a signal handler interrupted it).
+    InProgress,
+}
+
+impl core::fmt::Display for ReleaseError {
+    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
+        match self {
+            ReleaseError::NoSuchCpu(cpu) => write!(f, "CPU {cpu} is not a possible CPU"),
+            ReleaseError::Unavailable {
+                cpu,
+                fence,
+                released,
+            } => write!(
+                f,
+                "the cache of CPU {cpu} could not be released ({fence}, and this thread cannot \
+                 run there); {released} bytes released from other CPUs"
+            ),
+            ReleaseError::InProgress => {
+                write!(
+                    f,
+                    "this thread is releasing caches already (a signal handler?)"
+                )
+            }
+        }
+    }
+}
+
+impl std::error::Error for ReleaseError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            ReleaseError::Unavailable { fence, .. } => Some(fence),
+            ReleaseError::NoSuchCpu(_) | ReleaseError::InProgress => None,
+        }
+    }
+}
+
+#[cfg(all(test, not(thiscpu_model)))]
+mod tests {
+    use super::classes::CLASSES;
+    use super::*;
+    use core::sync::atomic::{AtomicI64, AtomicU64};
+
+    /// The system allocator, counting the allocations it holds and every call it gets.
+    #[derive(Default)]
+    struct Counting {
+        live: AtomicI64,
+        calls: AtomicU64,
+    }
+
+    // SAFETY: forwards every call to the system allocator unchanged.
+    unsafe impl GlobalAlloc for Counting {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            self.live.fetch_add(1, Ordering::Relaxed);
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: forwarded.
+            unsafe { System.alloc(layout) }
+        }
+        unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+            self.live.fetch_add(1, Ordering::Relaxed);
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: forwarded.
+            unsafe { System.alloc_zeroed(layout) }
+        }
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            self.live.fetch_sub(1, Ordering::Relaxed);
+            self.calls.fetch_add(1, Ordering::Relaxed);
+            // SAFETY: forwarded.
+            unsafe { System.dealloc(ptr, layout) }
+        }
+    }
+
+    fn counting(per_cpu: usize) -> PerCpuAlloc<Counting> {
+        PerCpuAlloc::with_inner(Counting::default()).with_cache_bytes(per_cpu)
+    }
+
+    /// Allocates and frees `rounds` objects of each size in `sizes`, `batch` at a time.
+    fn churn<A: GlobalAlloc>(
+        allocator: &PerCpuAlloc<A>,
+        sizes: &[usize],
+        batch: usize,
+        rounds: usize,
+    ) {
+        let mut held = Vec::with_capacity(batch);
+        for _ in 0..rounds {
+            for &size in sizes {
+                let layout = Layout::from_size_align(size, 8).unwrap();
+                for _ in 0..batch {
+                    // SAFETY: a non-zero layout.
+                    let object = unsafe { allocator.alloc(layout) };
+                    assert!(!object.is_null());
+                    // SAFETY: the object holds `size` bytes.
+                    unsafe { object.write_bytes(0xa5, size) };
+                    held.push(object);
+                }
+                for object in held.drain(..) {
+                    // SAFETY: made with `layout` just above.
+                    unsafe { allocator.dealloc(object, layout) };
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn no_cpu_caches_more_than_its_bound() {
+        for per_cpu in [0, 1000, 64 << 10, DEFAULT_CACHE_BYTES, 16 << 20] {
+            let allocator = counting(per_cpu);
+            churn(&allocator, &[16, 100, 1000, 4096], 3000, 2);
+            let stats = allocator.stats();
+            assert!(
+                stats.capacity_bytes <= per_cpu as u64,
+                "{per_cpu}: {stats:?}"
+            );
+            for cpu in &stats.per_cpu {
+                assert!(cpu.cached_bytes <= per_cpu as u64, "{per_cpu}: {cpu:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn objects_come_back_from_the_cache_and_are_counted() {
+        let allocator = counting(DEFAULT_CACHE_BYTES);
+        churn(&allocator, &[64], 100, 50);
+        let stats = allocator.stats();
+        if !stats.caching {
+            return;
+        }
+        // Each round frees 100 objects and takes them again: only the first round (and a
+        // round after a move to another CPU) can miss.
+        assert!(stats.misses() < 100 * 10, "{stats:?}");
+        assert_eq!(stats.spills(), 0, "{stats:?}");
+        let region = 1;
+        let cached = stats
+            .per_cpu
+            .iter()
+            .map(|cpu| cpu.cached_objects)
+            .sum::<u64>();
+        assert_eq!(
+            allocator.inner().live.load(Ordering::Relaxed),
+            region + cached as i64
+        );
+    }
+
+    #[test]
+    fn a_full_cache_spills_to_the_inner_allocator() {
+        let allocator = counting(4096 * CLASSES);
+        churn(&allocator, &[4096], 10, 3);
+        let stats = allocator.stats();
+        if !stats.caching {
+            return;
+        }
+        assert!(
+            stats.spills() >= 9,
+            "one 4096-byte object cached per CPU: {stats:?}"
+        );
+        assert!(stats.cached_bytes() <= 4096 * stats.per_cpu.len() as u64);
+    }
+
+    #[test]
+    fn release_gives_back_everything_cached() {
+        let allocator = counting(DEFAULT_CACHE_BYTES);
+        churn(&allocator, &[16, 48, 200, 2000], 300, 3);
+        let before = allocator.stats();
+        match allocator.release() {
+            Ok(bytes) => {
+                assert_eq!(bytes as u64, before.cached_bytes());
+                assert_eq!(allocator.stats().cached_bytes(), 0);
+                let live = allocator.inner().live.load(Ordering::Relaxed);
+                assert_eq!(
+                    live,
+                    i64::from(before.caching),
+                    "only the caches' region is left"
+                );
+            }
+            Err(why) => println!("release refused here: {why}"),
+        }
+    }
+
+    #[test]
+    fn dropping_the_allocator_gives_every_object_back() {
+        let inner = Box::leak(Box::new(Counting::default()));
+        {
+            let allocator = PerCpuAlloc::with_inner(ByRef(inner));
+            churn(&allocator, &[16, 48, 200, 2000, 4096], 300, 3);
+            let cached = allocator
+                .stats()
+                .per_cpu
+                .iter()
+                .map(|cpu| cpu.cached_objects)
+                .sum::<u64>();
+            let region = i64::from(allocator.stats().caching);
+            assert_eq!(inner.live.load(Ordering::Relaxed), region + cached as i64);
+        }
+        assert_eq!(inner.live.load(Ordering::Relaxed), 0);
+    }
+
+    /// A counting allocator shared with the test, which reads it after the front is dropped.
+    struct ByRef(&'static Counting);
+
+    // SAFETY: forwards every call.
+    unsafe impl GlobalAlloc for ByRef {
+        unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+            // SAFETY: forwarded.
+            unsafe { self.0.alloc(layout) }
+        }
+        unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+            // SAFETY: forwarded.
+            unsafe { self.0.alloc_zeroed(layout) }
+        }
+        unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+            // SAFETY: forwarded.
+            unsafe { self.0.dealloc(ptr, layout) }
+        }
+    }
+
+    #[test]
+    fn no_cache_bytes_means_every_call_goes_to_the_inner_allocator() {
+        let allocator = counting(0);
+        churn(&allocator, &[64], 10, 10);
+        assert!(!allocator.stats().caching);
+        assert_eq!(allocator.inner().calls.load(Ordering::Relaxed), 200);
+        assert_eq!(allocator.inner().live.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn realloc_keeps_the_bytes_and_moves_only_between_classes() {
+        let allocator = counting(DEFAULT_CACHE_BYTES);
+        let layout = Layout::from_size_align(20, 8).unwrap();
+        // SAFETY: non-zero layouts; each object is freed with the layout it has.
+        unsafe {
+            let object = allocator.alloc(layout);
+            for i in 0..20 {
+                object.add(i).write(i as u8);
+            }
+            let same = allocator.realloc(object, layout, 30);
+            assert_eq!(same, object, "20 and 30 bytes share the 32-byte class");
+            let grown = allocator.realloc(same, Layout::from_size_align(30, 8).unwrap(), 5000);
+            for i in 0..20 {
+                assert_eq!(grown.add(i).read(), i as u8);
+            }
+            let shrunk = allocator.realloc(grown, Layout::from_size_align(5000, 8).unwrap(), 10);
+            for i in 0..10 {
+                assert_eq!(shrunk.add(i).read(), i as u8);
+            }
+            allocator.dealloc(shrunk, Layout::from_size_align(10, 8).unwrap());
+        }
+    }
+
+    #[test]
+    fn zeroed_objects_are_zero_even_when_they_come_from_the_cache() {
+        let allocator = PerCpuAlloc::new();
+        let layout = Layout::from_size_align(256, 16).unwrap();
+        for _ in 0..100 {
+            // SAFETY: a non-zero layout; freed with it.
+            unsafe {
+                let object = allocator.alloc_zeroed(layout);
+                assert!((0..256).all(|i| object.add(i).read() == 0));
+                object.write_bytes(0xff, 256);
+                allocator.dealloc(object, layout);
+            }
+        }
+    }
+
+    #[test]
+    fn large_and_overaligned_requests_keep_their_layout() {
+        let allocator = PerCpuAlloc::new();
+        for layout in [
+            Layout::from_size_align(64, 64).unwrap(),
+            Layout::from_size_align(10_000, 8).unwrap(),
+            Layout::from_size_align(4096, 4096).unwrap(),
+        ] {
+            // SAFETY: non-zero layouts; freed with them.
+            unsafe {
+                let object = allocator.alloc(layout);
+                assert_eq!(object as usize % layout.align(), 0);
+                allocator.dealloc(object, layout);
+            }
+        }
+        assert_eq!(allocator.stats().cached_bytes(), 0);
+    }
+
+    #[test]
+    fn hits_are_counted_exactly_when_asked_for() {
+        let allocator = PerCpuAlloc::with_inner(Counting::default()).counting_hits();
+        churn(&allocator, &[64], 10, 100);
+        let stats = allocator.stats();
+        if !stats.caching {
+            assert_eq!(stats.hits(), Some(0));
+            return;
+        }
+        assert_eq!(stats.hits().unwrap() + stats.misses(), 1000, "{stats:?}");
+        assert_eq!(PerCpuAlloc::new().stats().hits(), None);
+    }
+
+    #[test]
+    fn a_cpu_beyond_the_caches_is_an_error() {
+        let allocator = PerCpuAlloc::new();
+        churn(&allocator, &[64], 1, 1);
+        if allocator.stats().caching {
+            assert_eq!(
+                allocator.release_cpu(u32::MAX),
+                Err(ReleaseError::NoSuchCpu(u32::MAX))
+            );
+        }
+    }
+
+    #[test]
+    fn release_idle_takes_only_caches_that_did_not_change() {
+        let allocator = counting(DEFAULT_CACHE_BYTES);
+        churn(&allocator, &[64], 10, 1);
+        if !allocator.stats().caching {
+            return;
+        }
+        assert_eq!(
+            allocator.release_idle(),
+            Ok(0),
+            "the first look only notes each CPU"
+        );
+        let cached = allocator.stats().cached_bytes();
+        assert_eq!(
+            allocator.release_idle().map(|bytes| bytes as u64),
+            Ok(cached)
+        );
+        assert_eq!(allocator.stats().cached_bytes(), 0);
+    }
+
+    #[test]
+    fn a_release_left_by_a_vanished_thread_is_taken_over() {
+        use crate::decided_once::Claimants;
+        let allocator = std::sync::Arc::new(counting(DEFAULT_CACHE_BYTES));
+        churn(&allocator, &[64], 10, 1);
+        let Some(caches) = allocator.started() else {
+            return;
+        };
+        // A thread that has exited: what a releaser in the parent of a `fork` is to the child.
+        let gone = std::thread::spawn(|| crate::os::Threads.me())
+            .join()
+            .unwrap();
+        caches.abandon_release(gone, 0);
+        let (done, finished) = std::sync::mpsc::channel();
+        let releaser = allocator.clone();
+        std::thread::spawn(move || done.send(releaser.release()).unwrap());
+        let released = finished
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("a release waited for a thread that no longer exists");
+        assert!(released.is_ok(), "{released:?}");
+        assert!(
+            !caches.stopped_anywhere(),
+            "the vanished releaser's flags are still set"
+        );
+        assert_eq!(allocator.stats().cached_bytes(), 0);
+    }
+}

@@ -155,8 +155,18 @@ pub fn tcmalloc_ready() -> Result<(), String> {
             std::io::Error::last_os_error()
         ));
     }
-    let warm: Box<dyn Workload> = pairs::pairs(Kind::Tcmalloc, 64);
-    warm.run(0, 1);
+    // Each size once on each CPU first: tcmalloc's first object of a size on a CPU took
+    // milliseconds here (its cache for that CPU is set up), which made the runner's calibration,
+    // timed in the child, settle on one operation per call, and the call's own cost (a read of
+    // the thread's CPU time) the figure.
+    for cpu in thiscpu::topology::online_cpus() {
+        let Ok(_pinned) = thiscpu::topology::pin_to(cpu) else {
+            continue;
+        };
+        for size in SIZES.into_iter().chain([REMOTE_SIZE]) {
+            pairs::pairs(Kind::Tcmalloc, size).run(0, 1000);
+        }
+    }
     if switch::tcmalloc_per_cpu_caches() {
         Ok(())
     } else {

@@ -38,18 +38,23 @@ pub fn object_layout(size: usize) -> Layout {
     Layout::from_size_align(size.max(1), 8).unwrap_or(Layout::new::<u64>())
 }
 
-/// One allocation and free on the calling thread, the runner's main thread, before any worker
-/// starts: an allocator that sets itself up on its first call does so on a thread that lives
-/// as long as the process. (Set up on the first calibration thread, which ends, mimalloc
-/// measured 25 ns per pair instead of 3 in the first of its cases in every round here.)
-fn set_up<A: GlobalAlloc>(alloc: &A) {
-    let layout = object_layout(64);
-    // SAFETY: the layout's size is not zero.
-    let object = unsafe { alloc.alloc(layout) };
-    if !object.is_null() {
-        // SAFETY: `object` came from `alloc` with `layout`.
-        unsafe { alloc.dealloc(object, layout) };
-    }
+/// One allocation and free on the calling thread (the runner's main thread), then on a thread
+/// of its own that ends, before any worker starts. Without them, the first case of mimalloc
+/// and, once that was set up on the main thread, of jemalloc measured 25 ns per pair instead
+/// of 2 to 3 here, in every round and whatever the object's size: the worker threads that an
+/// allocator meets first are not the ones it should be judged on.
+fn set_up<A: GlobalAlloc + Sync>(alloc: &'static A) {
+    let once = move || {
+        let layout = object_layout(64);
+        // SAFETY: the layout's size is not zero.
+        let object = unsafe { alloc.alloc(layout) };
+        if !object.is_null() {
+            // SAFETY: `object` came from `alloc` with `layout`.
+            unsafe { alloc.dealloc(object, layout) };
+        }
+    };
+    once();
+    let _ = std::thread::spawn(once).join();
 }
 
 impl<A: GlobalAlloc + Sync + 'static> Workload for Pairs<A> {

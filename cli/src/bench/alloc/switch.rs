@@ -19,18 +19,14 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 
-// ---------------------------------------------------------------------------------------------
-// thiscpu's allocator as the benchmarks call it: STAND-IN. Until `thiscpu::PerCpuAlloc` is in
-// the library, glibc's allocator stands in for it here, and only here.
-/// thiscpu's per-CPU allocator front, `thiscpu::PerCpuAlloc` over glibc's allocator.
-pub type ThiscpuAlloc = System;
-/// A new [`ThiscpuAlloc`].
+/// thiscpu's per-CPU allocator front, over glibc's allocator.
+pub type ThiscpuAlloc = thiscpu::PerCpuAlloc;
+/// A new [`ThiscpuAlloc`], with the library's defaults.
 const fn thiscpu_alloc() -> ThiscpuAlloc {
-    System
+    thiscpu::PerCpuAlloc::new()
 }
 /// What the thiscpu rows call, for the tables' legend.
-pub const THISCPU_WHAT: &str = "STAND-IN: glibc malloc in place of thiscpu::PerCpuAlloc";
-// ---------------------------------------------------------------------------------------------
+pub const THISCPU_WHAT: &str = "thiscpu::PerCpuAlloc over glibc malloc";
 
 /// Set in the environment of a child process of `bench alloc` to `ALLOCATOR/TASK/SIZE`.
 pub const CHILD_ENV: &str = "THISCPU_BENCH_ALLOC_CHILD";

@@ -14,8 +14,7 @@
 //! allocator is chosen. It costs the other families nothing measurable: five alternating runs
 //! each of `thiscpu bench counter otel metrics --quick` built with and without it gave medians
 //! whose ratios had a geometric mean of 1.002 over 56 results, every single-thread result within
-//! its round-to-round spread of the other build's. (A first version through `&dyn GlobalAlloc`,
-//! two dependent loads and a bounds check, cost 3 % in the metrics recorder's cases.)
+//! its round-to-round spread of the other build's.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::ffi::CStr;

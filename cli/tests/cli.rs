@@ -676,7 +676,7 @@ fn help_explains_with_examples() {
         .collect::<Vec<_>>()
         .join(" ");
     assert!(
-        quick.contains("on top") || quick.contains("7.5 s"),
+        quick.contains("on top") || quick.contains("10 s"),
         "{quick}"
     );
     assert!(!quick.contains("about a second"), "{quick}");

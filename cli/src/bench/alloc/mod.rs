@@ -352,6 +352,17 @@ fn cases() -> Vec<Case> {
         Figure::Peak,
         "peak RSS growth of the strings child".to_owned(),
     );
+    // The peers where they are not built.
+    for case in &mut cases {
+        let kind = case.name.split_once('/').and_then(|(_, kind)| Kind::from_name(kind));
+        if kind.is_some_and(|kind| !kind.built()) {
+            *case = Case::skipped(
+                case.name,
+                case.unit,
+                "mimalloc, jemalloc and tcmalloc are built into the command on x86_64 Linux only",
+            );
+        }
+    }
     cases
 }
 

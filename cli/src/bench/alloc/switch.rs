@@ -78,6 +78,11 @@ impl Kind {
         }
     }
 
+    /// Whether the allocator is in this program (see [`PEERS_BUILT`]).
+    pub const fn built(self) -> bool {
+        PEERS_BUILT || matches!(self, Kind::Glibc | Kind::Thiscpu)
+    }
+
     /// The allocator named `name`.
     pub fn from_name(name: &str) -> Option<Kind> {
         Kind::from_bytes(name.as_bytes())
@@ -98,12 +103,49 @@ impl Kind {
 
 /// glibc's allocator.
 pub static GLIBC: System = System;
-/// mimalloc.
-pub static MIMALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
-/// jemalloc.
-pub static JEMALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
-/// tcmalloc.
-pub static TCMALLOC: tcmalloc_better::TCMalloc = tcmalloc_better::TCMalloc;
+pub use peers::{JEMALLOC, MIMALLOC, TCMALLOC, tcmalloc_per_cpu_caches};
+
+/// Whether the peers (mimalloc, jemalloc, tcmalloc) are in this program: on x86_64 Linux only
+/// (see the command's manifest). Elsewhere their cases are left out and the switch never
+/// chooses them.
+pub const PEERS_BUILT: bool = cfg!(all(target_os = "linux", target_arch = "x86_64"));
+
+/// The peers.
+#[cfg(all(target_os = "linux", target_arch = "x86_64"))]
+mod peers {
+    /// mimalloc.
+    pub static MIMALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+    /// jemalloc.
+    pub static JEMALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+    /// tcmalloc.
+    pub static TCMALLOC: tcmalloc_better::TCMalloc = tcmalloc_better::TCMalloc;
+
+    unsafe extern "C" {
+        /// tcmalloc's own answer: whether its per-CPU caches are in use in this process.
+        fn MallocExtension_Internal_GetPerCpuCachesActive() -> bool;
+    }
+
+    /// Whether tcmalloc's per-CPU caches are in use in this process (it registers rseq for
+    /// itself, which fails where glibc registered it first).
+    pub fn tcmalloc_per_cpu_caches() -> bool {
+        // SAFETY: a query without arguments, defined by the linked tcmalloc.
+        unsafe { MallocExtension_Internal_GetPerCpuCachesActive() }
+    }
+}
+
+/// The peers' places where they are not built: glibc's allocator, never called (their cases
+/// are left out, and the switch never chooses them).
+#[cfg(not(all(target_os = "linux", target_arch = "x86_64")))]
+mod peers {
+    use std::alloc::System;
+    pub static MIMALLOC: System = System;
+    pub static JEMALLOC: System = System;
+    pub static TCMALLOC: System = System;
+
+    pub fn tcmalloc_per_cpu_caches() -> bool {
+        false
+    }
+}
 /// thiscpu's allocator. The global switch's instance is this one too.
 pub static THISCPU: ThiscpuAlloc = thiscpu_alloc();
 
@@ -176,7 +218,10 @@ fn entry() -> &'static Entry {
 #[cold]
 #[inline(never)]
 fn decide() -> &'static Entry {
-    let index = 1 + from_environment().unwrap_or(Kind::Glibc) as u8;
+    let kind = from_environment()
+        .filter(|kind| kind.built())
+        .unwrap_or(Kind::Glibc);
+    let index = 1 + kind as u8;
     let index = match CHOSEN.compare_exchange(0, index, Relaxed, Relaxed) {
         Ok(_) => index,
         Err(earlier) => earlier,
@@ -255,16 +300,4 @@ mod tests {
         let _made = Box::new(1u8);
         assert_eq!(chosen(), Kind::Glibc);
     }
-}
-
-unsafe extern "C" {
-    /// tcmalloc's own answer: whether its per-CPU caches are in use in this process.
-    fn MallocExtension_Internal_GetPerCpuCachesActive() -> bool;
-}
-
-/// Whether tcmalloc's per-CPU caches are in use in this process (it registers rseq for
-/// itself, which fails where glibc registered it first).
-pub fn tcmalloc_per_cpu_caches() -> bool {
-    // SAFETY: a query without arguments, defined by the linked tcmalloc.
-    unsafe { MallocExtension_Internal_GetPerCpuCachesActive() }
 }

@@ -1040,6 +1040,9 @@ fn the_alloc_child_answers_in_one_json_line_and_refuses_bad_requests() {
         assert!(report["ms_per_run"].as_f64().unwrap() > 0.0, "{report}");
         assert!(report["peak_bytes"].as_u64().unwrap() > 0, "{report}");
         assert!(report["start_bytes"].as_u64().unwrap() > 0, "{report}");
+        if allocator == "thiscpu" && thiscpu::source().unavailable.is_none() {
+            assert_eq!(report["thiscpu_caching"], true, "{report}");
+        }
     }
     for bad in [
         "ptmalloc/json/quick",

@@ -118,6 +118,13 @@ pub struct ChildReport {
     pub peak_bytes: u64,
     /// The resident set before the task, bytes.
     pub start_bytes: u64,
+    /// For thiscpu's allocator: whether its per-CPU caches were in use (they are not in a
+    /// process without rseq, where it passes every call to glibc's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thiscpu_caching: Option<bool>,
+    /// For tcmalloc: whether its per-CPU caches were in use.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcmalloc_per_cpu: Option<bool>,
 }
 
 /// The child process's side: runs the task [`CHILD_ENV`] names. Returns the exit status.
@@ -150,6 +157,8 @@ pub fn child_main(spec: &str) -> i32 {
                 runs,
                 peak_bytes,
                 start_bytes,
+                thiscpu_caching: (kind == Kind::Thiscpu).then(|| switch::THISCPU.stats().caching),
+                tcmalloc_per_cpu: (kind == Kind::Tcmalloc).then(switch::tcmalloc_per_cpu_caches),
             };
             match serde_json::to_string(&report) {
                 Ok(line) => {
@@ -401,6 +410,12 @@ impl ChildCase {
             Some(report) => report,
             None => run_child(self.kind, self.task, self.size())?,
         };
+        if report.tcmalloc_per_cpu == Some(false) && super::tcmalloc_in_child() {
+            return Err(format!(
+                "{}: tcmalloc's per-CPU caches were not in use in its child process",
+                self.task.name()
+            ));
+        }
         let value = match self.figure {
             Figure::Time => report.ms_per_run,
             Figure::Peak => report.peak_bytes as f64,

@@ -73,7 +73,7 @@ impl Kind {
             Kind::Glibc => "glibc malloc (std::alloc::System)",
             Kind::Mimalloc => "mimalloc::MiMalloc",
             Kind::Jemalloc => "tikv_jemallocator::Jemalloc",
-            Kind::Tcmalloc => "tcmalloc_better::TCMalloc (per-CPU caches on rseq)",
+            Kind::Tcmalloc => "tcmalloc_better::TCMalloc",
             Kind::Thiscpu => THISCPU_WHAT,
         }
     }

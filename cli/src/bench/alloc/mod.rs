@@ -571,4 +571,70 @@ mod tests {
         }
         assert_eq!(CASES.len(), (PREFIXES.len() + 1) * Kind::ALL.len());
     }
+
+    fn measured(case: &'static str, threads: usize, unit: Unit, value: f64) -> Measured {
+        Measured {
+            bench: "alloc",
+            case,
+            how: String::new(),
+            threads,
+            cpus: vec![0],
+            unit,
+            rounds: vec![value; 3],
+            ops: 3,
+            on_cpu: vec![1.0; 3],
+        }
+    }
+
+    #[test]
+    fn ratios_are_to_the_best_peer_and_to_glibc_and_targets_take_the_worst_size() {
+        let mut results = Vec::new();
+        // ns per pair by allocator: glibc, mimalloc, jemalloc, tcmalloc, thiscpu.
+        for (prefix, thiscpu) in [("pair16", 1.5), ("pair4096", 3.0)] {
+            for threads in [1, 2] {
+                for (kind, value) in Kind::ALL.into_iter().zip([8.0, 4.0, 5.0, 6.0, thiscpu]) {
+                    let case = case_name(prefix, kind);
+                    results.push(measured(case, threads, Unit::NsPerOp, value));
+                }
+            }
+        }
+        for (kind, mib) in Kind::ALL.into_iter().zip([10.0, 40.0, 20.0, 15.0, 9.0]) {
+            let bytes = mib * 1024.0 * 1024.0;
+            results.push(measured(case_name("threads1k", kind), 1, Unit::Bytes, bytes));
+        }
+        let text = report(&results);
+        // As the command prints it: prose wrapped, tables as they are.
+        for line in crate::report::table::fit(&text).lines() {
+            assert!(line.chars().count() <= 120, "{line}");
+        }
+        let row = |start: &str| {
+            text.lines()
+                .map(|line| line.split_whitespace().collect::<Vec<_>>().join(" "))
+                .find(|line| line.starts_with(start))
+                .unwrap_or_else(|| panic!("no row {start:?}:\n{text}"))
+        };
+        // 1.5 over mimalloc's 4 and over glibc's 8, at both thread counts.
+        assert_eq!(
+            row("16 B thiscpu"),
+            "16 B thiscpu 1.50 0.375× 0.188× 1.50 0.375× 0.188×"
+        );
+        assert_eq!(row("thiscpu 9.00"), "thiscpu 9.00 0.600× 0.900×", "{text}");
+        assert!(
+            text.contains("thiscpu ÷ best peer, worst size (4096 B): 0.750× (target ≤ 0.8×): met"),
+            "{text}"
+        );
+        assert!(
+            text.contains("glibc ÷ thiscpu, worst size (4096 B): 2.67× (target ≥ 2×): met"),
+            "{text}"
+        );
+        assert!(
+            text.contains("thiscpu ÷ jemalloc: 0.450× (target ≤ 0.5×): met"),
+            "{text}"
+        );
+        assert!(
+            text.contains("thiscpu ÷ mimalloc: 0.225× (target ≤ 0.5×): met"),
+            "{text}"
+        );
+        assert!(!text.contains("json time"), "no json results, no json target:\n{text}");
+    }
 }

@@ -27,7 +27,7 @@
 //! # Bounds
 //! Each CPU caches at most [`with_cache_bytes`](PerCpuAlloc::with_cache_bytes) bytes
 //! ([`DEFAULT_CACHE_BYTES`] by default), split evenly over the classes. The caches take one
-//! region of address space per possible CPU (64 KiB at the default), allocated zeroed
+//! region of address space per possible CPU (32 KiB at the default), allocated zeroed
 //! from the inner allocator on first use, of which only the pages of CPUs and classes in use
 //! become resident. [`release`](PerCpuAlloc::release) gives every CPU's cache back,
 //! [`release_idle`](PerCpuAlloc::release_idle) those of CPUs that did not use theirs since
@@ -146,7 +146,7 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
     }
 
     /// Caches at most `per_cpu` bytes on each CPU (0 caches nothing: every call goes to the
-    /// inner allocator). Each size class holds up to `per_cpu / 28` bytes, so small settings
+    /// inner allocator). Each size class holds up to `per_cpu / 72` bytes, so small settings
     /// leave the largest classes uncached.
     ///
     /// ```
@@ -195,6 +195,12 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
     #[cold]
     #[inline(never)]
     fn start(&self) -> Option<&Caches> {
+        // A plain load first: in a process without rseq every call comes here, and a
+        // compare-and-swap that fails is still a locked instruction (8.7 against 5.1 ns a call,
+        // in a loop of 100,000 allocations and then frees of 24 bytes, with caching off).
+        if self.state.load(Ordering::Relaxed) != UNSTARTED {
+            return None;
+        }
         self.state
             .compare_exchange(UNSTARTED, STARTING, Ordering::Acquire, Ordering::Relaxed)
             .ok()?;
@@ -877,7 +883,7 @@ mod tests {
 
     #[test]
     fn a_full_cache_spills_to_the_inner_allocator() {
-        let allocator = counting(4096 * CLASSES);
+        let allocator = counting(4104 * CLASSES);
         churn(&allocator, &[4096], 10, 3);
         let stats = allocator.stats();
         if !stats.caching {
@@ -885,9 +891,9 @@ mod tests {
         }
         assert!(
             stats.spills() >= 9,
-            "one 4096-byte object cached per CPU: {stats:?}"
+            "one 4,104-byte object cached per CPU: {stats:?}"
         );
-        assert!(stats.cached_bytes() <= 4096 * stats.per_cpu.len() as u64);
+        assert!(stats.cached_bytes() <= 4104 * stats.per_cpu.len() as u64);
     }
 
     #[test]
@@ -966,9 +972,9 @@ mod tests {
             for i in 0..20 {
                 object.add(i).write(i as u8);
             }
-            let same = allocator.realloc(object, layout, 30);
-            assert_eq!(same, object, "20 and 30 bytes share the 32-byte class");
-            let grown = allocator.realloc(same, Layout::from_size_align(30, 8).unwrap(), 5000);
+            let same = allocator.realloc(object, layout, 24);
+            assert_eq!(same, object, "20 and 24 bytes share the 24-byte class");
+            let grown = allocator.realloc(same, Layout::from_size_align(24, 8).unwrap(), 5000);
             for i in 0..20 {
                 assert_eq!(grown.add(i).read(), i as u8);
             }

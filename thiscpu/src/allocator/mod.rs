@@ -529,18 +529,34 @@ impl<A: GlobalAlloc> Drop for PerCpuAlloc<A> {
     }
 }
 
+/// The layout a request that no class serves is passed to the inner allocator with: its own,
+/// with an alignment of at most 16 raised to 16, the alignment of every cached object. So every
+/// object of a request aligned to at most 16, cached size or not, is an allocation of the inner
+/// allocator aligned to 16, and `realloc` can hand any of them to the inner allocator's own
+/// `realloc` (which keeps the alignment) whichever sizes it moves between.
+#[inline(always)]
+fn inner_layout(layout: Layout) -> Layout {
+    if layout.align() > classes::CACHED_ALIGN {
+        return layout;
+    }
+    // A size within 15 bytes of `isize::MAX` keeps its own layout: no allocator can serve it,
+    // and the same layout in gives the same layout out, so `dealloc` would agree with `alloc`.
+    Layout::from_size_align(layout.size(), classes::CACHED_ALIGN).unwrap_or(layout)
+}
+
 // SAFETY: small requests are served by objects of a class at least as large, aligned to 16,
 // each of which the inner allocator made with its class's layout and which is in exactly one
 // place at a time (a cache, the caller, or back with the inner allocator: a stack's count is
-// committed by one store, so an object is popped once); every other request, and every object
-// leaving a cache, goes to the inner allocator with the layout it was made with.
+// committed by one store, so an object is popped once); every other request goes to the inner
+// allocator with `inner_layout` of its layout, and every object leaving a cache with its
+// class's layout, the layouts they were made with.
 unsafe impl<A: GlobalAlloc> GlobalAlloc for PerCpuAlloc<A> {
     #[inline]
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         match classes::class_of(layout) {
             Some(class) => self.take(class),
-            // SAFETY: the caller's layout, forwarded.
-            None => unsafe { self.inner.alloc(layout) },
+            // SAFETY: the caller's layout, as the inner allocator gets it.
+            None => unsafe { self.inner.alloc(inner_layout(layout)) },
         }
     }
 
@@ -550,8 +566,9 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for PerCpuAlloc<A> {
             // SAFETY: `ptr` was returned for `layout` by this allocator, so by `take` for the
             // same class; the caller gives it up.
             Some(class) => unsafe { self.give(ptr, class) },
-            // SAFETY: a layout no class serves was passed to the inner allocator as it is.
-            None => unsafe { self.inner.dealloc(ptr, layout) },
+            // SAFETY: a layout no class serves was passed to the inner allocator as
+            // `inner_layout` makes it.
+            None => unsafe { self.inner.dealloc(ptr, inner_layout(layout)) },
         }
     }
 
@@ -566,8 +583,8 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for PerCpuAlloc<A> {
                 }
                 object
             }
-            // SAFETY: the caller's layout, forwarded.
-            None => unsafe { self.inner.alloc_zeroed(layout) },
+            // SAFETY: the caller's layout, as the inner allocator gets it.
+            None => unsafe { self.inner.alloc_zeroed(inner_layout(layout)) },
         }
     }
 
@@ -575,76 +592,57 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for PerCpuAlloc<A> {
         // SAFETY: the caller guarantees that `new_size`, rounded up to `layout.align()`, does
         // not overflow `isize`, and the alignment is `layout`'s.
         let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
-        match (classes::class_of(layout), classes::class_of(new_layout)) {
-            // The object already holds its class's size.
-            (Some(old), Some(new)) if old == new => ptr,
-            // SAFETY: neither layout is cached: the inner allocator made `ptr` with `layout`.
-            (None, None) => unsafe { self.inner.realloc(ptr, layout, new_size) },
-            // SAFETY: forwarded contract.
-            (Some(old), Some(new)) => unsafe { self.move_between_classes(ptr, layout, old, new) },
-            _ => {
-                // SAFETY: `new_layout` is non-zero (the caller's contract).
-                let moved = unsafe { self.alloc(new_layout) };
-                if !moved.is_null() {
-                    // SAFETY: both hold at least the smaller size and do not overlap (`moved`
-                    // is a live allocation distinct from the live `ptr`); `ptr` was made with
-                    // `layout` by this allocator and is given up.
-                    unsafe {
-                        core::ptr::copy_nonoverlapping(ptr, moved, layout.size().min(new_size));
-                        self.dealloc(ptr, layout);
-                    }
-                }
-                moved
-            }
+        let (old, new) = (classes::class_of(layout), classes::class_of(new_layout));
+        // The object already holds its class's size.
+        if old.is_some() && old == new {
+            return ptr;
         }
+        // How the inner allocator holds the object now, and the size it must hold next.
+        let held = old.map_or(inner_layout(layout), class_layout);
+        let to_size = new.map_or(new_size, |class| classes::CLASS_SIZES[class]);
+        if let Some(new) = new
+            && let Some(moved) = self.take_cached(new)
+        {
+            // SAFETY: both objects hold at least the smaller size and are distinct live
+            // allocations; the old one, made with `layout`, is given up.
+            unsafe {
+                core::ptr::copy_nonoverlapping(ptr, moved, layout.size().min(new_size));
+                self.dealloc(ptr, layout);
+            }
+            return moved;
+        }
+        // SAFETY: `ptr` is an allocation of `held` by the inner allocator (a class's layout
+        // for a cached size, `inner_layout` otherwise, both aligned alike); what it returns is
+        // one of `to_size` with the same alignment: the class's layout when the new size is
+        // cached, `inner_layout` of the new layout when not. Null leaves `ptr` as it was.
+        unsafe { self.inner.realloc(ptr, held, to_size) }
     }
 }
 
 impl<A: GlobalAlloc> PerCpuAlloc<A> {
-    /// `realloc` from one cached class to another: into an object of the new class from this
-    /// CPU's cache if it has one (the old object then goes back to the cache), or else by the
-    /// inner allocator's own `realloc`, which may grow or shrink the object where it lies: both
-    /// objects are allocations of their class's layout by it, so it can move one into the
-    /// other, where a miss and a spill would cost two calls and a copy.
-    ///
-    /// # Safety
-    /// As for `GlobalAlloc::realloc`; `layout` is of class `old`, and the new size of class
-    /// `new`.
-    unsafe fn move_between_classes(
-        &self,
-        ptr: *mut u8,
-        layout: Layout,
-        old: usize,
-        new: usize,
-    ) -> *mut u8 {
-        let new_size = classes::CLASS_SIZES[new];
-        if let Some(caches) = self.started() {
-            let at = ops::position_as_is::<ByCpu>();
-            if (at.index() as usize) < caches.cpus {
-                // SAFETY: `at` was just read on this thread; its index is below the CPUs.
-                match unsafe { caches.pop_at(at, new) } {
-                    (StackOutcome::Committed, moved) => {
-                        if self.count_hits {
-                            caches.count(at, Tally::Hits);
-                        }
-                        let moved = moved as *mut u8;
-                        // SAFETY: both objects hold at least the smaller size and are distinct
-                        // live allocations; the old one, of class `old`, is given up.
-                        unsafe {
-                            core::ptr::copy_nonoverlapping(ptr, moved, layout.size().min(new_size));
-                            self.give(ptr, old);
-                        }
-                        return moved;
-                    }
-                    (StackOutcome::Refused, _) => caches.count(at, Tally::Misses),
-                    _ => {}
-                }
-            }
+    /// One try at an object of `class` from this CPU's cache, for `realloc`, which has the
+    /// inner allocator's `realloc` to fall back on: `None` if the cache is empty (a miss,
+    /// counted), being released, or not reachable from this thread now.
+    fn take_cached(&self, class: usize) -> Option<*mut u8> {
+        let caches = self.started()?;
+        let at = ops::position_as_is::<ByCpu>();
+        if (at.index() as usize) >= caches.cpus {
+            return None;
         }
-        // SAFETY: `ptr` is an allocation of `old`'s class layout by the inner allocator (every
-        // cached-size object is); what it returns is one of `new`'s class layout (the same
-        // alignment, the class's size), or null with `ptr` left as it was.
-        unsafe { self.inner.realloc(ptr, class_layout(old), new_size) }
+        // SAFETY: `at` was just read on this thread; its index is below the CPUs.
+        match unsafe { caches.pop_at(at, class) } {
+            (StackOutcome::Committed, object) => {
+                if self.count_hits {
+                    caches.count(at, Tally::Hits);
+                }
+                Some(object as *mut u8)
+            }
+            (StackOutcome::Refused, _) => {
+                caches.count(at, Tally::Misses);
+                None
+            }
+            _ => None,
+        }
     }
 }
 

@@ -419,16 +419,42 @@ impl Caches {
                     .compare_exchange(owner, me, Ordering::Acquire, Ordering::Relaxed)
                     .is_ok()
             {
-                for cpu in 0..self.cpus {
-                    for class in 0..CLASSES {
-                        self.head_ref(cpu, class)
-                            .stopped
-                            .store(0, Ordering::Release);
-                    }
-                }
+                self.resume_every_cpu();
                 return Some(ReleaseLock(&self.releasing));
             }
             crate::sync::yield_now();
+        }
+    }
+
+    /// Clears every CPU's flags: only for the holder of the release lock, which no other
+    /// releaser can be using.
+    fn resume_every_cpu(&self) {
+        for cpu in 0..self.cpus {
+            for class in 0..CLASSES {
+                self.head_ref(cpu, class)
+                    .stopped
+                    .store(0, Ordering::Release);
+            }
+        }
+    }
+
+    /// For a call that found a cache stopped: if the release that stopped it belongs to a
+    /// thread that no longer exists in this process (the child of a `fork` made during a
+    /// release inherits its flags, and nobody would ever clear them), takes that release over
+    /// and clears them. A live release is left alone (the call passes through meanwhile).
+    pub(super) fn resume_if_abandoned(&self) {
+        let threads = crate::os::Threads;
+        let owner = self.releasing.load(Ordering::Acquire);
+        if owner == 0 || owner == threads.me() || !threads.is_gone(owner) {
+            return;
+        }
+        if self
+            .releasing
+            .compare_exchange(owner, threads.me(), Ordering::Acquire, Ordering::Relaxed)
+            .is_ok()
+        {
+            self.resume_every_cpu();
+            self.releasing.store(0, Ordering::Release);
         }
     }
 

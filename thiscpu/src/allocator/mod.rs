@@ -41,7 +41,9 @@
 //! - Without rseq (kernels before 4.18, valgrind, qemu-user, a seccomp filter,
 //!   `THISCPU_RSEQ=off`, other systems) it is the inner allocator plus a size-class rounding.
 //! - After `fork`, the child inherits the caches as they were: each stack's count is exact at
-//!   every instant, whatever the other threads were doing.
+//!   every instant, whatever the other threads were doing. A release that was under way in
+//!   another thread left its CPU's cache stopped; the child's first call that finds it so takes
+//!   the release over and resumes the cache.
 //!
 //! # When not to use it
 //! Programs whose allocations are mostly larger than [`MAX_CACHED_SIZE`], or that allocate
@@ -279,6 +281,7 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
                     (StackOutcome::Refused, _) => return self.miss(caches, at, class),
                     (StackOutcome::Stopped, _) => {
                         caches.counters(cpu).passed.fetch_add(1, Ordering::Relaxed);
+                        caches.resume_if_abandoned();
                         break;
                     }
                     (StackOutcome::Aborted, _) => {
@@ -361,6 +364,7 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
                     }
                     StackOutcome::Stopped => {
                         caches.counters(cpu).passed.fetch_add(1, Ordering::Relaxed);
+                        caches.resume_if_abandoned();
                         break;
                     }
                     StackOutcome::Aborted => {
@@ -1087,5 +1091,32 @@ mod tests {
             "the vanished releaser's flags are still set"
         );
         assert_eq!(allocator.stats().cached_bytes(), 0);
+    }
+
+    #[test]
+    fn a_cache_left_stopped_by_a_vanished_releaser_resumes_at_its_next_call() {
+        use crate::decided_once::Claimants;
+        let allocator = counting(DEFAULT_CACHE_BYTES);
+        churn(&allocator, &[64], 10, 1);
+        let Some(caches) = allocator.started() else {
+            return;
+        };
+        let gone = std::thread::spawn(|| crate::os::Threads.me())
+            .join()
+            .unwrap();
+        for cpu in 0..caches.cpus {
+            caches.abandon_release(gone, cpu);
+        }
+        churn(&allocator, &[64], 1, 1);
+        assert!(
+            !caches.stopped_anywhere(),
+            "the caches stay stopped for good"
+        );
+        let before = allocator.stats().cached_bytes();
+        churn(&allocator, &[64], 10, 1);
+        assert!(
+            allocator.stats().cached_bytes() > 0 || before > 0,
+            "the caches are not used again"
+        );
     }
 }

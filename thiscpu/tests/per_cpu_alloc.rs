@@ -18,7 +18,7 @@
 mod common;
 
 use std::alloc::{GlobalAlloc, Layout, System};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -132,6 +132,26 @@ impl Random {
 
 /// A heap under test, with canaried objects.
 trait Heap: GlobalAlloc + Sync {
+    /// The addresses its objects hold now, where the test keeps them (for a counted allocator).
+    fn held(&self) -> Option<&Mutex<BTreeSet<usize>>> {
+        None
+    }
+
+    /// Marks `ptr` held: fails if it is already, by an object not freed yet.
+    fn hold(&self, ptr: *mut u8) {
+        if let Some(held) = self.held() {
+            let fresh = held.lock().unwrap().insert(ptr as usize);
+            assert!(fresh, "{ptr:?} handed out while another object holds it");
+        }
+    }
+
+    /// Marks `ptr` free again, before it is given back.
+    fn unhold(&self, ptr: *mut u8) {
+        if let Some(held) = self.held() {
+            held.lock().unwrap().remove(&(ptr as usize));
+        }
+    }
+
     /// Allocates `layout` (zeroed if asked), checks the address and the zeros, writes the
     /// canary.
     fn make(&self, layout: Layout, zeroed: bool) -> Object {
@@ -145,6 +165,7 @@ trait Heap: GlobalAlloc + Sync {
         };
         assert!(!ptr.is_null(), "allocation of {layout:?} failed");
         assert_eq!(ptr as usize % layout.align(), 0, "{ptr:?} for {layout:?}");
+        self.hold(ptr);
         if zeroed {
             // SAFETY: the allocation just made, `layout.size()` bytes.
             let bytes = unsafe { std::slice::from_raw_parts(ptr, layout.size()) };
@@ -167,6 +188,7 @@ trait Heap: GlobalAlloc + Sync {
         if let Err(why) = unsafe { check_canary(ptr, ptr as usize, layout.size(), layout.size()) } {
             panic!("before its free: {why}");
         }
+        self.unhold(ptr);
         // SAFETY: allocated by this heap with `layout`, freed once (it is moved in).
         unsafe { self.dealloc(ptr, layout) };
     }
@@ -179,6 +201,7 @@ trait Heap: GlobalAlloc + Sync {
         if let Err(why) = unsafe { check_canary(ptr, ptr as usize, layout.size(), layout.size()) } {
             panic!("before its realloc: {why}");
         }
+        self.unhold(ptr);
         // SAFETY: allocated by this heap with `layout`; `new_size` is not zero and, rounded
         // to the alignment, far from overflowing.
         let moved = unsafe { self.realloc(ptr, layout, new_size) };
@@ -191,6 +214,7 @@ trait Heap: GlobalAlloc + Sync {
             0,
             "realloc to {moved:?} for {layout:?}"
         );
+        self.hold(moved);
         let kept = layout.size().min(new_size);
         // SAFETY: the new allocation holds at least `kept` bytes.
         if let Err(why) = unsafe { check_canary(moved, ptr as usize, layout.size(), kept) } {
@@ -203,7 +227,7 @@ trait Heap: GlobalAlloc + Sync {
     }
 }
 
-impl<A: GlobalAlloc + Sync> Heap for A {}
+impl Heap for PerCpuAlloc {}
 
 // --- an inner allocator that knows what is live -------------------------------------------
 
@@ -213,6 +237,8 @@ impl<A: GlobalAlloc + Sync> Heap for A {}
 struct Ledger {
     live: Mutex<BTreeMap<usize, Layout>>,
     errors: Mutex<Vec<String>>,
+    /// The addresses of the test's objects of the `PerCpuAlloc` over this inner allocator.
+    held: Mutex<BTreeSet<usize>>,
 }
 
 impl Ledger {
@@ -287,6 +313,14 @@ unsafe impl GlobalAlloc for CountingInner {
 
 /// A `PerCpuAlloc` over a `CountingInner`.
 type Counted = PerCpuAlloc<CountingInner>;
+
+/// Each object of a counted allocator is also marked held while the test holds it: an object
+/// handed out while another holds it fails at once.
+impl Heap for Counted {
+    fn held(&self) -> Option<&Mutex<BTreeSet<usize>>> {
+        Some(&self.inner().0.held)
+    }
+}
 
 /// An allocator with a cap of `cache_bytes` per CPU over a `CountingInner`, and its ledger.
 fn counted(cache_bytes: usize) -> (Counted, Arc<Ledger>) {
@@ -834,14 +868,18 @@ fn release_idle_releases_only_the_caches_of_idle_cpus() {
     assert_eq!(ledger.errors(), Vec::<String>::new());
 }
 
-/// `release_cpu` of a CPU, over and over, while threads pinned to it allocate, realloc and free
-/// there: every object keeps its canary, none is lost or freed twice.
+/// `release_cpu` of a CPU, over and over from another CPU, while threads pinned to it allocate,
+/// realloc and free there: every object keeps its canary, none is lost, handed out twice or
+/// freed twice.
 #[test]
 fn release_cpu_races_the_threads_of_that_cpu() {
     let _serial = common::serial();
-    let (heap, ledger) = counted(4 << 10);
+    let (heap, ledger) = counted(64 << 10);
     let own = own_allocations(&heap, &ledger);
-    let cpu = common::allowed_cpus()[0];
+    let cpus = common::allowed_cpus();
+    // The releaser runs on another CPU where there is one, so that its stop, fence and emptying
+    // overlap sections in flight rather than preempt them.
+    let (cpu, releaser_cpu) = (cpus[0], cpus[cpus.len() - 1]);
     let stop = AtomicBool::new(false);
     let exchange: Exchange = Mutex::new(Vec::new());
     let tally = Tally::default();
@@ -860,6 +898,7 @@ fn release_cpu_races_the_threads_of_that_cpu() {
             });
         }
         s.spawn(|| {
+            common::pin(releaser_cpu);
             while !stop.load(Ordering::Relaxed) {
                 let bytes = heap
                     .release_cpu(cpu)
@@ -873,7 +912,15 @@ fn release_cpu_races_the_threads_of_that_cpu() {
                 }
             }
         });
+        // With `--cfg thiscpu_inject`, delays inside every section widen the windows in which
+        // a release meets a section in flight.
+        #[cfg(thiscpu_inject)]
+        (0..thiscpu::ops::inject::POINTS)
+            .for_each(|point| thiscpu::ops::inject::set_delay(point, 20_000));
         std::thread::sleep(storm_duration().min(Duration::from_secs(2)));
+        #[cfg(thiscpu_inject)]
+        (0..thiscpu::ops::inject::POINTS)
+            .for_each(|point| thiscpu::ops::inject::set_delay(point, 0));
         stop.store(true, Ordering::Relaxed);
     });
     for object in exchange.into_inner().unwrap() {

@@ -1005,8 +1005,9 @@ fn a_hundred_thousand_short_threads() {
 }
 
 /// `fork` while other threads allocate and free and another releases one CPU's cache after
-/// another: each child allocates, checks and frees through the global allocator, releases its
-/// caches, allocates again, and exits 0 within 10 s.
+/// another: each child allocates, checks and frees through the global allocator, finds its
+/// caches serving it on every CPU (not every call passed through), releases its caches,
+/// allocates again, and exits 0 within 10 s.
 #[test]
 fn fork_while_other_threads_allocate() {
     let _serial = common::serial();
@@ -1060,12 +1061,27 @@ fn fork_while_other_threads_allocate() {
                         .iter()
                         .enumerate()
                         .all(|(n, o)| o.iter().all(|&v| v == n as u64));
+                    // The child's caches serve it on every CPU: a cache that was being
+                    // released at the fork must not stay stopped (every call passed through).
+                    let mut caches_serve = true;
+                    if GLOBAL.stats().caching {
+                        let layout = Layout::from_size_align(64, 8).unwrap();
+                        for cpu in common::allowed_cpus() {
+                            common::pin(cpu);
+                            let passed = |stats: AllocStats| of_cpu(&stats, cpu).passed_through;
+                            let before = passed(GLOBAL.stats());
+                            for _ in 0..100 {
+                                GLOBAL.free(GLOBAL.make(layout, false));
+                            }
+                            caches_serve &= passed(GLOBAL.stats()) - before < 200;
+                        }
+                    }
                     // The child's caches are its own: it releases them, and allocates after.
                     let released = GLOBAL.release().is_ok();
                     drop(objects);
                     let after = GLOBAL.make(Layout::from_size_align(100, 8).unwrap(), false);
                     GLOBAL.free(after);
-                    whole && released
+                    whole && caches_serve && released
                 });
                 // SAFETY: ends the child without running the parent's exit handlers.
                 unsafe { libc::_exit(if matches!(ok, Ok(true)) { 0 } else { 1 }) };
@@ -1083,7 +1099,11 @@ fn fork_while_other_threads_allocate() {
     }
     eprintln!("{tally:?}");
     for (fork, status) in statuses.into_iter().enumerate() {
-        assert_eq!(status, Some(0), "child {fork} (None: hung, killed)");
+        assert_eq!(
+            status,
+            Some(0),
+            "child {fork}'s exit status (None: hung and killed; 1: a check failed)"
+        );
     }
 }
 

@@ -28,8 +28,23 @@ machine = bench["machine"]
 for key in ("cpu_model", "kernel", "glibc", "cpus_possible", "cpus_online", "rseq"):
     assert key in machine, f"machine.{key} missing"
 families = {r["bench"] for r in bench["results"]}
-for family in ("getcpu", "counter", "metrics", "bpf", "mask", "pool", "memory", "sharded", "rwlock", "otel"):
+for family in ("getcpu", "counter", "metrics", "bpf", "mask", "pool", "memory", "sharded", "rwlock", "otel",
+               "alloc"):
     assert family in families, f"bench family {family} produced no result"
+# alloc: every allocator in every part, the whole-program parts from child processes whose
+# global allocator is the one measured.
+alloc = {(r["case"], r["threads"]): r for r in bench["results"] if r["bench"] == "alloc"}
+alloc_left_out = {(s["bench"], s["case"]) for s in bench.get("skipped", [])}
+for allocator in ("glibc", "mimalloc", "jemalloc", "tcmalloc", "thiscpu"):
+    for prefix, threads in (("pair16", 1), ("pair16", 2), ("pair4096", 2), ("remote", 1),
+                            ("threads1k", 1), ("json", 1), ("json-rss", 1), ("strings", 1),
+                            ("strings-rss", 1)):
+        case = f"{prefix}/{allocator}"
+        row = alloc.get((case, threads))
+        if row is None and ("alloc", case) in alloc_left_out:
+            continue  # remote frees need two CPUs
+        assert row is not None, f"alloc/{case} at {threads} thread(s) produced no result"
+        assert row["median"] > 0, row
 otel = {r["case"] for r in bench["results"] if r["bench"] == "otel"}
 for case in ("unbound/sdk", "unbound/thiscpu", "bound/sdk", "bound/thiscpu", "memory/resident"):
     assert case in otel, f"otel/{case} produced no result"

@@ -140,7 +140,7 @@ also prints the seeds' tables: 1e9 calls of a noinline get_cpu_id() before and a
 getcpu() latency before (vDSO, syscall) and after (rseq).
 
 Examples:
-  thiscpu bench                          every family, about a minute
+  thiscpu bench                          every family, about two minutes
   thiscpu bench getcpu --cases 'current_cpu*,vdso'
   thiscpu bench --quick --json out.json --svg charts/
   thiscpu bench --threads 1,2 --rounds 21 --seconds 120
@@ -161,12 +161,14 @@ pub struct BenchArgs {
     pub list: bool,
 
     /// A smoke run: 3 short rounds, 1 s of timed rounds in all; with thread start-up,
-    /// calibration and the memory cases, every family takes about 7.5 s on 2 CPUs.
+    /// calibration, the memory cases and alloc's child processes, every family takes about
+    /// 10 s on 2 CPUs.
     #[arg(long)]
     quick: bool,
 
     /// Time budget in seconds for the timed rounds of the whole run; starting threads,
-    /// calibrating and the memory cases come on top [default: 60, or 1 with --quick].
+    /// calibrating, the memory cases and alloc's child processes come on top [default: 60, or 1
+    /// with --quick].
     #[arg(long, value_name = "N", allow_negative_numbers = true, value_parser = parse_seconds)]
     seconds: Option<f64>,
 
@@ -267,8 +269,8 @@ pub fn bench_options(args: BenchArgs) -> Result<Options, Error> {
 /// `thiscpu stress`'s options.
 #[derive(Debug, clap::Args)]
 pub struct StressArgs {
-    /// How long each of the two parts (the counter, then the pool) runs, in seconds (fractions
-    /// allowed): the whole run takes about twice N.
+    /// How long each of the three parts (the counter, the pool, then the allocator) runs, in
+    /// seconds (fractions allowed): the whole run takes about three times N.
     #[arg(
         long,
         value_name = "N",

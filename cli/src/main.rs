@@ -79,6 +79,18 @@ fn main() {
     if let Ok(work) = std::env::var(bench::rseq_mode::CHILD_ENV) {
         std::process::exit(bench::rseq_mode::child_main(&work));
     }
+    // A child process of `bench alloc`, whose global allocator is the one it measures.
+    if let Ok(spec) = std::env::var(bench::alloc::switch::CHILD_ENV) {
+        std::process::exit(bench::alloc::child::child_main(&spec));
+    }
+    // A child process of `bench alloc` that serves tcmalloc's cases, where tcmalloc holds rseq.
+    if let Ok(spec) = std::env::var(bench::alloc::TCMALLOC_CHILD.var) {
+        std::process::exit(bench::rseq_off::serve_main(
+            &spec,
+            bench::alloc::TCMALLOC_CHILD,
+            bench::alloc::tcmalloc_ready,
+        ));
+    }
     // A child process of a case mirrored with rseq off, started by this program itself.
     if let Ok(case) = std::env::var(bench::rseq_off::CHILD_ENV) {
         std::process::exit(bench::rseq_off::child_main(&case));

@@ -4,9 +4,12 @@
 //! Runs `thiscpu_stress::run_counter` (a `Counter` incremented by workers that another thread
 //! migrates between CPUs at random and storms with signals whose handlers increment the same
 //! counter, while short-lived threads come and go), then `thiscpu_stress::run_pool` (the same
-//! storm around a `Pool`, with a thread draining CPU caches). Each run lasts `--seconds`, so the
-//! command takes about twice that.
-//! Exit status 0 when every increment and every object was accounted for, 1 otherwise.
+//! storm around a `Pool`, with a thread draining CPU caches), then `thiscpu_stress::run_alloc`
+//! (the same storm around a `PerCpuAlloc` whose objects carry patterns checked before they are
+//! freed, with a thread releasing CPU caches). Each run lasts `--seconds`, so the command takes
+//! about three times that.
+//! Exit status 0 when every increment, every object and every allocation was accounted for, 1
+//! otherwise.
 
 use crate::args::StressArgs;
 use crate::error::{Error, Result, plain};
@@ -15,7 +18,8 @@ use serde_json::{Value, json};
 use std::io::IsTerminal;
 use std::time::Duration;
 use thiscpu_stress::{
-    PoolStressConfig, PoolStressReport, StressConfig, StressReport, run_counter, run_pool,
+    AllocStressConfig, AllocStressReport, PoolStressConfig, PoolStressReport, StressConfig,
+    StressReport, run_alloc, run_counter, run_pool,
 };
 
 /// Runs both stresses and reports; an inexact result is an error with exit status 1.
@@ -45,11 +49,17 @@ pub fn run(args: StressArgs) -> Result<()> {
         ..PoolStressConfig::default()
     })
     .map_err(|e| failed("pool", e))?;
+    phase("allocator");
+    let alloc = run_alloc(&AllocStressConfig {
+        stress: config.clone(),
+        ..AllocStressConfig::default()
+    })
+    .map_err(|e| failed("allocator", e))?;
     progress.finish_and_clear();
 
     let source = thiscpu::source();
     let lost = counter.lost.unsigned_abs() + pool.lost.unsigned_abs();
-    let exact = counter.exact() && pool.exact();
+    let exact = counter.exact() && pool.exact() && alloc.exact();
     let json_to_stdout = output.as_ref().is_some_and(Output::is_stdout);
     if let Some(output) = output {
         let report = json!({
@@ -65,6 +75,7 @@ pub fn run(args: StressArgs) -> Result<()> {
             },
             "counter": counter_json(&counter),
             "pool": pool_json(&pool),
+            "allocator": alloc_json(&alloc),
         });
         output.commit_json(&report)?;
     }
@@ -83,6 +94,7 @@ pub fn run(args: StressArgs) -> Result<()> {
         );
         println!("\n{}", counter_text(&counter));
         println!("\n{}", pool_text(&pool));
+        println!("\n{}", alloc_text(&alloc));
         println!(
             "\n{}",
             if exact {
@@ -97,8 +109,16 @@ pub fn run(args: StressArgs) -> Result<()> {
     } else {
         Err(Error::failed(format!(
             "the stress lost updates: counter {} (of {}), pool {} objects, {} double hand-outs, \
-             {} duplicates",
-            counter.lost, counter.operations, pool.lost, pool.double_handouts, pool.duplicates
+             {} duplicates; allocator {} objects corrupted, {} allocations lost, {} bytes left \
+             cached",
+            counter.lost,
+            counter.operations,
+            pool.lost,
+            pool.double_handouts,
+            pool.duplicates,
+            alloc.corrupted,
+            alloc.lost,
+            alloc.cached_after_release
         )))
     }
 }
@@ -145,6 +165,31 @@ fn pool_json(r: &PoolStressReport) -> Value {
         "drains_unavailable": r.drains_unavailable,
         "drained_objects": r.drained_objects,
         "drain_method": r.drain_method.map(|method| format!("{method:?}").to_lowercase()),
+        "aborts": r.aborts,
+        "migrations": r.migrations,
+        "signals_sent": r.signals,
+        "signals_handled": r.signals_handled,
+        "threads_created": r.threads_created,
+        "workers": r.workers,
+        "elapsed_seconds": r.elapsed.as_secs_f64(),
+    })
+}
+
+fn alloc_json(r: &AllocStressReport) -> Value {
+    json!({
+        "exact": r.exact(),
+        "caching": r.caching,
+        "operations": r.operations,
+        "reallocs": r.reallocs,
+        "traded": r.traded,
+        "corrupted": r.corrupted,
+        "lost": r.lost,
+        "cached_after_release": r.cached_after_release,
+        "misses": r.misses,
+        "spills": r.spills,
+        "releases": r.releases,
+        "released_bytes": r.released_bytes,
+        "releases_unavailable": r.releases_unavailable,
         "aborts": r.aborts,
         "migrations": r.migrations,
         "signals_sent": r.signals,
@@ -219,6 +264,49 @@ fn pool_text(r: &PoolStressReport) -> String {
                     r.drains_unavailable,
                     r.drain_method
                         .map_or("none".to_owned(), |m| format!("{m:?}").to_lowercase())
+                ),
+            ),
+            ("aborts (retried)", r.aborts.to_string()),
+            ("migrations", r.migrations.to_string()),
+            ("signals sent", r.signals.to_string()),
+            ("signals handled", signals_handled(r.signals_handled)),
+            ("threads created", r.threads_created.to_string()),
+        ],
+    )
+}
+
+fn alloc_text(r: &AllocStressReport) -> String {
+    lines(
+        &format!(
+            "allocator: {} workers for {:.2} s, migrated, signalled, released, with thread churn{}",
+            r.workers,
+            r.elapsed.as_secs_f64(),
+            if r.caching {
+                ""
+            } else {
+                " (no rseq here: the pass-through path)"
+            }
+        ),
+        &[
+            (
+                "objects",
+                format!(
+                    "{} allocated, {} resized, {} freed by another thread",
+                    r.operations, r.reallocs, r.traded
+                ),
+            ),
+            ("corrupted", r.corrupted.to_string()),
+            ("allocations lost", r.lost.to_string()),
+            (
+                "cached after release",
+                format!("{} bytes", r.cached_after_release),
+            ),
+            ("misses / spills", format!("{} / {}", r.misses, r.spills)),
+            (
+                "releases",
+                format!(
+                    "{} ({} bytes given back, {} unavailable)",
+                    r.releases, r.released_bytes, r.releases_unavailable
                 ),
             ),
             ("aborts (retried)", r.aborts.to_string()),

@@ -676,7 +676,7 @@ fn help_explains_with_examples() {
         .collect::<Vec<_>>()
         .join(" ");
     assert!(
-        quick.contains("on top") || quick.contains("7.5 s"),
+        quick.contains("on top") || quick.contains("10 s"),
         "{quick}"
     );
     assert!(!quick.contains("about a second"), "{quick}");
@@ -1003,6 +1003,175 @@ fn the_rseq_off_child_counts_exactly_and_reports_a_miscount() {
             text(&refused.stderr).contains("not turned off"),
             "{}",
             text(&refused.stderr)
+        );
+    }
+}
+
+/// The child process behind `bench alloc`'s whole-program cases: its global allocator is the
+/// one `THISCPU_BENCH_ALLOC_CHILD` names, it runs the task and answers with one JSON line; a
+/// malformed request is one line on standard error and exit status 2, never a panic.
+#[test]
+fn the_alloc_child_answers_in_one_json_line_and_refuses_bad_requests() {
+    let child = |spec: &str| {
+        Command::new(env!("CARGO_BIN_EXE_thiscpu"))
+            .env("THISCPU_BENCH_ALLOC_CHILD", spec)
+            .output()
+            .expect("run the child")
+    };
+    // The peers are built into the command on x86_64 only.
+    let third = if cfg!(target_arch = "x86_64") {
+        ("jemalloc/threads/quick", "jemalloc", "threads")
+    } else {
+        ("glibc/threads/quick", "glibc", "threads")
+    };
+    for (spec, allocator, task) in [
+        ("glibc/json/quick", "glibc", "json"),
+        ("thiscpu/strings/quick", "thiscpu", "strings"),
+        third,
+    ] {
+        let output = child(spec);
+        assert!(output.status.success(), "{spec}: {}", text(&output.stderr));
+        let stdout = text(&output.stdout);
+        assert_eq!(stdout.lines().count(), 1, "{spec}: {stdout}");
+        let report: Value = serde_json::from_str(&stdout).expect("one JSON line");
+        assert_eq!(report["allocator"], allocator, "{report}");
+        assert_eq!(report["task"], task, "{report}");
+        assert_eq!(report["size"], "quick", "{report}");
+        assert!(report["ms_per_run"].as_f64().unwrap() > 0.0, "{report}");
+        assert!(report["peak_bytes"].as_u64().unwrap() > 0, "{report}");
+        assert!(report["start_bytes"].as_u64().unwrap() > 0, "{report}");
+        if allocator == "thiscpu" && thiscpu::source().unavailable.is_none() {
+            assert_eq!(report["thiscpu_caching"], true, "{report}");
+        }
+    }
+    for bad in [
+        "ptmalloc/json/quick",
+        "glibc/xml/quick",
+        "glibc/json/huge",
+        "glibc/json",
+        "",
+    ] {
+        let output = child(bad);
+        let stderr = text(&output.stderr);
+        assert_eq!(output.status.code(), Some(2), "{bad:?}: {stderr}");
+        assert_eq!(stderr.lines().count(), 1, "{bad:?}: {stderr}");
+        assert!(stderr.starts_with("thiscpu: "), "{bad:?}: {stderr}");
+        assert!(stderr.contains("ALLOCATOR/TASK/SIZE"), "{bad:?}: {stderr}");
+        assert!(!stderr.contains("panicked"), "{bad:?}: {stderr}");
+        assert!(output.stdout.is_empty(), "{bad:?}");
+    }
+}
+
+/// tcmalloc's cases are served by a child in which glibc leaves rseq to tcmalloc; that child
+/// refuses to measure a case it does not know, in one line, without a panic.
+#[test]
+fn the_tcmalloc_child_serves_its_cases_and_refuses_unknown_ones() {
+    use std::io::Write;
+    if !cfg!(target_arch = "x86_64") {
+        return; // tcmalloc is built into the command on x86_64 only
+    }
+    let serve = |case: &str, commands: &str| -> Output {
+        let mut child = Command::new(env!("CARGO_BIN_EXE_thiscpu"))
+            .env("THISCPU_BENCH_ALLOC_TCMALLOC_CHILD", case)
+            .env("GLIBC_TUNABLES", "glibc.pthread.rseq=0")
+            .env("THISCPU_RSEQ", "off")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("start the child");
+        let mut input = child.stdin.take().expect("stdin");
+        input.write_all(commands.as_bytes()).expect("send commands");
+        drop(input);
+        child.wait_with_output().expect("child output")
+    };
+    let cpu = thiscpu::current_cpu();
+    let served = serve(
+        "alloc/pair64/tcmalloc",
+        &format!("prepare 1\nrun 0 1000 {cpu}\nverify 1000\n"),
+    );
+    let stderr = text(&served.stderr);
+    // Where the kernel has no rseq, tcmalloc has no per-CPU caches and the child says so.
+    if stderr.contains("per-CPU caches are not in use") {
+        assert_eq!(served.status.code(), Some(1), "{stderr}");
+    } else {
+        assert!(served.status.success(), "{stderr}");
+        let answers = text(&served.stdout);
+        let lines: Vec<&str> = answers.lines().collect();
+        assert_eq!(lines.first(), Some(&"prepared"), "{answers}");
+        assert!(lines[1].starts_with("ran 0 "), "{answers}");
+        assert_eq!(lines.last(), Some(&"verified"), "{answers}");
+    }
+    let unknown = serve("alloc/pair17/tcmalloc", "prepare 1\n");
+    let stderr = text(&unknown.stderr);
+    assert_eq!(unknown.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.lines().count(), 1, "{stderr}");
+    assert!(stderr.contains("pair17"), "{stderr}");
+    assert!(!stderr.contains("panicked"), "{stderr}");
+}
+
+/// `bench alloc --quick`: every case measured or left out with a reason, the cases whose
+/// shape sets their threads measured once, and the four parts' tables printed.
+#[test]
+fn alloc_family_measures_every_allocator_and_prints_its_parts() {
+    let dir = scratch("bench-alloc");
+    let json = dir.join("alloc.json");
+    let json = json.to_str().unwrap();
+    let stdout = succeed(&["bench", "alloc", "--quick", "--json", json]);
+    let report: Value = serde_json::from_str(&std::fs::read_to_string(json).unwrap()).unwrap();
+    let errors = schema_errors(&report);
+    assert!(errors.is_empty(), "{errors:#?}");
+    let results = report["results"].as_array().unwrap();
+    let skipped = report["skipped"].as_array().unwrap();
+    let allocators = ["glibc", "mimalloc", "jemalloc", "tcmalloc", "thiscpu"];
+    let prefixes = [
+        ("pair16", "ns/op", 2),
+        ("pair4096", "ns/op", 2),
+        ("remote", "ns/op", 1),
+        ("threads1k", "bytes", 1),
+        ("json", "ms", 1),
+        ("json-rss", "bytes", 1),
+        ("strings", "ms", 1),
+        ("strings-rss", "bytes", 1),
+    ];
+    for (prefix, unit, runs) in prefixes {
+        for allocator in allocators {
+            let case = format!("{prefix}/{allocator}");
+            let rows: Vec<&Value> = results.iter().filter(|r| r["case"] == case).collect();
+            let left_out = skipped.iter().any(|s| s["case"] == case);
+            assert!(
+                rows.len() == runs || (rows.is_empty() && left_out),
+                "{case}: {} rows\n{stdout}",
+                rows.len()
+            );
+            for row in rows {
+                assert_eq!(row["unit"], unit, "{row}");
+                assert!(row["median"].as_f64().unwrap() > 0.0, "{row}");
+                if runs == 1 {
+                    assert_eq!(row["threads"], 1, "{row}");
+                }
+            }
+        }
+    }
+    for part in [
+        "alloc + dealloc pairs",
+        "allocated on one CPU, freed on another",
+        "1,000 threads",
+        "program-shaped tasks",
+    ] {
+        assert!(stdout.contains(part), "{part} not printed:\n{stdout}");
+    }
+    assert!(
+        !stdout.contains("targets"),
+        "targets only with --targets:\n{stdout}"
+    );
+    let replayed = succeed(&["report", json, "--targets"]);
+    assert!(replayed.contains("thiscpu ÷ best peer"), "{replayed}");
+    assert!(replayed.contains("(target ≤ 0.5×)"), "{replayed}");
+    for line in stdout.lines() {
+        assert!(
+            line.chars().count() <= 120,
+            "wider than 120 columns: {line}"
         );
     }
 }

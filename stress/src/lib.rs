@@ -1,10 +1,10 @@
-//! Exactness under stress, for thiscpu's `Counter` and `Pool`: many threads update one of them
+//! Exactness under stress, for thiscpu's `Counter`, `Pool` and `PerCpuAlloc`: many threads update one of them
 //! while another thread migrates them between CPUs at random, a signal storm runs handlers that
 //! update the same data inside the interrupted sections' restartable sequences, and short-lived
 //! threads come and go. Every operation is also counted privately, so the result can be checked
 //! to the unit.
 //!
-//! `thiscpu stress` runs [`run_counter`] and [`run_pool`]; this crate's tests run them in every
+//! `thiscpu stress` runs [`run_counter`], [`run_pool`] and [`run_alloc`]; this crate's tests run them in every
 //! CI environment. The driver uses thiscpu's public API only; it lives outside the library so
 //! that the library holds the library. [`StartGate`], which releases its workers together, is
 //! shared with `thiscpu bench`.
@@ -16,6 +16,7 @@
 //! runs it: elsewhere the crate is empty.
 #![cfg(target_os = "linux")]
 
+mod alloc;
 mod counter;
 mod gate;
 mod pool;
@@ -23,6 +24,7 @@ mod signal;
 mod storm;
 mod workers;
 
+pub use alloc::{AllocStressConfig, AllocStressReport, run_alloc};
 pub use counter::{StressReport, run_counter};
 pub use gate::StartGate;
 pub use pool::{PoolStressConfig, PoolStressReport, run_pool};

@@ -79,6 +79,9 @@
 //!   read-mostly data, whose readers count themselves per CPU with restartable sequences (no
 //!   atomic instruction, no shared cache line written) and whose writers fence with
 //!   `membarrier`.
+//! - [`PerCpuAlloc`]: a per-CPU cache of small objects in front of any global allocator
+//!   (`#[global_allocator]` in one line), each `alloc` a restartable pop and each `dealloc` a
+//!   restartable push, bounded per CPU, releasable from any thread ([`allocator`]).
 //! - [`CpuMask`]: a set of CPUs whose `set` skips the atomic write when the bit already holds.
 //! - [`fence`]: `membarrier`-based fences that let one thread take over another CPU's data.
 //! - [`ops`]: the raw restartable operations (add, compare-and-store, list pop and push) for
@@ -127,15 +130,19 @@
 //! # Features
 //! All are off by default; without them thiscpu depends on `libc` alone. Items that need one
 //! are marked with it in the documentation.
-//! - `metrics`: the `metrics` module, a per-CPU backend for the `metrics` 0.24 facade.
+//! - `metrics`: the `metrics` module, a per-CPU backend for the `metrics` 0.24 facade; and
+//!   `AllocStats::record`, which publishes the allocator's statistics through the facade to
+//!   any recorder.
 //! - `metrics-layer` (implies `metrics`): `metrics::PerCpuLayer`, per-CPU counters in front of
 //!   another recorder, as a `metrics-util` 0.20 `Layer`.
 //! - `prometheus-client`: the `prometheus` module, a per-CPU counter and histogram for a
-//!   `prometheus-client` 0.26 registry.
+//!   `prometheus-client` 0.26 registry; and `allocator::AllocCollector`, a collector that
+//!   encodes the allocator's statistics at every scrape.
 //! - `serde`: `Serialize` and `Deserialize` on the plain data types ([`CpuNode`], [`Source`]
 //!   and the enums in it, written as snake_case ids such as `"rseq_glibc"`,
 //!   [`dense::DenseStats`], [`histogram::HistogramSnapshot`], whose infinite bounds are written
-//!   `"+Inf"`), and `Serialize` on the `metrics` backend's snapshot.
+//!   `"+Inf"`), and `Serialize` on the `metrics` backend's snapshot and on the allocator's
+//!   statistics ([`allocator::AllocStats`]).
 //!
 //! The integrations re-export the crates they plug into (`metrics::metrics`,
 //! `metrics::metrics_util`, `prometheus::prometheus_client`): using those paths keeps a
@@ -233,7 +240,7 @@ pub use via::{CpuNode, CpuSource};
 #[global_allocator]
 static GLOBAL_ALLOCATOR: PerCpuAlloc = PerCpuAlloc::new();
 
-// The Rust snippets of the README and of the guide, compiled and run as doctests when every
+// The Rust snippets of the README, the guide and the allocator's page, compiled and run as doctests when every
 // feature they use is on (CI's features step), so that the documentation cannot drift from
 // the API. docs/opentelemetry.md is thiscpu-opentelemetry's, compiled by that crate; the
 // repository's tests (cli/tests/docs.rs) check that every Markdown file holding Rust snippets
@@ -246,6 +253,7 @@ static GLOBAL_ALLOCATOR: PerCpuAlloc = PerCpuAlloc::new();
 ))]
 #[doc = include_str!("../../README.md")]
 #[doc = include_str!("../../docs/guide.md")]
+#[doc = include_str!("../../docs/allocator.md")]
 struct MarkdownSnippets;
 
 #[cfg(test)]

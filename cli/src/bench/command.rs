@@ -59,7 +59,11 @@ pub fn run(options: Options) -> Result<()> {
     let plans = plan(&options)?;
     let measurements: usize = plans
         .iter()
-        .map(|plan| plan.cases.len() * plan.threads.len())
+        .flat_map(|plan| {
+            plan.cases
+                .iter()
+                .map(|(_, workload)| runner::threads_of(plan, workload.as_ref()).len())
+        })
         .sum::<usize>()
         * rounds as usize;
     // Families whose every case this machine leaves out (rseq-mode on a kernel without the
@@ -128,8 +132,15 @@ pub fn run(options: Options) -> Result<()> {
     };
     let machine = Machine::describe();
     say(&report::table::run_header(&machine, &info));
-    let most_threads = plans.iter().flat_map(|plan| plan.threads.iter()).max();
-    if let Some(&threads) = most_threads
+    let most_threads = plans
+        .iter()
+        .flat_map(|plan| {
+            plan.cases
+                .iter()
+                .flat_map(|(_, workload)| runner::threads_of(plan, workload.as_ref()))
+        })
+        .max();
+    if let Some(threads) = most_threads
         && threads > info.cpus.len()
     {
         say(&format!(

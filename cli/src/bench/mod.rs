@@ -35,7 +35,9 @@
 //! A workload with state implements [`Workload`](model::Workload): `prepare` resets it before each round,
 //! `run(worker, ops)` does `ops` operations, `verify(ops)` checks exactness afterwards (a
 //! counter's sum must equal the increments performed); an error from `verify` stops the run
-//! with exit status 1.
+//! with exit status 1. A workload may also size itself once the run's layout is known
+//! (`start`), fix its own thread count (`fixed_threads`: a producer with a consumer of its own)
+//! or its chunk of work (`fixed_chunk`, for one that measures in `prepare`).
 
 pub mod command;
 pub mod model;
@@ -56,7 +58,7 @@ macro_rules! families {
 }
 
 families![
-    getcpu, counter, metrics, bpf, memory, mask, pool, sharded, rwlock, rseq_mode, otel
+    getcpu, counter, metrics, bpf, memory, mask, pool, sharded, rwlock, rseq_mode, otel, alloc
 ];
 
 /// The text of `thiscpu bench --list`: every family and case, and why a case is left out here.

@@ -16,6 +16,9 @@ pub enum Unit {
     BytesPerCounter,
     /// Bytes, a size the workload measured itself (lower is better).
     Bytes,
+    /// Milliseconds per run of a whole program-shaped task, a time the workload measured
+    /// itself (lower is better).
+    Ms,
 }
 
 impl Unit {
@@ -25,19 +28,23 @@ impl Unit {
             Unit::NsPerOp => "ns/op",
             Unit::BytesPerCounter => "B/counter",
             Unit::Bytes => "bytes",
+            Unit::Ms => "ms",
         }
     }
 
     /// The unit a report's label names, for reading reports back.
     pub fn from_label(label: &str) -> Option<Unit> {
-        [Unit::NsPerOp, Unit::BytesPerCounter, Unit::Bytes]
+        [Unit::NsPerOp, Unit::BytesPerCounter, Unit::Bytes, Unit::Ms]
             .into_iter()
             .find(|unit| unit.label() == label)
     }
 
     /// Whether a smaller number is an improvement.
     pub fn lower_is_better(self) -> bool {
-        matches!(self, Unit::NsPerOp | Unit::BytesPerCounter | Unit::Bytes)
+        matches!(
+            self,
+            Unit::NsPerOp | Unit::BytesPerCounter | Unit::Bytes | Unit::Ms
+        )
     }
 }
 
@@ -47,6 +54,24 @@ impl Unit {
 /// in chunks until the round's time is up, then `verify` with the number of operations all
 /// workers performed since `prepare` (warm-up included).
 pub trait Workload: Send + Sync {
+    /// Told once, before calibration, how the run is laid out: a workload may size itself by
+    /// it (a smaller task under `--quick`).
+    fn start(&self, _run: &RunInfo) {}
+
+    /// The number of worker threads the case's shape sets (a producer whose consumer is a
+    /// thread of the workload's own, say): measured with that many only, whatever `--threads`
+    /// asks. `None`, the default: every thread count of the run.
+    fn fixed_threads(&self) -> Option<usize> {
+        None
+    }
+
+    /// The chunk of operations the runner hands each worker, for a workload whose figure is
+    /// not its timed part (it measures in `prepare`): calibration, which would `prepare` it
+    /// once more, is skipped. `None`, the default: the runner calibrates.
+    fn fixed_chunk(&self) -> Option<u64> {
+        None
+    }
+
     /// Resets state before a measurement with `threads` workers.
     fn prepare(&self, _threads: usize) {}
 

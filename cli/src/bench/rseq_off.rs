@@ -29,6 +29,26 @@ use std::time::{Duration, Instant};
 /// Set in the environment of the child process to `family/case`, the case it runs.
 pub const CHILD_ENV: &str = "THISCPU_BENCH_RSEQ_OFF_CHILD";
 
+/// How a child process that serves a case is started, and what it checks before it measures.
+/// The `…-rseq-off` cases use [`RSEQ_OFF`]; another family may serve its cases in a child set
+/// up otherwise (an allocator that needs rseq for itself, say).
+#[derive(Clone, Copy, Debug)]
+pub struct ChildSetup {
+    /// The variable that names `family/case` in the child's environment.
+    pub var: &'static str,
+    /// Other variables set in the child's environment.
+    pub env: &'static [(&'static str, &'static str)],
+    /// How the child differs, for messages: "with rseq off".
+    pub what: &'static str,
+}
+
+/// The child of a `…-rseq-off` case.
+pub const RSEQ_OFF: ChildSetup = ChildSetup {
+    var: CHILD_ENV,
+    env: &[("THISCPU_RSEQ", "off")],
+    what: "with rseq off",
+};
+
 /// The suffix of a case that mirrors another with rseq off.
 pub const SUFFIX: &str = "-rseq-off";
 
@@ -57,7 +77,7 @@ pub fn mirrors(family: &'static str, names: &[&'static str], built: &[Case]) -> 
                     original.how
                 ),
                 Unit::NsPerOp,
-                Mirror::new(family, mirrored),
+                Mirror::new(family, mirrored, RSEQ_OFF),
             )
         })
         .collect()
@@ -99,10 +119,17 @@ pub fn report(results: &[Measured]) -> String {
     )
 }
 
+/// The case `family/case` served by a child process set up as `setup` says: the parent's side,
+/// a workload whose operations the child's twin of each worker makes.
+pub fn in_child(family: &'static str, case: &'static str, setup: ChildSetup) -> impl Workload {
+    Mirror::new(family, case, setup)
+}
+
 /// The parent's side of a mirrored case.
 struct Mirror {
     family: &'static str,
     case: &'static str,
+    setup: ChildSetup,
     child: Mutex<Option<Arc<Link>>>,
     totals: Mutex<Totals>,
 }
@@ -121,10 +148,11 @@ struct Totals {
 }
 
 impl Mirror {
-    fn new(family: &'static str, case: &'static str) -> Mirror {
+    fn new(family: &'static str, case: &'static str, setup: ChildSetup) -> Mirror {
         Mirror {
             family,
             case,
+            setup,
             child: Mutex::new(None),
             totals: Mutex::new(Totals::default()),
         }
@@ -138,7 +166,7 @@ impl Mirror {
     fn link(&self) -> Option<Arc<Link>> {
         let mut child = lock(&self.child);
         if child.is_none() && self.totals().failure.is_none() {
-            match Link::start(self.family, self.case) {
+            match Link::start(self.family, self.case, self.setup) {
                 Ok(link) => *child = Some(Arc::new(link)),
                 Err(why) => self.totals().failure = Some(why),
             }
@@ -266,17 +294,18 @@ struct Answers {
 }
 
 impl Link {
-    fn start(family: &str, case: &str) -> Result<Link, String> {
+    fn start(family: &str, case: &str, setup: ChildSetup) -> Result<Link, String> {
         let exe = std::env::current_exe()
             .map_err(|e| format!("cannot find this program's executable: {e}"))?;
+        let what = setup.what;
         let mut process = Command::new(exe)
-            .env(CHILD_ENV, format!("{family}/{case}"))
-            .env("THISCPU_RSEQ", "off")
+            .env(setup.var, format!("{family}/{case}"))
+            .envs(setup.env.iter().copied())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
             .spawn()
-            .map_err(|e| format!("cannot start a child process with rseq off: {e}"))?;
+            .map_err(|e| format!("cannot start a child process {what}: {e}"))?;
         let (Some(input), Some(output), Some(mut errors)) = (
             process.stdin.take(),
             process.stdout.take(),
@@ -299,9 +328,9 @@ impl Link {
                 let _ = errors.read_to_string(&mut said);
                 let said = said.trim();
                 lock(&reader.answers).gone = Some(if said.is_empty() {
-                    "the child process with rseq off ended".to_owned()
+                    format!("the child process {what} ended")
                 } else {
-                    format!("the child process with rseq off failed: {said}")
+                    format!("the child process {what} failed: {said}")
                 });
                 reader.arrived.notify_all();
             });
@@ -316,6 +345,11 @@ impl Link {
 
     /// Sends `command` and waits for the answer meant for `key`.
     fn call(&self, key: Key, command: &str) -> Result<String, String> {
+        // A child that has ended is not written to: with SIGPIPE at its default, a write to its
+        // closed pipe would end this process without a word.
+        if let Some(why) = &lock(&self.inbox.answers).gone {
+            return Err(why.clone());
+        }
         let sent = match lock(&self.input).as_mut() {
             Some(input) => writeln!(input, "{command}").and_then(|()| input.flush()),
             None => return Err("the child process is gone".to_owned()),
@@ -371,7 +405,25 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// (and fails if rseq is on after all), then serves `prepare THREADS`, `run WORKER OPS CPU` and
 /// `verify OPS` from its standard input until it ends. Returns the exit status.
 pub fn child_main(spec: &str) -> i32 {
-    match serve(spec) {
+    serve_main(spec, RSEQ_OFF, rseq_turned_off)
+}
+
+/// The check of a `…-rseq-off` child: rseq must be off in it.
+fn rseq_turned_off() -> Result<(), String> {
+    let source = thiscpu::source();
+    if source.unavailable != Some(thiscpu::Unavailable::TurnedOff) {
+        return Err(format!(
+            "rseq is not turned off in the child process (THISCPU_RSEQ=off): {source:?}"
+        ));
+    }
+    Ok(())
+}
+
+/// The side of a child process set up as `setup` says, whose `setup.var` is `spec`: `check`s
+/// that the child is what it must be, then builds the case and serves the parent's commands
+/// (see [`child_main`]). Returns the exit status.
+pub fn serve_main(spec: &str, setup: ChildSetup, check: fn() -> Result<(), String>) -> i32 {
+    match serve(spec, setup, check) {
         Ok(()) => 0,
         Err(why) => {
             eprintln!("{}", why.replace('\n', " "));
@@ -380,24 +432,23 @@ pub fn child_main(spec: &str) -> i32 {
     }
 }
 
-fn serve(spec: &str) -> Result<(), String> {
+fn serve(spec: &str, setup: ChildSetup, check: fn() -> Result<(), String>) -> Result<(), String> {
+    let var = setup.var;
     let (family_name, case_name) = spec
         .split_once('/')
-        .ok_or_else(|| format!("{CHILD_ENV}={spec:?}: expected FAMILY/CASE"))?;
+        .ok_or_else(|| format!("{var}={spec:?}: expected FAMILY/CASE"))?;
     let family = super::family(family_name)
-        .ok_or_else(|| format!("{CHILD_ENV}: no benchmark family {family_name:?}"))?;
-    let source = thiscpu::source();
-    if source.unavailable != Some(thiscpu::Unavailable::TurnedOff) {
-        return Err(format!(
-            "rseq is not turned off in the child process (THISCPU_RSEQ=off): {source:?}"
-        ));
-    }
+        .ok_or_else(|| format!("{var}: no benchmark family {family_name:?}"))?;
+    check()?;
     let case = (family.cases)()
         .into_iter()
         .find(|case| case.name == case_name)
-        .ok_or_else(|| format!("{CHILD_ENV}: no case {case_name:?} in {family_name}"))?;
+        .ok_or_else(|| format!("{var}: no case {case_name:?} in {family_name}"))?;
     let workload: Arc<dyn Workload> = Arc::from(case.workload.map_err(|why| {
-        format!("{family_name}/{case_name} cannot run with rseq off here: {why}")
+        format!(
+            "{family_name}/{case_name} cannot run {} here: {why}",
+            setup.what
+        )
     })?);
     let output = Arc::new(Mutex::new(std::io::stdout()));
     // `prepare` and `verify` wait for the runs sent before them: the runner sends none while

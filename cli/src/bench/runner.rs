@@ -30,18 +30,22 @@ pub fn run_family(plan: &Plan, info: &RunInfo) -> Result<Vec<Measured>> {
         Duration::from_micros(200)
     }
     .min(info.round / 10);
+    for (_, workload) in &plan.cases {
+        workload.start(info);
+    }
     let chunks: Vec<u64> = plan
         .cases
         .iter()
-        .map(|(case, workload)| {
-            calibrate(workload.as_ref(), info.cpus[0], chunk_target)
-                .map_err(|why| Error::failed(format!("{}/{}: {why}", plan.family.name, case.name)))
+        .map(|(case, workload)| match workload.fixed_chunk() {
+            Some(chunk) => Ok(chunk),
+            None => calibrate(workload.as_ref(), info.cpus[0], chunk_target)
+                .map_err(|why| Error::failed(format!("{}/{}: {why}", plan.family.name, case.name))),
         })
         .collect::<Result<_>>()?;
 
     let mut results: Vec<Measured> = Vec::new();
-    for (case, _) in &plan.cases {
-        for &threads in &plan.threads {
+    for (case, workload) in &plan.cases {
+        for threads in threads_of(plan, workload.as_ref()) {
             results.push(Measured {
                 bench: plan.family.name,
                 case: case.name,
@@ -60,7 +64,7 @@ pub fn run_family(plan: &Plan, info: &RunInfo) -> Result<Vec<Measured>> {
     for _ in 0..info.rounds {
         let mut slot = 0;
         for ((case, workload), &chunk) in plan.cases.iter().zip(&chunks) {
-            for &threads in &plan.threads {
+            for threads in threads_of(plan, workload.as_ref()) {
                 progress.set_message(format!("{} ×{threads}", case.name));
                 let sample = measure(workload.as_ref(), threads, &info.cpus, chunk, info.round)
                     .map_err(|why| {
@@ -78,6 +82,14 @@ pub fn run_family(plan: &Plan, info: &RunInfo) -> Result<Vec<Measured>> {
     }
     progress.finish_and_clear();
     Ok(results)
+}
+
+/// The thread counts `workload` is measured with: its own, or the plan's.
+pub fn threads_of(plan: &Plan, workload: &dyn Workload) -> Vec<usize> {
+    match workload.fixed_threads() {
+        Some(threads) => vec![threads],
+        None => plan.threads.clone(),
+    }
 }
 
 /// A progress bar on standard error when it is a terminal, nothing otherwise.
@@ -125,8 +137,8 @@ impl Sample {
                 let nanos: f64 = self.workers.iter().map(|w| w.cpu.as_nanos() as f64).sum();
                 nanos / self.ops.max(1) as f64
             }
-            // A size comes from `reading`; without one nothing was measured.
-            Unit::BytesPerCounter | Unit::Bytes => 0.0,
+            // A size or a task's time comes from `reading`; without one nothing was measured.
+            Unit::BytesPerCounter | Unit::Bytes | Unit::Ms => 0.0,
         }
     }
 }

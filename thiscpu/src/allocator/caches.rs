@@ -3,8 +3,9 @@
 //!
 //! A CPU's region holds, each part starting on a line of its own:
 //! - a stack head (`count`, `stopped`) per size class, as tcmalloc's slab keeps one per class;
-//! - the counters of the slow paths (misses, spills, pass-throughs), updated atomically;
-//! - the hit count, written only by restartable sequences on that CPU;
+//! - the tallies of hits, misses and spills, written only by restartable sequences on that
+//!   CPU (a thread that cannot commit one adds it atomically to a word beside them instead);
+//! - the pass-through count and the releaser's notes, updated atomically;
 //! - each class's slots: `capacity[class]` object addresses.
 //!
 //! A pop and a push are one guarded stack section each (`ops::stack_pop`, `ops::stack_push`,
@@ -32,13 +33,14 @@
 //! releaser reads and writes a stopped and fenced CPU's stacks. Each block states why it holds.
 
 use super::classes::{CLASS_SIZES, CLASSES, class_layout};
+use crate::decided_once::Claimants;
 use crate::fence::{self, FenceUnavailable};
 use crate::ops::{self, ByCpu, Position, StackHead, StackOutcome};
 use crate::sync::atomic::{AtomicU64 as SectionWord, AtomicUsize as Slot};
 use crate::topology;
 use core::alloc::{GlobalAlloc, Layout};
 use core::mem::size_of;
-use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 
 /// The most objects one class caches per CPU.
 const MAX_SLOTS_PER_CLASS: usize = 2048;
@@ -46,14 +48,28 @@ const MAX_SLOTS_PER_CLASS: usize = 2048;
 /// The alignment of each part of a region: a cache line on every supported machine.
 const LINE: usize = 128;
 
-/// The counters of one CPU's slow paths, written with atomic read-modify-writes (never by
-/// sections), and the releaser's note of the CPU's activity.
+/// What a CPU's tallies count: the index of each one's word.
+#[derive(Clone, Copy, Debug)]
+pub(super) enum Tally {
+    /// Allocations served from the cache (counted only when asked for).
+    Hits = 0,
+    /// Allocations that found the cache empty.
+    Misses = 1,
+    /// Frees that found it full.
+    Spills = 2,
+}
+
+const TALLIES: usize = 3;
+
+/// One CPU's counters that sections do not write: updated with atomic read-modify-writes,
+/// rarely (a call that found the cache being released), and the releaser's note.
 #[derive(Default)]
 #[repr(C)]
 pub(super) struct SlowCounters {
-    pub(super) misses: AtomicU64,
-    pub(super) spills: AtomicU64,
     pub(super) passed: AtomicU64,
+    /// Tallies of this CPU that no section could commit (a thread that aborted
+    /// `ABORT_LIMIT` times in a row), by `Tally`.
+    uncommitted: [AtomicU64; TALLIES],
     /// What `release_idle` saw of the CPU last time (see `Caches::activity`).
     seen: AtomicU64,
 }
@@ -65,17 +81,17 @@ pub(super) struct Caches {
     /// Regions: possible CPUs when the caches were made.
     pub(super) cpus: usize,
     /// Bytes from one CPU's region to the next.
-    stride: usize,
+    /// log2 of the bytes from one CPU's region to the next (a power of two: a shift, not a
+    /// multiplication, on the fast path).
+    stride_shift: u32,
     counters_offset: usize,
-    hits_offset: usize,
+    tallies_offset: usize,
     slot_offsets: [usize; CLASSES],
     capacities: [u64; CLASSES],
     /// The layout the whole allocation was made with.
     layout: Layout,
-    /// Held by a release in progress.
-    releasing: AtomicBool,
-    /// Hits whose count no section could commit (a thread aborted `ABORT_LIMIT` times).
-    hits_elsewhere: AtomicU64,
+    /// The thread id of the release in progress, 0 if none.
+    releasing: AtomicI32,
 }
 
 /// Rounds `n` up to a multiple of `to`, a power of two.
@@ -100,14 +116,15 @@ impl Caches {
         }
         let heads = CLASSES * size_of::<StackHead>();
         let counters_offset = round_up(heads, LINE);
-        let hits_offset = round_up(counters_offset + size_of::<SlowCounters>(), LINE);
+        let tallies_offset = round_up(counters_offset + size_of::<SlowCounters>(), LINE);
         let mut slot_offsets = [0usize; CLASSES];
-        let mut end = round_up(hits_offset + size_of::<SectionWord>(), LINE);
+        let mut end = round_up(tallies_offset + TALLIES * size_of::<SectionWord>(), LINE);
         for (offset, &capacity) in slot_offsets.iter_mut().zip(&capacities) {
             *offset = end;
             end += capacity as usize * size_of::<Slot>();
         }
-        let stride = round_up(end, LINE);
+        let stride = end.next_power_of_two();
+        let stride_shift = stride.trailing_zeros();
         let header = round_up(size_of::<Caches>(), LINE);
         let bytes = stride.checked_mul(cpus)?.checked_add(header)?;
         let layout = Layout::from_size_align(bytes, 4096).ok()?;
@@ -125,14 +142,13 @@ impl Caches {
             caches.write(Caches {
                 base,
                 cpus,
-                stride,
+                stride_shift,
                 counters_offset,
-                hits_offset,
+                tallies_offset,
                 slot_offsets,
                 capacities,
                 layout,
-                releasing: AtomicBool::new(false),
-                hits_elsewhere: AtomicU64::new(0),
+                releasing: AtomicI32::new(0),
             })
         };
         // SAFETY: just written.
@@ -152,9 +168,11 @@ impl Caches {
                         slots.add(slot).write(Slot::new(0));
                     }
                 }
-                made.hits_word(cpu)
-                    .cast::<SectionWord>()
-                    .write(SectionWord::new(0));
+                for tally in 0..TALLIES {
+                    made.tally_word(cpu, tally)
+                        .cast::<SectionWord>()
+                        .write(SectionWord::new(0));
+                }
             }
         }
         Some(made)
@@ -181,7 +199,9 @@ impl Caches {
                         core::ptr::drop_in_place(slots.add(slot));
                     }
                 }
-                core::ptr::drop_in_place(this.hits_word(cpu).cast::<SectionWord>());
+                for tally in 0..TALLIES {
+                    core::ptr::drop_in_place(this.tally_word(cpu, tally).cast::<SectionWord>());
+                }
             }
         }
         let layout = this.layout;
@@ -193,7 +213,7 @@ impl Caches {
     #[inline(always)]
     fn head(&self, cpu: usize, class: usize) -> *const StackHead {
         self.base
-            .wrapping_add(cpu * self.stride + class * size_of::<StackHead>())
+            .wrapping_add((cpu << self.stride_shift) + class * size_of::<StackHead>())
             .cast()
     }
 
@@ -201,13 +221,16 @@ impl Caches {
     #[inline(always)]
     fn slots(&self, cpu: usize, class: usize) -> *mut usize {
         self.base
-            .wrapping_add(cpu * self.stride + self.slot_offsets[class])
+            .wrapping_add((cpu << self.stride_shift) + self.slot_offsets[class])
             .cast()
     }
 
-    fn hits_word(&self, cpu: usize) -> *mut u64 {
+    /// CPU `cpu`'s word for tally number `tally` (`cpu` below `self.cpus`).
+    fn tally_word(&self, cpu: usize, tally: usize) -> *mut u64 {
         self.base
-            .wrapping_add(cpu * self.stride + self.hits_offset)
+            .wrapping_add(
+                (cpu << self.stride_shift) + self.tallies_offset + tally * size_of::<SectionWord>(),
+            )
             .cast()
     }
 
@@ -219,7 +242,7 @@ impl Caches {
         unsafe {
             &*self
                 .base
-                .add(cpu * self.stride + self.counters_offset)
+                .add((cpu << self.stride_shift) + self.counters_offset)
                 .cast::<SlowCounters>()
         }
     }
@@ -279,19 +302,18 @@ impl Caches {
         }
     }
 
-    /// Counts one hit on the calling thread's CPU, retrying aborts; a thread that cannot commit
-    /// the count adds it to a shared word instead, so the total stays exact.
-    pub(super) fn count_hit(&self) {
+    /// Counts one `tally` on the CPU of `at` (which the caller just read, on a CPU below
+    /// `self.cpus`), or, if that section aborts, on the calling thread's CPU then, retrying; a
+    /// thread that cannot commit the count adds it atomically to that CPU's uncommitted word,
+    /// so that the total stays exact.
+    pub(super) fn count(&self, mut at: Position<ByCpu>, tally: Tally) {
         let mut aborts = ops::AbortRun::new();
-        while let Some(at) = ops::position() {
-            let cpu = at.index() as usize;
-            if cpu >= self.cpus {
-                break;
-            }
-            // SAFETY: the word is CPU `cpu`'s hit count, written only by sections positioned
-            // on `cpu` (this one), 8-byte aligned on a line of its own; readers load it
-            // atomically.
-            match unsafe { ops::load_add_store(at, self.hits_word(cpu), 1) } {
+        let mut cpu = at.index() as usize;
+        loop {
+            // SAFETY: `at` was read by this thread; the word is CPU `cpu`'s tally, written only
+            // by sections positioned on `cpu` (like this one), 8-byte aligned, on a line that
+            // no other CPU writes; readers load it atomically.
+            match unsafe { ops::load_add_store(at, self.tally_word(cpu, tally as usize), 1) } {
                 ops::Outcome::Committed(()) => return,
                 _ => {
                     ops::note_abort();
@@ -300,21 +322,25 @@ impl Caches {
                     }
                 }
             }
+            match ops::position() {
+                Some(now) if (now.index() as usize) < self.cpus => {
+                    at = now;
+                    cpu = at.index() as usize;
+                }
+                _ => break,
+            }
         }
-        self.hits_elsewhere.fetch_add(1, Ordering::Relaxed);
+        self.counters(cpu).uncommitted[tally as usize].fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Hits counted on CPU `cpu`.
-    pub(super) fn hits(&self, cpu: usize) -> u64 {
-        assert!(cpu < self.cpus);
-        // SAFETY: CPU `cpu`'s hit word, initialised; sections write it with plain stores of
-        // whole words, which an atomic load may read.
-        unsafe { &*self.hits_word(cpu).cast::<SectionWord>() }.load(Ordering::Relaxed)
-    }
-
-    /// Hits that no CPU's count holds.
-    pub(super) fn hits_elsewhere(&self) -> u64 {
-        self.hits_elsewhere.load(Ordering::Relaxed)
+    /// `tally` counted on CPU `cpu`.
+    pub(super) fn tally(&self, cpu: usize, tally: Tally) -> u64 {
+        let uncommitted = self.counters(cpu).uncommitted[tally as usize].load(Ordering::Relaxed);
+        // SAFETY: CPU `cpu`'s tally word (`counters` checked the CPU), initialised; sections
+        // write it with plain stores of whole words, which an atomic load may read.
+        let committed = unsafe { &*self.tally_word(cpu, tally as usize).cast::<SectionWord>() }
+            .load(Ordering::Relaxed);
+        committed + uncommitted
     }
 
     /// Objects and bytes in CPU `cpu`'s cache now.
@@ -341,14 +367,13 @@ impl Caches {
     /// A fingerprint of CPU `cpu`'s cache: its counts and its slow paths' counters. Unchanged
     /// between two looks means no miss, spill or change of contents in between.
     pub(super) fn activity(&self, cpu: usize) -> u64 {
-        let counters = self.counters(cpu);
         let mut fingerprint = 0xcbf2_9ce4_8422_2325u64;
         let counts =
             (0..CLASSES).map(|class| self.head_ref(cpu, class).count.load(Ordering::Relaxed));
         for word in [
-            counters.misses.load(Ordering::Relaxed),
-            counters.spills.load(Ordering::Relaxed),
-            self.hits(cpu),
+            self.tally(cpu, Tally::Misses),
+            self.tally(cpu, Tally::Spills),
+            self.tally(cpu, Tally::Hits),
         ]
         .into_iter()
         .chain(counts)
@@ -363,16 +388,48 @@ impl Caches {
         self.counters(cpu).seen.swap(activity, Ordering::Relaxed)
     }
 
-    /// Takes the release lock until the guard is dropped.
-    pub(super) fn lock_releases(&self) -> ReleaseLock<'_> {
-        while self
-            .releasing
-            .compare_exchange_weak(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
+    /// Takes the release lock until the guard is dropped; `None` if this very thread holds it
+    /// (a signal handler that interrupted a release), which would otherwise wait for itself.
+    ///
+    /// The lock word holds its holder's thread id, so that a waiter can tell a holder that no
+    /// longer exists in this process (it was in the parent of a `fork`) and take the lock over,
+    /// as the process decision does (`DecidedOnce`). The flags such a holder set protect nothing
+    /// any more, and the new holder clears them; the counts it left are exact, because a
+    /// release takes each object out of its count before giving it back (`empty_owned`).
+    pub(super) fn lock_releases(&self) -> Option<ReleaseLock<'_>> {
+        let threads = crate::os::Threads;
+        let me = threads.me();
+        loop {
+            let owner =
+                match self
+                    .releasing
+                    .compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed)
+                {
+                    Ok(_) => return Some(ReleaseLock(&self.releasing)),
+                    Err(owner) => owner,
+                };
+            // Under the model checker every model thread has the one OS thread's id.
+            if owner == me && !cfg!(thiscpu_model) {
+                return None;
+            }
+            if owner != me
+                && threads.is_gone(owner)
+                && self
+                    .releasing
+                    .compare_exchange(owner, me, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+            {
+                for cpu in 0..self.cpus {
+                    for class in 0..CLASSES {
+                        self.head_ref(cpu, class)
+                            .stopped
+                            .store(0, Ordering::Release);
+                    }
+                }
+                return Some(ReleaseLock(&self.releasing));
+            }
             crate::sync::yield_now();
         }
-        ReleaseLock(&self.releasing)
     }
 
     /// Gives CPU `cpu`'s cached objects back to `inner` by the stop-and-fence protocol;
@@ -387,6 +444,8 @@ impl Caches {
         for class in 0..CLASSES {
             self.head_ref(cpu, class).stopped.store(1, Ordering::SeqCst);
         }
+        // Clears the flags however this returns (an inner allocator's `dealloc` may panic).
+        let _resume = Resume { caches: self, cpu };
         let fenced = fence::fence_cpu(cpu as u32);
         if fenced.is_ok() {
             // Acquire: pairs with nothing a section writes, but orders the reads below after
@@ -402,11 +461,6 @@ impl Caches {
             Ok(()) => unsafe { self.empty_owned(cpu, inner) },
             Err(_) => 0,
         };
-        for class in 0..CLASSES {
-            self.head_ref(cpu, class)
-                .stopped
-                .store(0, Ordering::Release);
-        }
         fenced.map(|()| bytes)
     }
 
@@ -420,14 +474,16 @@ impl Caches {
         for (class, size) in CLASS_SIZES.iter().enumerate() {
             let head = self.head_ref(cpu, class);
             let count = head.count.load(Ordering::Relaxed) as usize;
-            for slot in 0..count {
+            // Top down, each object out of the count before it is given back: a `fork` by
+            // another thread meanwhile leaves the child a count that covers no freed object.
+            for slot in (0..count).rev() {
                 let object = self.slot_ref(cpu, class, slot).load(Ordering::Relaxed);
-                // SAFETY: a slot below the count holds an object that a committed push gave
+                head.count.store(slot as u64, Ordering::Relaxed);
+                // SAFETY: a slot below the count held an object that a committed push gave
                 // to the cache: an allocation of the class's layout by `inner`, owned by the
-                // cache alone, and taken out of it by the count's reset below.
+                // cache alone, and taken out of it by the count's store above.
                 unsafe { inner.dealloc(object as *mut u8, class_layout(class)) };
             }
-            head.count.store(0, Ordering::Relaxed);
             bytes += (count * size) as u64;
         }
         bytes
@@ -479,11 +535,48 @@ impl Caches {
     }
 }
 
+#[cfg(all(test, not(thiscpu_model)))]
+impl Caches {
+    /// What a releaser that vanished in the middle of its work leaves: the lock held by
+    /// `thread` and CPU `cpu`'s flags set.
+    pub(super) fn abandon_release(&self, thread: i32, cpu: usize) {
+        self.releasing.store(thread, Ordering::SeqCst);
+        for class in 0..CLASSES {
+            self.head_ref(cpu, class).stopped.store(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Whether any CPU's flags are set.
+    pub(super) fn stopped_anywhere(&self) -> bool {
+        (0..self.cpus).any(|cpu| {
+            (0..CLASSES).any(|class| self.head_ref(cpu, class).stopped.load(Ordering::SeqCst) != 0)
+        })
+    }
+}
+
 /// The release lock, held until dropped.
-pub(super) struct ReleaseLock<'a>(&'a AtomicBool);
+pub(super) struct ReleaseLock<'a>(&'a AtomicI32);
 
 impl Drop for ReleaseLock<'_> {
     fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
+        self.0.store(0, Ordering::Release);
+    }
+}
+
+/// Clears a stopped CPU's flags when dropped: its stacks go back to the sections, which then
+/// see (release, paired with their acquire load of the flag) everything the releaser stored.
+struct Resume<'a> {
+    caches: &'a Caches,
+    cpu: usize,
+}
+
+impl Drop for Resume<'_> {
+    fn drop(&mut self) {
+        for class in 0..CLASSES {
+            self.caches
+                .head_ref(self.cpu, class)
+                .stopped
+                .store(0, Ordering::Release);
+        }
     }
 }

@@ -1,0 +1,511 @@
+//! The allocator stress: workers allocate, fill, grow, shrink, trade and free objects of random
+//! sizes and alignments through one [`PerCpuAlloc`] in the storm, while a thread releases CPU
+//! caches; every object carries a pattern of its own over all its bytes, checked before it is
+//! freed, and afterwards the inner allocator must hold nothing but the caches' region.
+
+use crate::gate::StartGate;
+use crate::signal::{HANDLER_INCREMENTS, HandlerGuard, HandlerTarget, RUN};
+use crate::storm::{Churn, Disturber, Random, StressConfig, allowed_cpus};
+use crate::workers::{call_off, spawn_workers, start_worker, thread_refused};
+use core::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU64, Ordering};
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use thiscpu::{Counter, PerCpuAlloc};
+
+/// What [`run_alloc`] runs: the [`StressConfig`] storm (migration, signals, churn) around a
+/// [`PerCpuAlloc`], plus a thread that releases CPU caches while the workers use them.
+#[derive(Clone, Debug)]
+pub struct AllocStressConfig {
+    /// Duration, workers, migration, signals, churn, as for the counter.
+    pub stress: StressConfig,
+    /// Release random CPUs' caches (and idle ones) from another thread throughout the run.
+    pub release: bool,
+    /// Bytes cached per CPU (small, so that misses and spills happen often).
+    pub cache_bytes: usize,
+    /// Most objects a worker holds at once.
+    pub hold: usize,
+    /// Largest object size (beyond [`thiscpu::allocator::MAX_CACHED_SIZE`], so that `realloc`
+    /// moves objects in and out of the caches).
+    pub max_size: usize,
+}
+
+impl Default for AllocStressConfig {
+    fn default() -> Self {
+        AllocStressConfig {
+            stress: StressConfig::default(),
+            release: true,
+            cache_bytes: 32 << 10,
+            hold: 24,
+            max_size: 6000,
+        }
+    }
+}
+
+/// What happened in [`run_alloc`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AllocStressReport {
+    /// Objects allocated (and freed: every one is freed by the end).
+    pub operations: u64,
+    /// `realloc` calls.
+    pub reallocs: u64,
+    /// Objects freed by a thread other than the one that allocated them.
+    pub traded: u64,
+    /// Objects whose pattern was not intact when checked (must be 0): an object handed out
+    /// twice, written after it was freed, or moved without its bytes.
+    pub corrupted: u64,
+    /// Allocations the inner allocator still held after every object was freed and every cache
+    /// released, beyond the caches' own region (must be 0; negative: freed twice).
+    pub lost: i64,
+    /// Bytes still cached after the final release (must be 0).
+    pub cached_after_release: u64,
+    /// Misses and spills of the caches during the run.
+    pub misses: u64,
+    /// See `misses`.
+    pub spills: u64,
+    /// Releases of one CPU's cache that succeeded, and the bytes they gave back.
+    pub releases: u64,
+    /// See `releases`.
+    pub released_bytes: u64,
+    /// Releases refused (no fence and no way to run on the CPU).
+    pub releases_unavailable: u64,
+    /// Aborted restartable sequences retried during the run.
+    pub aborts: u64,
+    /// Affinity changes made to workers.
+    pub migrations: u64,
+    /// Signals sent to workers.
+    pub signals: u64,
+    /// Signal handlers that ran.
+    pub signals_handled: u64,
+    /// Short-lived threads created.
+    pub threads_created: u64,
+    /// Long-lived worker threads.
+    pub workers: usize,
+    /// Whether the caches were in use (false in a process without rseq: then this checks the
+    /// pass-through path).
+    pub caching: bool,
+    /// Wall time of the run.
+    pub elapsed: Duration,
+}
+
+impl AllocStressReport {
+    /// Whether every object kept its bytes and every allocation came back exactly once.
+    pub fn exact(&self) -> bool {
+        self.corrupted == 0 && self.lost == 0 && self.cached_after_release == 0
+    }
+}
+
+/// The system allocator, counting the allocations it holds.
+#[derive(Debug, Default)]
+struct Tracking {
+    live: AtomicI64,
+}
+
+// SAFETY: forwards every call to the system allocator unchanged, counting.
+unsafe impl GlobalAlloc for Tracking {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded.
+        let object = unsafe { System.alloc(layout) };
+        if !object.is_null() {
+            self.live.fetch_add(1, Ordering::Relaxed);
+        }
+        object
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        // SAFETY: forwarded.
+        let object = unsafe { System.alloc_zeroed(layout) };
+        if !object.is_null() {
+            self.live.fetch_add(1, Ordering::Relaxed);
+        }
+        object
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        self.live.fetch_sub(1, Ordering::Relaxed);
+        // SAFETY: forwarded.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+    // `realloc` stays the default (alloc, copy, dealloc), so that the count stays right.
+}
+
+type Allocator = PerCpuAlloc<Tracking>;
+
+/// One live object of the stress: where, its layout, and the stamp its pattern is made from.
+struct Object {
+    address: usize,
+    layout: Layout,
+    stamp: u64,
+}
+
+/// The byte at `offset` of an object stamped `stamp`.
+fn pattern(stamp: u64, offset: usize) -> u8 {
+    let mixed = (stamp ^ (offset as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+        .wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    (mixed >> 56) as u8
+}
+
+impl Object {
+    /// Allocates an object of `layout` and fills it with `stamp`'s pattern; `None` if refused.
+    fn new(allocator: &Allocator, layout: Layout, stamp: u64) -> Option<Object> {
+        // SAFETY: `layout` is non-zero (sizes start at 1).
+        let address = unsafe { allocator.alloc(layout) };
+        if address.is_null() {
+            return None;
+        }
+        let mut object = Object {
+            address: address as usize,
+            layout,
+            stamp,
+        };
+        object.fill();
+        Some(object)
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: a live allocation of `layout.size()` bytes that this `Object` alone owns.
+        unsafe { core::slice::from_raw_parts(self.address as *const u8, self.layout.size()) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, borrowed mutably through `self`.
+        unsafe { core::slice::from_raw_parts_mut(self.address as *mut u8, self.layout.size()) }
+    }
+
+    fn fill(&mut self) {
+        let stamp = self.stamp;
+        for (offset, byte) in self.bytes_mut().iter_mut().enumerate() {
+            *byte = pattern(stamp, offset);
+        }
+    }
+
+    /// Whether the first `len` bytes still hold the pattern.
+    fn intact(&self, len: usize) -> bool {
+        self.address.is_multiple_of(self.layout.align())
+            && self.bytes()[..len]
+                .iter()
+                .enumerate()
+                .all(|(offset, &byte)| byte == pattern(self.stamp, offset))
+    }
+
+    /// Grows or shrinks the object to `size` bytes; whether the bytes kept survived.
+    fn realloc(&mut self, allocator: &Allocator, size: usize, stamp: u64) -> bool {
+        let kept = self.layout.size().min(size);
+        // SAFETY: the object was made by `allocator` with `layout`; `size` is non-zero and
+        // far below `isize::MAX`.
+        let moved = unsafe { allocator.realloc(self.address as *mut u8, self.layout, size) };
+        if moved.is_null() {
+            return true;
+        }
+        self.address = moved as usize;
+        self.layout = Layout::from_size_align(size, self.layout.align()).expect("valid layout");
+        let intact = self.intact(kept);
+        self.stamp = stamp;
+        self.fill();
+        intact
+    }
+
+    /// Checks the pattern and frees the object; whether the pattern was intact.
+    fn free(mut self, allocator: &Allocator) -> bool {
+        let intact = self.intact(self.layout.size());
+        // Scribble before freeing: a second holder of the same bytes then sees its pattern
+        // broken even if it was written before this one's.
+        self.bytes_mut().fill(0xdb);
+        // SAFETY: made by `allocator` with `layout`, and given up here.
+        unsafe { allocator.dealloc(self.address as *mut u8, self.layout) };
+        intact
+    }
+}
+
+/// What one worker did.
+#[derive(Default)]
+struct Tally {
+    operations: u64,
+    reallocs: u64,
+    traded: u64,
+    corrupted: u64,
+}
+
+impl Tally {
+    fn add(&mut self, other: Tally) {
+        self.operations += other.operations;
+        self.reallocs += other.reallocs;
+        self.traded += other.traded;
+        self.corrupted += other.corrupted;
+    }
+}
+
+/// The shared state of a run.
+struct Shared {
+    allocator: Allocator,
+    /// Objects left by one thread for another to free.
+    exchange: Mutex<Vec<Object>>,
+    max_size: usize,
+    hold: usize,
+    stamps: AtomicU64,
+}
+
+impl Shared {
+    fn layout(&self, random: &mut Random) -> Layout {
+        // Mostly small objects, as programs make them; some beyond the caches.
+        let size = match random.next(8) {
+            0 => 1 + random.next(self.max_size),
+            1..=3 => 1 + random.next(512),
+            _ => 1 + random.next(128),
+        };
+        let align = 1 << random.next(6);
+        Layout::from_size_align(size, align).expect("valid layout")
+    }
+
+    /// One round: hold up to `hold` objects, resize some, trade some, free the rest.
+    fn round(&self, random: &mut Random) -> Tally {
+        let mut tally = Tally::default();
+        let stamp = || self.stamps.fetch_add(1, Ordering::Relaxed);
+        let mut held: Vec<Object> = Vec::with_capacity(self.hold);
+        for _ in 0..1 + random.next(self.hold) {
+            if let Some(object) = Object::new(&self.allocator, self.layout(random), stamp()) {
+                held.push(object);
+                tally.operations += 1;
+            }
+        }
+        for object in held.iter_mut() {
+            if random.next(4) != 0 {
+                continue;
+            }
+            let size = 1 + random.next(self.max_size);
+            if !object.realloc(&self.allocator, size, stamp()) {
+                tally.corrupted += 1;
+            }
+            tally.reallocs += 1;
+        }
+        // Trade: leave some objects for others and free some of theirs.
+        {
+            let mut exchange = self.exchange.lock().unwrap_or_else(|p| p.into_inner());
+            let theirs = exchange.len().min(random.next(4));
+            let keep = exchange.len() - theirs;
+            let mut taken: Vec<Object> = exchange.split_off(keep);
+            for _ in 0..random.next(3).min(held.len()) {
+                exchange.extend(held.pop());
+            }
+            drop(exchange);
+            tally.traded += taken.len() as u64;
+            held.append(&mut taken);
+        }
+        for object in held {
+            if !object.free(&self.allocator) {
+                tally.corrupted += 1;
+            }
+        }
+        tally
+    }
+}
+
+/// Runs the allocator stress: workers allocate, resize, trade and free objects while being
+/// migrated and signalled, short-lived threads do the same and exit, and a releaser gives CPU
+/// caches back. Afterwards every object must have kept its bytes, and once every cache is
+/// released the inner allocator must hold only the caches' region. Only one run (of any
+/// stress) at a time in a process.
+///
+/// ```
+/// use std::time::Duration;
+/// let config = thiscpu_stress::AllocStressConfig {
+///     stress: thiscpu_stress::StressConfig {
+///         duration: Duration::from_millis(100),
+///         threads: 4,
+///         ..Default::default()
+///     },
+///     ..Default::default()
+/// };
+/// let report = thiscpu_stress::run_alloc(&config).unwrap();
+/// assert!(report.exact(), "{report:?}");
+/// ```
+pub fn run_alloc(config: &AllocStressConfig) -> std::io::Result<AllocStressReport> {
+    let _one_at_a_time = RUN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+    let stress = &config.stress;
+    let shared = Arc::new(Shared {
+        allocator: PerCpuAlloc::with_inner(Tracking::default())
+            .with_cache_bytes(config.cache_bytes),
+        exchange: Mutex::new(Vec::new()),
+        max_size: config.max_size.max(1),
+        hold: config.hold.max(1),
+        stamps: AtomicU64::new(1),
+    });
+    let workers = stress.threads.max(1);
+    let cpus = allowed_cpus();
+    let stop = Arc::new(AtomicBool::new(false));
+    let disturbed = Arc::new(AtomicBool::new(false));
+    let gate = Arc::new(StartGate::new(workers));
+    let tids: Arc<Vec<AtomicI32>> = Arc::new((0..workers).map(|_| AtomicI32::new(0)).collect());
+    let aborts_before = thiscpu::ops::aborts();
+    let handled = Arc::new(Counter::new());
+    HANDLER_INCREMENTS.store(0, Ordering::Relaxed);
+    let guard = if stress.signals {
+        Some(HandlerGuard::install(stress.signal)?)
+    } else {
+        None
+    };
+    let target = HandlerTarget::publish(&handled);
+    if config.release {
+        // Registration may wait for an RCU grace period: do it before the clock starts.
+        let _ = thiscpu::fence::register();
+    }
+
+    let duration = stress.duration;
+    let mut worker_handles = spawn_workers(workers, &gate, |index| {
+        let (shared, stop, disturbed, gate, tids) = (
+            shared.clone(),
+            stop.clone(),
+            disturbed.clone(),
+            gate.clone(),
+            tids.clone(),
+        );
+        move || {
+            let mut tally = Tally::default();
+            let Some(deadline) = start_worker(&tids, index, &gate, duration) else {
+                return tally;
+            };
+            let mut random = Random(0x2545_f491_4f6c_dd1d ^ (index as u64 + 1));
+            while !stop.load(Ordering::Relaxed)
+                && (Instant::now() < deadline || !disturbed.load(Ordering::Acquire))
+            {
+                for _ in 0..8 {
+                    tally.add(shared.round(&mut random));
+                }
+            }
+            tids[index].store(0, Ordering::Release);
+            tally
+        }
+    })?;
+
+    let releaser = config.release.then(|| {
+        let (shared, stop) = (shared.clone(), stop.clone());
+        std::thread::Builder::new().spawn(move || {
+            let possible = thiscpu::topology::possible_cpus();
+            let mut random = Random(0x9e37_79b9_7f4a_7c15);
+            let (mut releases, mut bytes, mut unavailable) = (0u64, 0u64, 0u64);
+            while !stop.load(Ordering::Relaxed) {
+                let outcome = if random.next(4) == 0 {
+                    shared.allocator.release_idle()
+                } else {
+                    shared.allocator.release_cpu(random.next(possible) as u32)
+                };
+                match outcome {
+                    Ok(released) => {
+                        releases += 1;
+                        bytes += released as u64;
+                    }
+                    Err(_) => unavailable += 1,
+                }
+                std::thread::sleep(Duration::from_micros(100));
+            }
+            (releases, bytes, unavailable)
+        })
+    });
+    let releaser = match releaser.transpose() {
+        Ok(releaser) => releaser,
+        Err(error) => {
+            gate.cancel();
+            for handle in worker_handles.drain(..) {
+                let _ = handle.join();
+            }
+            return Err(thread_refused("the releasing thread", &error));
+        }
+    };
+
+    if !gate.wait_for_all(|| worker_handles.iter().any(|h| h.is_finished())) {
+        stop.store(true, Ordering::Relaxed);
+        if let Some(releaser) = releaser {
+            let _ = releaser.join();
+        }
+        return Err(call_off(&gate, worker_handles));
+    }
+    let began = gate.open();
+    let deadline = began + stress.duration;
+    let mut disturber = Disturber::new(stress);
+    let mut churn = Churn::default();
+    let churned = Arc::new(Mutex::new(Tally::default()));
+    let mut refused = None;
+    loop {
+        disturber.round(&tids, &cpus);
+        disturbed.store(true, Ordering::Release);
+        if stress.churn {
+            let (shared, churned) = (shared.clone(), churned.clone());
+            let spawned = churn.spawn(move || {
+                let mut random = Random(shared.stamps.fetch_add(1, Ordering::Relaxed) | 1);
+                let mut tally = Tally::default();
+                for _ in 0..50 {
+                    tally.add(shared.round(&mut random));
+                }
+                let operations = tally.operations;
+                churned.lock().unwrap_or_else(|p| p.into_inner()).add(tally);
+                operations
+            });
+            if let Err(error) = spawned {
+                refused = Some(error);
+                break;
+            }
+        }
+        if Instant::now() >= deadline {
+            break;
+        }
+        std::thread::sleep(Duration::from_micros(200));
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut tally = Tally::default();
+    for handle in worker_handles {
+        tally.add(handle.join().expect("allocator stress worker panicked"));
+    }
+    let threads_created = churn.created;
+    churn.finish();
+    tally.add(core::mem::take(
+        &mut *churned.lock().unwrap_or_else(|p| p.into_inner()),
+    ));
+    let (releases, released_bytes, releases_unavailable) = releaser
+        .map(|handle| handle.join().expect("allocator releaser panicked"))
+        .unwrap_or_default();
+    let elapsed = began.elapsed();
+    if let Some(error) = refused {
+        return Err(error);
+    }
+    drop(guard);
+    drop(target);
+    let signals_handled = HANDLER_INCREMENTS.load(Ordering::Relaxed);
+
+    // Every thread has stopped: free what was left for trade, give every cache back, and count
+    // what the inner allocator still holds.
+    let left: Vec<Object> =
+        core::mem::take(&mut *shared.exchange.lock().unwrap_or_else(|p| p.into_inner()));
+    for object in left {
+        if !object.free(&shared.allocator) {
+            tally.corrupted += 1;
+        }
+    }
+    let during = shared.allocator.stats();
+    // A cache that cannot be released keeps its objects: they count as cached below, and the
+    // run as inexact, as the pool stress counts an unreachable cache's objects as lost.
+    let _ = shared.allocator.release();
+    let after = shared.allocator.stats();
+    let region = i64::from(after.caching);
+    let live = shared.allocator.inner().live.load(Ordering::Relaxed);
+    let cached_after_release = after.cached_bytes();
+    let still_cached: u64 = after.per_cpu.iter().map(|cpu| cpu.cached_objects).sum();
+    Ok(AllocStressReport {
+        operations: tally.operations,
+        reallocs: tally.reallocs,
+        traded: tally.traded,
+        corrupted: tally.corrupted,
+        lost: live - region - still_cached as i64,
+        cached_after_release,
+        misses: during.misses(),
+        spills: during.spills(),
+        releases,
+        released_bytes,
+        releases_unavailable,
+        aborts: thiscpu::ops::aborts() - aborts_before,
+        migrations: disturber.migrations,
+        signals: disturber.signals,
+        signals_handled,
+        threads_created,
+        workers,
+        caching: after.caching,
+        elapsed,
+    })
+}

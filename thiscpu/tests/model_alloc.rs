@@ -7,7 +7,8 @@
 //! before its commit, and loom runs the other threads between any two steps. The inner
 //! allocator keeps a ledger of every live allocation, and each object is marked held while a
 //! thread holds it: an object handed out to two holders at once, freed twice, or lost (still
-//! held by the inner allocator after every free and a full release) fails the check.
+//! held by the inner allocator once every object was freed and the allocator dropped) fails
+//! the check.
 //!
 //! Built only with the model's configuration:
 //! `RUSTFLAGS="--cfg thiscpu_model" CARGO_TARGET_DIR=target/model cargo test -p thiscpu
@@ -21,8 +22,8 @@ use loom::thread;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Mutex;
-use thiscpu::allocator::PerCpuAlloc;
-use thiscpu::model::{self, explore};
+use thiscpu::allocator::{self, PerCpuAlloc};
+use thiscpu::model;
 
 /// The inner allocator's ledger and the objects held by the model's threads. Plain std
 /// mutexes: each is held for one step and never across a loom operation.
@@ -103,16 +104,20 @@ fn give(heap: &Heap, ledger: &Ledger, ptr: usize) {
     unsafe { heap.dealloc(ptr as *mut u8, LAYOUT) };
 }
 
-/// Each CPU's cap: two objects of the tests' class (48 bytes, one of 28 classes), few slots
-/// in all, so that an execution makes few model atomics.
-const CACHE_BYTES: usize = 28 * 48 * 2;
+/// Each CPU's cap: two objects of the tests' class in that class's share (the cap is split
+/// evenly over the classes), few slots in all, so that an execution makes few model atomics.
+fn cache_bytes() -> usize {
+    let classes = allocator::size_classes();
+    let class = classes.iter().find(|&&size| size >= LAYOUT.size()).unwrap();
+    classes.len() * class * 2
+}
 
 /// A heap over a fresh ledger, with two objects made and freed on CPU 0, so that its cache
 /// holds them (full: a third free spills).
-fn warm_heap() -> (Arc<Heap>, std::sync::Arc<Ledger>, usize) {
+fn warm_heap() -> (Arc<Heap>, std::sync::Arc<Ledger>) {
     let inner = CountingInner::default();
     let ledger = inner.0.clone();
-    let heap = Arc::new(PerCpuAlloc::with_inner(inner).with_cache_bytes(CACHE_BYTES));
+    let heap = Arc::new(PerCpuAlloc::with_inner(inner).with_cache_bytes(cache_bytes()));
     model::run_on(0);
     let (a, b) = (take(&heap, &ledger), take(&heap, &ledger));
     give(&heap, &ledger, a);
@@ -120,20 +125,43 @@ fn warm_heap() -> (Arc<Heap>, std::sync::Arc<Ledger>, usize) {
     // The caches' region, and the two objects they hold.
     let live = ledger.live.lock().unwrap().len();
     assert_eq!(live, 3, "{:?}", ledger.live.lock().unwrap());
-    (heap, ledger, live - 2)
+    (heap, ledger)
 }
 
-/// After every thread joined: every object freed, every cache released, the inner allocator
-/// holds the allocator's own memory only, and no free was refused.
-fn census(heap: &Heap, ledger: &Ledger, own: usize) {
-    heap.release().expect("release");
+/// After every thread joined and every object was freed: the allocator, dropped, gives back
+/// everything it holds (its cached objects and its region), so the inner allocator must hold
+/// nothing, and must have refused no free.
+fn census(heap: Arc<Heap>, ledger: &Ledger) {
+    drop(heap);
     let live = ledger.live.lock().unwrap().clone();
     let errors = ledger.errors.lock().unwrap().clone();
     assert!(
-        errors.is_empty() && live.len() == own,
-        "errors: {errors:?}; the inner allocator holds {} allocations (the allocator's own: \
-         {own}): {live:?}",
+        errors.is_empty() && live.is_empty(),
+        "errors: {errors:?}; the inner allocator still holds {} allocations: {live:?}",
         live.len()
+    );
+}
+
+/// Runs `body` under loom in every interleaving within the preemption bound (3, unless
+/// `LOOM_MAX_PREEMPTIONS` sets another), as `model::explore` does, with room for the branches
+/// of an execution that stops, fences and empties every class of two CPUs' caches (more than
+/// loom's default 1,000), then prints how many interleavings it explored.
+fn explore(name: &str, body: impl Fn() + Send + Sync + 'static) {
+    let runs = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = runs.clone();
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound.get_or_insert(3);
+    builder.max_branches = builder.max_branches.max(20_000);
+    let started = std::time::Instant::now();
+    builder.check(move || {
+        counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        body();
+    });
+    eprintln!(
+        "{name}: {} interleavings explored in {:.1?} (preemption bound {:?})",
+        runs.load(std::sync::atomic::Ordering::Relaxed),
+        started.elapsed(),
+        builder.preemption_bound
     );
 }
 
@@ -144,7 +172,7 @@ fn a_release_racing_two_threads_of_the_cpu_loses_and_duplicates_nothing() {
     explore(
         "a release while two threads of CPU 0 allocate and free",
         || {
-            let (heap, ledger, own) = warm_heap();
+            let (heap, ledger) = warm_heap();
             let users: Vec<_> = (0..2)
                 .map(|_| {
                     let (heap, ledger) = (heap.clone(), ledger.clone());
@@ -166,7 +194,7 @@ fn a_release_racing_two_threads_of_the_cpu_loses_and_duplicates_nothing() {
                 user.join().unwrap();
             }
             releaser.join().unwrap();
-            census(&heap, &ledger, own);
+            census(heap, &ledger);
         },
     );
 }
@@ -176,7 +204,7 @@ fn a_release_racing_two_threads_of_the_cpu_loses_and_duplicates_nothing() {
 #[test]
 fn a_release_racing_a_refill_and_a_spill_loses_and_duplicates_nothing() {
     explore("a release while CPU 0 misses and spills", || {
-        let (heap, ledger, own) = warm_heap();
+        let (heap, ledger) = warm_heap();
         let user = {
             let (heap, ledger) = (heap.clone(), ledger.clone());
             thread::spawn(move || {
@@ -200,6 +228,6 @@ fn a_release_racing_a_refill_and_a_spill_loses_and_duplicates_nothing() {
         };
         user.join().unwrap();
         releaser.join().unwrap();
-        census(&heap, &ledger, own);
+        census(heap, &ledger);
     });
 }

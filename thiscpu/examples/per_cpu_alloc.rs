@@ -5,7 +5,9 @@
 
 use std::collections::HashMap;
 
-#[global_allocator]
+// With `--cfg thiscpu_global_alloc` the library declares the global allocator itself, and
+// this one only reports.
+#[cfg_attr(not(thiscpu_global_alloc), global_allocator)]
 static ALLOCATOR: thiscpu::PerCpuAlloc = thiscpu::PerCpuAlloc::new();
 
 fn main() {

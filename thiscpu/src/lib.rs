@@ -234,6 +234,12 @@ pub use rwlock::{
 pub use sharded::{ShardGuard, Sharded};
 pub use via::{CpuNode, CpuSource};
 
+// With `--cfg thiscpu_global_alloc` (the CI's global-alloc step), every program that links the
+// library allocates through per-CPU caches: its own test suite, harness and std included.
+#[cfg(thiscpu_global_alloc)]
+#[global_allocator]
+static GLOBAL_ALLOCATOR: PerCpuAlloc = PerCpuAlloc::new();
+
 // The Rust snippets of the README, the guide and the allocator's page, compiled and run as doctests when every
 // feature they use is on (CI's features step), so that the documentation cannot drift from
 // the API. docs/opentelemetry.md is thiscpu-opentelemetry's, compiled by that crate; the

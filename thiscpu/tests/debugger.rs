@@ -9,28 +9,38 @@
 //! which has no `ptrace`. Not under the model checker, whose sections a debugger cannot see.
 #![cfg(all(thiscpu_rseq, not(thiscpu_model)))]
 
+use std::alloc::{GlobalAlloc, Layout};
 use std::time::{Duration, Instant};
-use thiscpu::{Counter, Pool, Sharded, ops};
+use thiscpu::{Counter, PerCpuAlloc, Pool, Sharded, ops};
 
 /// The operations the child runs, each between two stops, in this order.
-const OPERATIONS: [&str; 5] = [
+const OPERATIONS: [&str; 6] = [
     "Counter::inc",
     "Adder::inc",
     "Sharded::with_current",
     "Pool::get and put",
     "getcpu",
+    "PerCpuAlloc alloc and dealloc",
 ];
 const GETCPU: usize = 4;
 
+/// The layout the child allocates from a `PerCpuAlloc` (a cached size class).
+const ALLOCATED: Layout = match Layout::from_size_align(64, 8) {
+    Ok(layout) => layout,
+    Err(_) => panic!("a valid layout"),
+};
+
 /// Steps one operation may take, stop to stop. The most any took with the bound on
 /// consecutive aborts was about 27,000 (`Pool` get and put, two sections, aarch64 debug
-/// build; 20,830 on x86_64). Fixed, not derived from `ops::ABORT_LIMIT`: an operation whose retries are not
+/// build; 20,830 on x86_64); `PerCpuAlloc`'s alloc and dealloc, two sections and two calls
+/// into `malloc`, took 20,177 on x86_64. Fixed, not derived from `ops::ABORT_LIMIT`: an operation whose retries are not
 /// bounded must fail here rather than be stepped for ever.
 const MAX_STEPS: u64 = 100_000;
 
 /// Wall time for all of the stepping: a failure, not a hang, where steps stop coming back.
-/// Far above what the bounded operations need: about 55,000-65,000 steps in all, 1.4 s
-/// native, 15 s in an emulated x86_64 guest, 50-80 s in an emulated arm64 guest (800-1,300
+/// Far above what the bounded operations need: about 61,000 steps in all on x86_64, 1.1-1.4 s
+/// native. Before the allocator's operation was added (a third of the steps now), the rest
+/// took 15 s in an emulated x86_64 guest and 50-80 s in an emulated arm64 guest (800-1,300
 /// steps a second, under a runner that allows 300 s per test executable).
 const MAX_TIME: Duration = Duration::from_secs(240);
 
@@ -39,6 +49,7 @@ const WRONG_COUNT: u64 = 1;
 const WRONG_POOL: u64 = 2;
 const WRONG_SHARD: u64 = 4;
 const WRONG_CPU: u64 = 8;
+const WRONG_ALLOCATION: u64 = 16;
 
 fn describe(bits: u64) -> String {
     [
@@ -48,6 +59,10 @@ fn describe(bits: u64) -> String {
         (
             WRONG_CPU,
             "getcpu named another CPU than the one the child is pinned to",
+        ),
+        (
+            WRONG_ALLOCATION,
+            "the allocator returned null or an object that did not keep its bytes",
         ),
     ]
     .iter()
@@ -75,6 +90,7 @@ fn child(
     counter: &Counter,
     sharded: &Sharded<u64>,
     pool: &Pool<u64>,
+    allocator: &PerCpuAlloc,
     cpu: u32,
     report_fd: libc::c_int,
 ) -> ! {
@@ -101,6 +117,20 @@ fn child(
     let here = thiscpu::getcpu();
     fallbacks[5] = ops::abort_fallbacks();
     stop();
+    // SAFETY: a non-zero layout; the object is written within its size and freed with it.
+    let allocated = unsafe {
+        let object = allocator.alloc(ALLOCATED);
+        let whole = !object.is_null() && {
+            object.write_bytes(0x5a, ALLOCATED.size());
+            (0..ALLOCATED.size()).all(|i| object.add(i).read() == 0x5a)
+        };
+        if !object.is_null() {
+            allocator.dealloc(object, ALLOCATED);
+        }
+        whole
+    };
+    fallbacks[6] = ops::abort_fallbacks();
+    stop();
     let mut report: Report = [0; 1 + OPERATIONS.len()];
     if counter.sum() != 2 {
         report[0] |= WRONG_COUNT;
@@ -113,6 +143,9 @@ fn child(
     }
     if here.cpu != cpu {
         report[0] |= WRONG_CPU;
+    }
+    if !allocated {
+        report[0] |= WRONG_ALLOCATION;
     }
     for (n, pair) in fallbacks.windows(2).enumerate() {
         report[1 + n] = pair[1] - pair[0];
@@ -163,6 +196,14 @@ fn single_stepped_operations_finish_in_bounded_steps() {
     let sharded = Sharded::new(|_| 0u64);
     let pool = Pool::with_capacity(4, || 7u64);
     drop(pool.get());
+    // Made and used once on this CPU: its caches exist and hold an object of the child's class.
+    let allocator = PerCpuAlloc::new();
+    // SAFETY: a non-zero layout; the object is freed with it.
+    unsafe {
+        let object = allocator.alloc(ALLOCATED);
+        assert!(!object.is_null());
+        allocator.dealloc(object, ALLOCATED);
+    }
     // Registers this thread (the child inherits its area) and makes every process-wide choice
     // before the fork.
     let source = thiscpu::source();
@@ -176,7 +217,7 @@ fn single_stepped_operations_finish_in_bounded_steps() {
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0, "fork: {}", std::io::Error::last_os_error());
     if pid == 0 {
-        child(&counter, &sharded, &pool, cpu, fds[1]);
+        child(&counter, &sharded, &pool, &allocator, cpu, fds[1]);
     }
     // SAFETY: the parent's copy of the write end, which it does not use.
     unsafe { libc::close(fds[1]) };

@@ -22,12 +22,17 @@ struct Library {
 
 /// `target/<profile>/examples/libshared_library.so`, next to this test's `deps/` directory.
 fn library_path() -> PathBuf {
+    example_library("libshared_library.so")
+}
+
+/// `target/<profile>/examples/NAME`.
+fn example_library(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("the test's own path");
     let profile = exe
         .parent()
         .and_then(|deps| deps.parent())
         .expect("tests run from <profile>/deps");
-    profile.join("examples").join("libshared_library.so")
+    profile.join("examples").join(name)
 }
 
 fn dlerror() -> String {
@@ -51,19 +56,30 @@ fn symbol(handle: *mut c_void, name: &CStr) -> *mut c_void {
     address
 }
 
+/// Loads the example `name` (`lib<name>.so`) for the rest of the process.
+fn open_example(name: &str) -> *mut c_void {
+    let path = example_library(&format!("lib{name}.so"));
+    assert!(
+        path.exists(),
+        "{} is missing: `cargo test` builds it (alone: cargo build -p thiscpu --example {name})",
+        path.display()
+    );
+    let c_path = CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: a NUL-terminated path; the library's initializers are Rust's and thiscpu's.
+    let handle = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+    assert!(
+        !handle.is_null(),
+        "dlopen {}: {}",
+        path.display(),
+        dlerror()
+    );
+    handle
+}
+
 fn library() -> &'static Library {
     static LIBRARY: OnceLock<Library> = OnceLock::new();
     LIBRARY.get_or_init(|| {
-        let path = library_path();
-        assert!(
-            path.exists(),
-            "{} is missing: `cargo test` builds it (alone: cargo build -p thiscpu --example shared_library)",
-            path.display()
-        );
-        let c_path = CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: a NUL-terminated path; the library's initializers are Rust's and thiscpu's.
-        let handle = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
-        assert!(!handle.is_null(), "dlopen {}: {}", path.display(), dlerror());
+        let handle = open_example("shared_library");
         // SAFETY: each symbol is an `extern "C"` function of the example with exactly this
         // signature; the library stays loaded for the rest of the process.
         unsafe {
@@ -151,6 +167,104 @@ fn the_loaded_library_counts_exactly_from_many_threads() {
         }
     });
     assert_eq!((library.total)() - before, THREADS * EACH);
+}
+
+/// The `alloc_shared_library` example: a library whose global allocator is `PerCpuAlloc`.
+struct AllocLibrary {
+    churn: extern "C" fn(u64, u64) -> u64,
+    one: extern "C" fn(usize) -> u32,
+    caching: extern "C" fn() -> u32,
+    cached_bytes: extern "C" fn() -> u64,
+    misses: extern "C" fn() -> u64,
+    release: extern "C" fn() -> u64,
+}
+
+fn alloc_library() -> &'static AllocLibrary {
+    static LIBRARY: OnceLock<AllocLibrary> = OnceLock::new();
+    LIBRARY.get_or_init(|| {
+        let handle = open_example("alloc_shared_library");
+        // SAFETY: each symbol is an `extern "C"` function of the example with exactly this
+        // signature; the library stays loaded for the rest of the process.
+        unsafe {
+            AllocLibrary {
+                churn: std::mem::transmute::<*mut c_void, extern "C" fn(u64, u64) -> u64>(symbol(
+                    handle,
+                    c"alloc_churn",
+                )),
+                one: std::mem::transmute::<*mut c_void, extern "C" fn(usize) -> u32>(symbol(
+                    handle,
+                    c"alloc_one",
+                )),
+                caching: std::mem::transmute::<*mut c_void, extern "C" fn() -> u32>(symbol(
+                    handle,
+                    c"alloc_caching",
+                )),
+                cached_bytes: std::mem::transmute::<*mut c_void, extern "C" fn() -> u64>(symbol(
+                    handle,
+                    c"alloc_cached_bytes",
+                )),
+                misses: std::mem::transmute::<*mut c_void, extern "C" fn() -> u64>(symbol(
+                    handle,
+                    c"alloc_misses",
+                )),
+                release: std::mem::transmute::<*mut c_void, extern "C" fn() -> u64>(symbol(
+                    handle,
+                    c"alloc_release",
+                )),
+            }
+        }
+    })
+}
+
+/// A library loaded with `dlopen` whose global allocator is `PerCpuAlloc`, in a program that
+/// allocates with the system's: its boxes, strings and vectors are whole when made, filled and
+/// freed from four threads at once (each pinned to a CPU in turn) and the main thread; its
+/// caches are in use where glibc registered rseq (both copies of thiscpu read glibc's area),
+/// never without rseq; `release` empties them, and the library allocates as before afterwards.
+#[test]
+fn a_loaded_library_allocates_through_its_per_cpu_allocator() {
+    let library = alloc_library();
+    let cpus = allowed_cpus();
+    std::thread::scope(|s| {
+        for n in 0..4u64 {
+            let cpus = &cpus;
+            s.spawn(move || {
+                for (round, &cpu) in cpus.iter().enumerate() {
+                    pin(cpu);
+                    assert_eq!((library.churn)(50, n * 7 + round as u64), 0, "on CPU {cpu}");
+                    for size in [1, 24, 100, 4096, 4097, 10_000] {
+                        assert_eq!((library.one)(size), 1, "{size} bytes");
+                    }
+                }
+            });
+        }
+    });
+    assert_eq!((library.churn)(50, 99), 0);
+    let caching = (library.caching)() == 1;
+    let (cached, misses) = ((library.cached_bytes)(), (library.misses)());
+    let registrar = thiscpu::source().registrar;
+    eprintln!(
+        "the library's allocator: caching {caching}, {cached} bytes cached, {misses} misses \
+         (the program's registrar: {registrar:?})"
+    );
+    match registrar {
+        thiscpu::Registrar::Glibc => assert!(caching, "glibc's area is there for both copies"),
+        thiscpu::Registrar::None => assert!(!caching, "no rseq in this process"),
+        thiscpu::Registrar::Thiscpu => {}
+    }
+    if caching {
+        assert!(misses > 0, "a caching allocator that never missed");
+    } else {
+        assert_eq!((cached, misses), (0, 0));
+    }
+    let released = (library.release)();
+    assert_ne!(released, u64::MAX, "release failed");
+    assert_eq!(
+        (library.cached_bytes)(),
+        0,
+        "after release ({released} bytes)"
+    );
+    assert_eq!((library.churn)(20, 5), 0, "after release");
 }
 
 /// Builds a C file of `tests/c` with the system's C compiler (`$CC`, else `cc`) into `out`;

@@ -55,8 +55,9 @@
 //!
 //! What the atomic updates cost is measured on Linux by running the same structures with
 //! `THISCPU_RSEQ=off`: in the repository's recorded run (a 2-CPU x86_64 VM) a
-//! [`Counter::inc`] took 8.55 ns per thread against 0.613 with restartable sequences (and 13.6
-//! for one shared `AtomicU64`), an [`RwLock`] read 14.6 ns against 2.01, and an [`RwLock`]
+//! [`Counter::inc`] took 14.8 ns per thread against 0.607 with restartable sequences (and 14.0
+//! for one shared `AtomicU64`; a loop of it built on its own took 7.3 ns), an [`RwLock`] read
+//! 14.6 ns against 2.01, and an [`RwLock`]
 //! write 29.6 ns against 740 (no `membarrier` is needed when readers count with atomics).
 //!
 //! Off Linux, [`topology`] counts CPUs with `std::thread::available_parallelism` and the

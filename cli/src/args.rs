@@ -140,7 +140,7 @@ also prints the seeds' tables: 1e9 calls of a noinline get_cpu_id() before and a
 getcpu() latency before (vDSO, syscall) and after (rseq).
 
 Examples:
-  thiscpu bench                          every family, about two minutes
+  thiscpu bench                          every family, about three minutes
   thiscpu bench getcpu --cases 'current_cpu*,vdso'
   thiscpu bench --quick --json out.json --svg charts/
   thiscpu bench --threads 1,2 --rounds 21 --seconds 120

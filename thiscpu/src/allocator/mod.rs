@@ -920,7 +920,12 @@ mod tests {
 
     #[test]
     fn dropping_the_allocator_gives_every_object_back() {
-        let inner = Box::leak(Box::new(Counting::default()));
+        // A static, so that the test can read it after the allocator in front of it is gone.
+        static INNER: Counting = Counting {
+            live: AtomicI64::new(0),
+            calls: AtomicU64::new(0),
+        };
+        let inner = &INNER;
         {
             let allocator = PerCpuAlloc::with_inner(ByRef(inner));
             churn(&allocator, &[16, 48, 200, 2000, 4096], 300, 3);

@@ -1067,8 +1067,8 @@ fn the_alloc_child_answers_in_one_json_line_and_refuses_bad_requests() {
 #[test]
 fn the_tcmalloc_child_serves_its_cases_and_refuses_unknown_ones() {
     use std::io::Write;
-    if !cfg!(target_arch = "x86_64") {
-        return; // tcmalloc is built into the command on x86_64 only
+    if !cfg!(all(target_arch = "x86_64", feature = "tcmalloc")) {
+        return; // tcmalloc is built into the command on x86_64, with the feature, only
     }
     let serve = |case: &str, commands: &str| -> Output {
         let mut child = Command::new(env!("CARGO_BIN_EXE_thiscpu"))

@@ -812,6 +812,9 @@ mod tests {
         }
     }
 
+    /// A thread id above every `pid_max` Linux allows (2^22): no thread has it.
+    const VANISHED: i32 = i32::MAX;
+
     fn counting(per_cpu: usize) -> PerCpuAlloc<Counting> {
         PerCpuAlloc::with_inner(Counting::default()).with_cache_bytes(per_cpu)
     }
@@ -1079,10 +1082,11 @@ mod tests {
         let Some(caches) = allocator.started() else {
             return;
         };
-        // A thread that has exited: what a releaser in the parent of a `fork` is to the child.
-        let gone = std::thread::spawn(|| crate::os::Threads.me())
-            .join()
-            .unwrap();
+        // A thread that does not exist here, as a releaser in the parent of a `fork` is to the
+        // child. Not the id of a thread that exited: the kernel may give it to the next thread
+        // this process makes (it did, in a 2-CPU guest running the tests in parallel).
+        let gone = VANISHED;
+        assert!(crate::os::Threads.is_gone(gone));
         caches.abandon_release(gone, 0);
         let (done, finished) = std::sync::mpsc::channel();
         let releaser = allocator.clone();
@@ -1106,9 +1110,8 @@ mod tests {
         let Some(caches) = allocator.started() else {
             return;
         };
-        let gone = std::thread::spawn(|| crate::os::Threads.me())
-            .join()
-            .unwrap();
+        let gone = VANISHED;
+        assert!(crate::os::Threads.is_gone(gone));
         for cpu in 0..caches.cpus {
             caches.abandon_release(gone, cpu);
         }

@@ -32,7 +32,7 @@ use super::model::{Case, Family, Measured, RunInfo, Unit, Workload, median_of};
 use super::rseq_off::{self, ChildSetup};
 use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
 use child::{ChildCase, Figure, Task, Unread};
-use switch::Kind;
+use switch::{Kind, PEERS_BUILT};
 
 /// Object sizes of the pair cases.
 const SIZES: [usize; 5] = [16, 64, 256, 1024, 4096];
@@ -355,12 +355,14 @@ fn cases() -> Vec<Case> {
     // The peers where they are not built.
     for case in &mut cases {
         let kind = case.name.split_once('/').and_then(|(_, kind)| Kind::from_name(kind));
-        if kind.is_some_and(|kind| !kind.built()) {
-            *case = Case::skipped(
-                case.name,
-                case.unit,
-                "mimalloc, jemalloc and tcmalloc are built into the command on x86_64 Linux only",
-            );
+        if let Some(kind) = kind.filter(|kind| !kind.built()) {
+            let why = if kind == Kind::Tcmalloc && PEERS_BUILT {
+                "tcmalloc is built into the command only with `--features tcmalloc`: linked in, \
+                 it takes every thread's rseq area at start-up where glibc does not register one"
+            } else {
+                "mimalloc, jemalloc and tcmalloc are built into the command on x86_64 Linux only"
+            };
+            *case = Case::skipped(case.name, case.unit, why);
         }
     }
     cases

@@ -78,9 +78,13 @@ impl Kind {
         }
     }
 
-    /// Whether the allocator is in this program (see [`PEERS_BUILT`]).
+    /// Whether the allocator is in this program (see [`PEERS_BUILT`] and [`TCMALLOC_BUILT`]).
     pub const fn built(self) -> bool {
-        PEERS_BUILT || matches!(self, Kind::Glibc | Kind::Thiscpu)
+        match self {
+            Kind::Glibc | Kind::Thiscpu => true,
+            Kind::Tcmalloc => TCMALLOC_BUILT,
+            Kind::Mimalloc | Kind::Jemalloc => PEERS_BUILT,
+        }
     }
 
     /// The allocator named `name`.
@@ -103,12 +107,22 @@ impl Kind {
 
 /// glibc's allocator.
 pub static GLIBC: System = System;
-pub use peers::{JEMALLOC, MIMALLOC, TCMALLOC, tcmalloc_per_cpu_caches};
+pub use peers::{JEMALLOC, MIMALLOC};
+pub use tcmalloc::{TCMALLOC, tcmalloc_per_cpu_caches};
 
 /// Whether the peers (mimalloc, jemalloc, tcmalloc) are in this program: on x86_64 Linux only
 /// (see the command's manifest). Elsewhere their cases are left out and the switch never
 /// chooses them.
 pub const PEERS_BUILT: bool = cfg!(all(target_os = "linux", target_arch = "x86_64"));
+
+/// Whether tcmalloc is in this program: on x86_64 Linux with the command's feature `tcmalloc`
+/// only (see the command's manifest: linked in, it takes the threads' rseq areas at start-up
+/// where glibc does not register them).
+pub const TCMALLOC_BUILT: bool = cfg!(all(
+    target_os = "linux",
+    target_arch = "x86_64",
+    feature = "tcmalloc"
+));
 
 /// The peers.
 #[cfg(all(target_os = "linux", target_arch = "x86_64"))]
@@ -117,6 +131,11 @@ mod peers {
     pub static MIMALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
     /// jemalloc.
     pub static JEMALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+}
+
+/// tcmalloc, where it is built.
+#[cfg(all(target_os = "linux", target_arch = "x86_64", feature = "tcmalloc"))]
+mod tcmalloc {
     /// tcmalloc.
     pub static TCMALLOC: tcmalloc_better::TCMalloc = tcmalloc_better::TCMalloc;
 
@@ -140,6 +159,12 @@ mod peers {
     use std::alloc::System;
     pub static MIMALLOC: System = System;
     pub static JEMALLOC: System = System;
+}
+
+/// tcmalloc's place where it is not built: glibc's allocator, never called.
+#[cfg(not(all(target_os = "linux", target_arch = "x86_64", feature = "tcmalloc")))]
+mod tcmalloc {
+    use std::alloc::System;
     pub static TCMALLOC: System = System;
 
     pub fn tcmalloc_per_cpu_caches() -> bool {

@@ -438,11 +438,18 @@ impl Caches {
         }
     }
 
+    /// For a call that found CPU `cpu`'s cache stopped and goes to the inner allocator: counts
+    /// it, and resumes the cache if the release that stopped it was abandoned.
+    pub(super) fn pass_through(&self, cpu: usize) {
+        self.counters(cpu).passed.fetch_add(1, Ordering::Relaxed);
+        self.resume_if_abandoned();
+    }
+
     /// For a call that found a cache stopped: if the release that stopped it belongs to a
     /// thread that no longer exists in this process (the child of a `fork` made during a
     /// release inherits its flags, and nobody would ever clear them), takes that release over
     /// and clears them. A live release is left alone (the call passes through meanwhile).
-    pub(super) fn resume_if_abandoned(&self) {
+    fn resume_if_abandoned(&self) {
         let threads = crate::os::Threads;
         let owner = self.releasing.load(Ordering::Acquire);
         if owner == 0 || owner == threads.me() || !threads.is_gone(owner) {

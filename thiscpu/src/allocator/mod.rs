@@ -280,8 +280,7 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
                     }
                     (StackOutcome::Refused, _) => return self.miss(caches, at, class),
                     (StackOutcome::Stopped, _) => {
-                        caches.counters(cpu).passed.fetch_add(1, Ordering::Relaxed);
-                        caches.resume_if_abandoned();
+                        caches.pass_through(cpu);
                         break;
                     }
                     (StackOutcome::Aborted, _) => {
@@ -363,8 +362,7 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
                         return unsafe { self.spill(caches, at, object, class) };
                     }
                     StackOutcome::Stopped => {
-                        caches.counters(cpu).passed.fetch_add(1, Ordering::Relaxed);
-                        caches.resume_if_abandoned();
+                        caches.pass_through(cpu);
                         break;
                     }
                     StackOutcome::Aborted => {

@@ -50,8 +50,10 @@ fn allocator_is_exact_under_migration_signals_churn_and_releases() {
             report.releases > 0 || report.releases_unavailable > 0,
             "the releaser never ran: {report:?}"
         );
-        // Not asserted: in emulated guests whose possible CPUs outnumber the online ones, 500
-        // releases gave back nothing (not understood yet); exactness is asserted above.
+        // Not asserted: in an emulated guest (bookworm, 2 of 4 CPUs online) 500 releases gave
+        // back nothing, the CPUs being stopped by releases for much of the run and holding few
+        // objects between them; the release after the run emptied the caches there
+        // (`cached_after_release` 0, nothing lost), which `exact()` asserts above.
         if report.releases > 0 && report.released_bytes == 0 {
             eprintln!("releases never found a cached object: {report:?}");
         }

@@ -270,3 +270,28 @@ fn prometheus_types_are_send_and_sync() {
     // A registry holds metrics that every thread updates and the scraping thread encodes.
     send_sync_unpin!(thiscpu::prometheus::Counter, thiscpu::prometheus::Histogram);
 }
+
+/// A global allocator is a `static` every thread calls: `PerCpuAlloc` is `Sync` when its inner
+/// allocator is, and not otherwise (its caches hold the inner allocator's objects).
+#[test]
+fn the_allocator_is_shared_as_its_inner_allocator_is() {
+    use thiscpu::allocator::{AllocStats, CpuAllocStats, PerCpuAlloc, ReleaseError};
+    send_sync_unpin!(PerCpuAlloc, AllocStats, CpuAllocStats, ReleaseError);
+    unwind_safe::<PerCpuAlloc>();
+    unwind_safe::<AllocStats>();
+    unwind_safe::<ReleaseError>();
+}
+
+/// An inner allocator that one thread alone may use.
+#[allow(dead_code)]
+struct OneThreadAllocator(Cell<usize>);
+
+// SAFETY: never called; the type exists for the auto-trait check below.
+unsafe impl std::alloc::GlobalAlloc for OneThreadAllocator {
+    unsafe fn alloc(&self, _: std::alloc::Layout) -> *mut u8 {
+        core::ptr::null_mut()
+    }
+    unsafe fn dealloc(&self, _: *mut u8, _: std::alloc::Layout) {}
+}
+
+assert_not!(thiscpu::PerCpuAlloc<OneThreadAllocator>: Sync);

@@ -153,6 +153,9 @@ linux_tests() {
     (
         export QEMU_LD_PREFIX=/usr/$gnu THISCPU_TEST_RUNNER=$emulator
         export THISCPU_EXPECT_REGISTRAR=none
+        # The allocator's storms and short threads (tests/per_cpu_alloc.rs), scaled to
+        # emulation: every thread qemu-user starts is slow.
+        export THISCPU_TEST_ALLOC_THREADS=1000 THISCPU_TEST_ALLOC_STORM_MS=500
         run_tests "$triple" "$emulator" --
     )
 }

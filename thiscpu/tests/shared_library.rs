@@ -56,9 +56,15 @@ fn symbol(handle: *mut c_void, name: &CStr) -> *mut c_void {
     address
 }
 
-/// Loads the example `name` (`lib<name>.so`) for the rest of the process.
-fn open_example(name: &str) -> *mut c_void {
-    let path = example_library(&format!("lib{name}.so"));
+/// Loads the example library `file` (`lib<example>.so`) for the rest of the process. The name
+/// is given whole, as a literal: the emulated guests' runner copies in the example libraries
+/// whose file names appear in the test executable.
+fn open_example(file: &str) -> *mut c_void {
+    let path = example_library(file);
+    let name = file
+        .strip_prefix("lib")
+        .and_then(|rest| rest.strip_suffix(".so"))
+        .unwrap_or(file);
     assert!(
         path.exists(),
         "{} is missing: `cargo test` builds it (alone: cargo build -p thiscpu --example {name})",
@@ -79,7 +85,7 @@ fn open_example(name: &str) -> *mut c_void {
 fn library() -> &'static Library {
     static LIBRARY: OnceLock<Library> = OnceLock::new();
     LIBRARY.get_or_init(|| {
-        let handle = open_example("shared_library");
+        let handle = open_example("libshared_library.so");
         // SAFETY: each symbol is an `extern "C"` function of the example with exactly this
         // signature; the library stays loaded for the rest of the process.
         unsafe {
@@ -182,7 +188,7 @@ struct AllocLibrary {
 fn alloc_library() -> &'static AllocLibrary {
     static LIBRARY: OnceLock<AllocLibrary> = OnceLock::new();
     LIBRARY.get_or_init(|| {
-        let handle = open_example("alloc_shared_library");
+        let handle = open_example("liballoc_shared_library.so");
         // SAFETY: each symbol is an `extern "C"` function of the example with exactly this
         // signature; the library stays loaded for the rest of the process.
         unsafe {

@@ -552,6 +552,18 @@ fn report(results: &[Measured]) -> String {
             ));
         }
     }
+    let peer_measured = Kind::PEERS.iter().any(|&peer| {
+        results
+            .iter()
+            .any(|r| r.case.ends_with(&format!("/{}", peer.name())))
+    });
+    if !peer_measured && !lines.is_empty() {
+        lines.push(
+            "  targets against mimalloc, jemalloc and tcmalloc: not judged, none of them was \
+             measured"
+                .to_owned(),
+        );
+    }
     if !lines.is_empty() {
         out.push_str("\ntargets (ratios of medians):\n");
         out.push_str(&lines.join("\n"));
@@ -638,5 +650,28 @@ mod tests {
             "{text}"
         );
         assert!(!text.contains("json time"), "no json results, no json target:\n{text}");
+        assert!(!text.contains("not judged"), "{text}");
+    }
+
+    /// Where the peers are not built (every target but x86_64 Linux) only glibc and thiscpu
+    /// run: the targets against the peers say that they were not judged.
+    #[test]
+    fn without_peers_their_targets_are_not_judged() {
+        let mut results = Vec::new();
+        for threads in [1, 2] {
+            for (kind, value) in [(Kind::Glibc, 8.0), (Kind::Thiscpu, 3.0)] {
+                results.push(measured(case_name("pair16", kind), threads, Unit::NsPerOp, value));
+            }
+        }
+        let text = report(&results);
+        assert!(
+            text.contains("glibc ÷ thiscpu, worst size (16 B): 2.67× (target ≥ 2×): met"),
+            "{text}"
+        );
+        assert!(
+            text.contains("targets against mimalloc, jemalloc and tcmalloc: not judged"),
+            "{text}"
+        );
+        assert!(!text.contains("best peer,"), "{text}");
     }
 }

@@ -152,7 +152,7 @@ fn a_thousand_threads_take_about_the_time_asked() {
             "3",
             "--json",
         ]),
-        Duration::from_secs(60),
+        Duration::from_secs(120),
     );
     let stdout = text(&output.stdout);
     assert!(output.status.success(), "{stdout}{}", text(&output.stderr));
@@ -161,7 +161,9 @@ fn a_thousand_threads_take_about_the_time_asked() {
     for part in ["counter", "pool", "allocator"] {
         assert_eq!(report[part]["workers"], 1024, "{report}");
         let seconds = report[part]["elapsed_seconds"].as_f64().unwrap();
-        assert!(seconds < 22.0, "{part} ran {seconds} s for 3 s asked");
+        // The allocator part took 23.9 s in an emulated riscv64 guest; minutes is what this
+        // bound is for.
+        assert!(seconds < 40.0, "{part} ran {seconds} s for 3 s asked");
         // The thread that migrates and signals the workers got CPU time among them.
         assert!(
             report[part]["migrations"].as_u64().unwrap() > 0,

@@ -87,6 +87,10 @@ pub trait Workload: Send + Sync {
         start.elapsed()
     }
 
+    /// Ends what `prepare` left running for calibration (background threads), so that it does
+    /// not take CPU time from the calibration and the rounds of the other cases.
+    fn end_calibration(&self) {}
+
     /// Checks the state after a measurement; an error fails the whole run.
     fn verify(&self, _ops: u64) -> std::result::Result<(), String> {
         Ok(())

@@ -221,7 +221,7 @@ impl OtelCase {
 
 impl Workload for OtelCase {
     fn prepare(&self, _threads: usize) {
-        // A collector left from a calibration run stops first; the total is read with none.
+        // A collector left from the previous round stops first; the total is read with none.
         let _ = self.stop_collector();
         self.start
             .store(self.pipeline.collect().unwrap_or(u64::MAX), Ordering::Relaxed);
@@ -237,6 +237,11 @@ impl Workload for OtelCase {
             });
             *self.thread.lock().unwrap_or_else(|p| p.into_inner()) = Some(thread);
         }
+    }
+
+    fn end_calibration(&self) {
+        // Its errors are the rounds' to report: the collection fails there again.
+        let _ = self.stop_collector();
     }
 
     fn run(&self, _worker: usize, ops: u64) {

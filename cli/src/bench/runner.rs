@@ -195,12 +195,11 @@ fn calibrate(
                 let _pinned = topology::pin_to(cpu);
                 workload.prepare(1);
                 let mut ops = 1u64;
-                loop {
-                    if workload.run_timed(0, ops) >= target || ops >= 1 << 40 {
-                        return ops;
-                    }
+                while workload.run_timed(0, ops) < target && ops < 1 << 40 {
                     ops *= 2;
                 }
+                workload.end_calibration();
+                ops
             })
             .map_err(|e| thread_refused("a calibration thread", &e))?;
         Ok(thread.join().unwrap_or(1))
@@ -339,4 +338,44 @@ pub fn cpus_for(threads: usize) -> Vec<u32> {
     let mut cpus = worker_cpus();
     cpus.truncate(threads.max(1));
     cpus
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicU64;
+
+    /// Records what calibration asked of it, in order.
+    #[derive(Default)]
+    struct Recorded {
+        prepared: AtomicBool,
+        ran: AtomicU64,
+        ended_after_runs: AtomicU64,
+    }
+
+    impl Workload for Recorded {
+        fn prepare(&self, _threads: usize) {
+            self.prepared.store(true, Ordering::Relaxed);
+        }
+        fn run(&self, _worker: usize, ops: u64) {
+            self.ran.fetch_add(ops, Ordering::Relaxed);
+            std::hint::black_box(ops);
+        }
+        fn end_calibration(&self) {
+            self.ended_after_runs
+                .store(self.ran.load(Ordering::Relaxed), Ordering::Relaxed);
+        }
+    }
+
+    /// What `prepare` started for calibration ends with it, after its last run.
+    #[test]
+    fn calibration_ends_what_it_prepared() {
+        let workload = Recorded::default();
+        let ops = calibrate(&workload, worker_cpus()[0], Duration::from_micros(50)).unwrap();
+        assert!(workload.prepared.load(Ordering::Relaxed));
+        assert!(ops >= 1);
+        let ran = workload.ran.load(Ordering::Relaxed);
+        assert!(ran >= ops, "{ran} ops run, {ops} chosen");
+        assert_eq!(workload.ended_after_runs.load(Ordering::Relaxed), ran);
+    }
 }

@@ -7,8 +7,8 @@
 //!   or 100,000 of its reads (ns per operation, writes included);
 //! - `write/KIND`: a write lock + write + unlock (a `store` of a new `Arc` for the cells), no
 //!   readers;
-//! - `write-under-readers/KIND`: the same while a reader thread (one per other allowed CPU)
-//!   reads in a loop;
+//! - `write-under-readers/KIND`: the same while a reader thread on each other allowed CPU
+//!   (pinned there) reads in a loop;
 //! - `resident/thiscpu`, `address-space/thiscpu`: what a `thiscpu::RwLock` costs in memory, from
 //!   `MEMORY_LOCKS` locks made (their vector filled before the first reading, so that only the
 //!   locks' reader counts are counted), each read once on each CPU the round uses: the growth
@@ -316,21 +316,41 @@ struct Writes<S> {
     written: AtomicU64,
 }
 
-impl<S: Subject> Workload for Writes<S> {
-    fn prepare(&self, _threads: usize) {
-        let mut background = self.background.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(running) = background.take() {
+impl<S: Subject> Writes<S> {
+    fn end_background(&self) {
+        let running = self
+            .background
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let Some(running) = running {
             running.end();
         }
+    }
+}
+
+impl<S: Subject> Workload for Writes<S> {
+    /// Starts the readers, each pinned to one of the CPUs after the first worker's, and returns
+    /// once every one of them reads: calibrated against readers that have not started yet, a
+    /// chunk of writes that block behind them (parking_lot's) took seconds instead of 50 µs.
+    fn prepare(&self, _threads: usize) {
+        self.end_background();
         if self.readers == 0 {
             return;
         }
+        let cpus = crate::bench::runner::worker_cpus();
         let stop = Arc::new(AtomicBool::new(false));
-        let threads = (0..self.readers)
-            .filter_map(|_| {
-                let (stop, subject) = (stop.clone(), self.subject.clone());
+        let reading = Arc::new(AtomicU64::new(0));
+        let threads: Vec<_> = (0..self.readers)
+            .filter_map(|reader| {
+                let (stop, reading, subject) =
+                    (stop.clone(), reading.clone(), self.subject.clone());
+                let cpu = cpus[(1 + reader) % cpus.len()];
                 std::thread::Builder::new()
                     .spawn(move || {
+                        let _pinned = thiscpu::topology::pin_to(cpu);
+                        black_box(subject.read());
+                        reading.fetch_add(1, Ordering::Release);
                         while !stop.load(Ordering::Relaxed) {
                             black_box(subject.read());
                         }
@@ -338,7 +358,18 @@ impl<S: Subject> Workload for Writes<S> {
                     .ok()
             })
             .collect();
-        *background = Some(Background { stop, threads });
+        let started = threads.len() as u64;
+        while reading.load(Ordering::Acquire) < started
+            && !threads.iter().any(|thread| thread.is_finished())
+        {
+            std::thread::yield_now();
+        }
+        *self.background.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(Background { stop, threads });
+    }
+
+    fn end_calibration(&self) {
+        self.end_background();
     }
 
     fn run(&self, _worker: usize, ops: u64) {
@@ -349,14 +380,7 @@ impl<S: Subject> Workload for Writes<S> {
     }
 
     fn verify(&self, _ops: u64) -> Result<(), String> {
-        if let Some(running) = self
-            .background
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .take()
-        {
-            running.end();
-        }
+        self.end_background();
         verify_whole(&*self.subject)
     }
 }
@@ -432,7 +456,11 @@ fn cases() -> Vec<Case> {
         for &kind in KINDS {
             cases.push(Case {
                 name: name_of(format!("{prefix}/{kind}")),
-                how: format!("{}, {readers} reader threads", write_how(kind)),
+                how: match readers {
+                    0 => format!("{}, no reader", write_how(kind)),
+                    1 => format!("{}, a reader on another CPU", write_how(kind)),
+                    n => format!("{}, a reader on each of {n} other CPUs", write_how(kind)),
+                },
                 unit: Unit::NsPerOp,
                 workload: Ok(with_subject(kind, WritesMaker { readers })),
             });
@@ -693,4 +721,41 @@ fn report(results: &[Measured]) -> String {
     }
     out.push_str(&rseq_off::report(results));
     out.trim_end().to_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Counts its reads.
+    #[derive(Default)]
+    struct CountedReads(AtomicU64);
+
+    impl Subject for CountedReads {
+        fn read(&self) -> u64 {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            0
+        }
+        fn write(&self, _n: u64) {}
+    }
+
+    /// Calibration and rounds see the readers they are measured against: `prepare` returns
+    /// once each of them reads, and after calibration none is left reading.
+    #[test]
+    fn writes_under_readers_start_them_before_and_stop_them_after_calibration() {
+        let subject = Arc::new(CountedReads::default());
+        let writes = Writes {
+            subject: subject.clone(),
+            readers: 2,
+            background: Mutex::new(None),
+            written: AtomicU64::new(1),
+        };
+        writes.prepare(1);
+        assert!(subject.0.load(Ordering::Relaxed) >= 2, "prepare returned before the readers read");
+        writes.end_calibration();
+        let after = subject.0.load(Ordering::Relaxed);
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(subject.0.load(Ordering::Relaxed), after, "a reader still reads");
+        assert!(writes.background.lock().unwrap().is_none());
+    }
 }

@@ -195,8 +195,13 @@ impl<A: GlobalAlloc + Sync + 'static> Workload for Remote<A> {
         Some(1)
     }
 
+    fn end_calibration(&self) {
+        // It frees what it holds; its errors are the rounds' to report.
+        let _ = self.stop_consumer();
+    }
+
     fn prepare(&self, _threads: usize) {
-        // A consumer left from calibration frees what it holds first.
+        // A consumer left from the previous round frees what it holds first.
         let _ = self.stop_consumer();
         self.made.store(0, Ordering::Relaxed);
         self.head.store(0, Ordering::Relaxed);

@@ -162,7 +162,7 @@ pub struct BenchArgs {
 
     /// A smoke run: 3 short rounds, 1 s of timed rounds in all; with thread start-up,
     /// calibration, the memory cases and alloc's child processes, every family takes about
-    /// 10 s on 2 CPUs.
+    /// 6 s on 2 CPUs.
     #[arg(long)]
     quick: bool,
 

@@ -675,10 +675,7 @@ fn help_explains_with_examples() {
         .take_while(|line| !line.trim_start().starts_with("--seconds"))
         .collect::<Vec<_>>()
         .join(" ");
-    assert!(
-        quick.contains("on top") || quick.contains("10 s"),
-        "{quick}"
-    );
+    assert!(quick.contains("on top") || quick.contains("6 s"), "{quick}");
     assert!(!quick.contains("about a second"), "{quick}");
 }
 

@@ -5,8 +5,9 @@
 //! keep their address from one add to the next. A set is then known by the address and length
 //! of each string, and by the bits of each other value: three words per attribute, read from
 //! the `KeyValue`s without touching the strings' bytes, hashed with one multiplication per
-//! attribute, and compared where they are stored, inline in one array. The [`SetMap`] lookup it
-//! saves hashes every byte and follows a pointer to each stored key.
+//! attribute, and compared where they are stored, inline in one array, beside the set's count on
+//! this CPU. The [`SetMap`] lookup it saves hashes every byte and follows a pointer to each
+//! stored key; the count beside the words saves a load from another array.
 //!
 //! # Why equal addresses mean equal sets
 //! Only keys the instrument's registry holds (it drops none while the instrument lives, and
@@ -82,6 +83,9 @@ const POSITION: [u64; 4] = [
 /// The most attributes of a set entered here; larger sets are left to the `SetMap`.
 const MAX_ATTRIBUTES: usize = 8;
 
+/// The words of an entry before its attributes': the header (id and size), and the count.
+const HEADER: usize = 2;
+
 /// The words of a set as given and their hash: read from the `KeyValue`s once per add, then
 /// compared with the entries. Filled by [`AddressMap::probe`]; each shard keeps one, so that
 /// an add neither initialises nor moves it.
@@ -109,14 +113,40 @@ impl Probe {
     }
 }
 
+/// The words of a set of `N` attributes and their hash, read before the shard that looks them
+/// up is taken: the caller has just built its `KeyValue`s, and with no call between its stores
+/// and these loads the compiler can take most words from what it stored (a literal key's
+/// address and length, the kinds of the values) and drop their checks.
+pub(crate) struct Read<const N: usize> {
+    words: [Words; N],
+    hash: u64,
+}
+
+impl<const N: usize> Read<N> {
+    /// The set's words and hash under `seed` (the seed of the maps that will look it up), or
+    /// `None` for a set that cannot be entered.
+    #[inline(always)]
+    pub(crate) fn of(set: &[KeyValue; N], seed: u64) -> Option<Read<N>> {
+        let mut words = [[0; 3]; N];
+        let mut hash = seed ^ N as u64;
+        for (i, kv) in set.iter().enumerate() {
+            let attribute = self::words(kv)?;
+            words[i] = attribute;
+            hash = hash.wrapping_add(AddressMap::mix(attribute, i, seed));
+        }
+        Some(Read { words, hash })
+    }
+}
+
 /// What [`AddressMap::find`] found.
 pub(crate) enum Found {
-    Id(u32),
+    /// The set's entry, whose count took the value.
+    Counted,
     /// No entry; the probe holds the set's words.
     Missing,
     /// A set that cannot be entered.
     Never,
-    /// Nothing was entered: the set was not read.
+    /// Nothing was entered: the probe was not filled.
     Empty,
 }
 
@@ -126,7 +156,8 @@ pub(crate) struct AddressMap {
     /// Open addressing with linear probing, at most a quarter full: 0 for a free slot, else the
     /// upper half of the entry's hash above its offset in `entries` plus one.
     slots: Vec<u64>,
-    /// Each entry: its id with its number of attributes above it, then its words.
+    /// Each entry: its id with its number of attributes above it, its count (a wrapping sum of
+    /// the values added through it), then its words.
     entries: Vec<u64>,
     len: usize,
     seed: u64,
@@ -135,20 +166,21 @@ pub(crate) struct AddressMap {
     colliding: bool,
 }
 
-impl Default for AddressMap {
-    /// A map with a random seed of its own, as the [`SetMap`](crate::set_map::SetMap)s have.
-    fn default() -> Self {
-        AddressMap::new(RandomState::new().hash_one(0xadd5_u64))
-    }
+/// A random seed for the address maps of one instrument, as the
+/// [`SetMap`](crate::set_map::SetMap)s have one each: the sets' words are read and hashed
+/// once per add, before the shard is known, so every shard of an instrument shares its seed.
+pub(crate) fn random_seed() -> u64 {
+    RandomState::new().hash_one(0xadd5_u64) | 1
 }
 
 impl AddressMap {
+    /// An empty map whose hashes are seeded with `seed` (odd).
     pub(crate) fn new(seed: u64) -> AddressMap {
         AddressMap {
             slots: Vec::new(),
             entries: Vec::new(),
             len: 0,
-            seed: seed | 1,
+            seed,
             #[cfg(test)]
             colliding: false,
         }
@@ -221,9 +253,9 @@ impl AddressMap {
         true
     }
 
-    /// The id of the entry of `probe`'s words.
+    /// The offset of the entry of `probe`'s words.
     #[inline]
-    pub(crate) fn get(&self, probe: &Probe) -> Option<u32> {
+    pub(crate) fn get(&self, probe: &Probe) -> Option<usize> {
         if self.slots.is_empty() {
             return None;
         }
@@ -231,11 +263,34 @@ impl AddressMap {
         let tag = probe.hash >> 32;
         let at = probe.hash as usize & mask;
         if let Some(offset) = self.near(at, tag)
-            && let Some(id) = self.matches(offset, probe)
+            && self.matches(offset, probe)
         {
-            return Some(id);
+            return Some(offset);
         }
         self.get_beyond(probe, at)
+    }
+
+    /// Adds `value` to the count of the entry at `offset` (from [`get`](AddressMap::get)).
+    #[inline]
+    pub(crate) fn count(&mut self, offset: usize, value: u64) {
+        if let Some(count) = self.entries.get_mut(offset + 1) {
+            *count = count.wrapping_add(value);
+        }
+    }
+
+    /// The id of the entry at `offset`.
+    #[cfg(test)]
+    fn id(&self, offset: usize) -> u32 {
+        self.entries[offset] as u32
+    }
+
+    /// Calls `f` with each entry's id and count.
+    pub(crate) fn for_each_count(&self, mut f: impl FnMut(u32, u64)) {
+        let mut offset = 0;
+        while let Some(&header) = self.entries.get(offset) {
+            f(header as u32, self.entries[offset + 1]);
+            offset += HEADER + 3 * (header >> 32) as usize;
+        }
     }
 
     /// The entry of tag `tag` in slot `at` or the next, if either has one.
@@ -252,37 +307,36 @@ impl AddressMap {
         (slot >> 32 == tag && slot != 0).then(|| (slot as u32 - 1) as usize)
     }
 
-    /// [`get`](AddressMap::get) for a set of `N` attributes, filling `probe` only if it finds
-    /// no entry: its words stay in registers, and its loops are unrolled.
+    /// [`get`](AddressMap::get) and [`count`](AddressMap::count) for a set of `N` attributes
+    /// read by [`Read::of`] with this map's seed, filling `probe` only if it finds no entry:
+    /// the words stay in registers, and the loops are unrolled.
     #[inline(always)]
-    pub(crate) fn find<const N: usize>(&self, set: &[KeyValue; N], probe: &mut Probe) -> Found {
+    pub(crate) fn find<const N: usize>(
+        &mut self,
+        read: &Read<N>,
+        probe: &mut Probe,
+        value: u64,
+    ) -> Found {
         if self.slots.is_empty() {
             return Found::Empty;
         }
-        let mut words = [[0; 3]; N];
-        let mut hash = self.seed ^ N as u64;
-        for (i, kv) in set.iter().enumerate() {
-            let Some(attribute) = self::words(kv) else {
-                return Found::Never;
-            };
-            words[i] = attribute;
-            hash = hash.wrapping_add(Self::mix(attribute, i, self.seed));
-        }
-        let hash = self.finish(hash);
+        let words = &read.words;
+        let hash = self.finish(read.hash);
         let tag = hash >> 32;
         let at = hash as usize & (self.slots.len() - 1);
         if let Some(offset) = self.near(at, tag)
-            && let Some(entry) = self.entries.get(offset..offset + 1 + 3 * N)
+            && let Some(entry) = self.entries.get_mut(offset..offset + HEADER + 3 * N)
             && entry[0] >> 32 == N as u64
         {
             // Indexed, so that the loop over a constant count unrolls and keeps no iterator.
             let mut differ = 0;
             for (i, given) in words.iter().enumerate() {
-                let stored = &entry[1 + 3 * i..4 + 3 * i];
+                let stored = &entry[HEADER + 3 * i..HEADER + 3 + 3 * i];
                 differ |= (given[0] ^ stored[0]) | (given[1] ^ stored[1]) | (given[2] ^ stored[2]);
             }
             if differ == 0 {
-                return Found::Id(entry[0] as u32);
+                entry[1] = entry[1].wrapping_add(value);
+                return Found::Counted;
             }
         }
         probe.attributes = N;
@@ -290,12 +344,18 @@ impl AddressMap {
         for (i, given) in words.iter().enumerate() {
             probe.words[3 * i..3 * i + 3].copy_from_slice(given);
         }
-        self.get_beyond(probe, at).map_or(Found::Missing, Found::Id)
+        match self.get_beyond(probe, at) {
+            Some(offset) => {
+                self.count(offset, value);
+                Found::Counted
+            }
+            None => Found::Missing,
+        }
     }
 
     /// [`get`](AddressMap::get) from slot `at` on: a set not found in its first two slots.
     #[inline(never)]
-    fn get_beyond(&self, probe: &Probe, mut at: usize) -> Option<u32> {
+    fn get_beyond(&self, probe: &Probe, mut at: usize) -> Option<usize> {
         let mask = self.slots.len() - 1;
         let tag = probe.hash >> 32;
         loop {
@@ -303,24 +363,28 @@ impl AddressMap {
             if slot == 0 {
                 return None;
             }
-            if slot >> 32 == tag
-                && let Some(id) = self.matches((slot as u32 - 1) as usize, probe)
-            {
-                return Some(id);
+            let offset = (slot as u32 - 1) as usize;
+            if slot >> 32 == tag && self.matches(offset, probe) {
+                return Some(offset);
             }
             at = (at + 1) & mask;
         }
     }
 
-    /// The id of the entry at `offset` if its words are `probe`'s.
+    /// Whether the entry at `offset` has `probe`'s words.
     #[inline(always)]
-    fn matches(&self, offset: usize, probe: &Probe) -> Option<u32> {
+    fn matches(&self, offset: usize, probe: &Probe) -> bool {
         let header = self.entries[offset];
         if (header >> 32) as usize != probe.attributes {
-            return None;
+            return false;
         }
         let words = probe.words();
-        let stored = self.entries.get(offset + 1..offset + 1 + words.len())?;
+        let Some(stored) = self
+            .entries
+            .get(offset + HEADER..offset + HEADER + words.len())
+        else {
+            return false;
+        };
         // Word by word, not as slices: `memcmp` is a call, and a vector load of the words just
         // stored cannot be served by store forwarding. No early exit: the words of a matching
         // tag almost always match.
@@ -328,13 +392,13 @@ impl AddressMap {
             .iter()
             .zip(words)
             .fold(0, |differ, (stored, word)| differ | (stored ^ word));
-        (differ == 0).then_some(header as u32)
+        differ == 0
     }
 
-    /// Enters `key` as `id` if its words are `probe`'s, and says whether it did; the caller
-    /// keeps `key` alive and unchanged for the life of this map, and has checked that `probe`
-    /// finds no entry.
-    pub(crate) fn insert(&mut self, key: &[KeyValue], probe: &Probe, id: u32) -> bool {
+    /// Enters `key` as `id` with a count of `value` if its words are `probe`'s, and says
+    /// whether it did; the caller keeps `key` alive and unchanged for the life of this map, and
+    /// has checked that `probe` finds no entry.
+    pub(crate) fn insert(&mut self, key: &[KeyValue], probe: &Probe, id: u32, value: u64) -> bool {
         let given = probe.words();
         if key.len() != probe.attributes
             || !key
@@ -352,13 +416,14 @@ impl AddressMap {
         }
         let offset = self.entries.len();
         // Offsets (plus one) fit in the lower half of a slot; a map that large stops growing.
-        if offset + 1 + given.len() >= u32::MAX as usize {
+        if offset + HEADER + given.len() >= u32::MAX as usize {
             return false;
         }
         if (self.len + 1) * 4 > self.slots.len() {
             self.grow();
         }
         self.entries.push(u64::from(id) | (key.len() as u64) << 32);
+        self.entries.push(value);
         self.entries.extend_from_slice(given);
         self.place(probe.hash, offset);
         self.len += 1;
@@ -394,9 +459,9 @@ impl AddressMap {
         let mut offset = 0;
         while offset < self.entries.len() {
             let attributes = (self.entries[offset] >> 32) as usize;
-            let words = &self.entries[offset + 1..offset + 1 + 3 * attributes];
+            let words = &self.entries[offset + HEADER..offset + HEADER + 3 * attributes];
             self.place(self.hash_of(words), offset);
-            offset += 1 + 3 * attributes;
+            offset += HEADER + 3 * attributes;
         }
     }
 }
@@ -413,11 +478,17 @@ mod tests {
 
     fn entered(map: &mut AddressMap, set: &[KeyValue], id: u32) {
         let probe = probe(map, set);
-        map.insert(set, &probe, id);
+        map.insert(set, &probe, id, 0);
     }
 
     fn find(map: &AddressMap, set: &[KeyValue]) -> Option<u32> {
-        map.get(&probe(map, set))
+        map.get(&probe(map, set)).map(|offset| map.id(offset))
+    }
+
+    fn counts(map: &AddressMap) -> Vec<(u32, u64)> {
+        let mut counts = Vec::new();
+        map.for_each_count(|id, count| counts.push((id, count)));
+        counts
     }
 
     #[test]
@@ -481,7 +552,8 @@ mod tests {
     }
 
     /// Sets of one to four attributes (looked up with their words in registers) and of more,
-    /// all of one hash, that differ in one word of one attribute: each finds its own entry.
+    /// all of one hash, that differ in one word of one attribute: each finds its own entry, and
+    /// counts there.
     #[test]
     fn sets_of_one_hash_are_told_apart_by_every_word() {
         fn check<const N: usize>() {
@@ -504,20 +576,30 @@ mod tests {
             sets.push(std::array::from_fn(|_| KeyValue::new("k", VALUE)));
             let mut probe = Probe::default();
             for (id, set) in sets.iter().enumerate() {
-                match map.find(set, &mut probe) {
+                match map.find(&Read::of(set, 7).expect("enterable"), &mut probe, 1) {
                     Found::Missing => {}
                     Found::Empty => assert!(map.probe(set, &mut probe)),
                     _ => panic!("{set:?} found before it was entered"),
                 }
-                map.insert(set, &probe, id as u32);
+                assert!(map.insert(set, &probe, id as u32, 1));
             }
             for (id, set) in sets.iter().enumerate() {
-                match map.find(set, &mut probe) {
-                    Found::Id(found) => assert_eq!(found, id as u32, "{set:?}"),
+                match map.find(
+                    &Read::of(set, 7).expect("enterable"),
+                    &mut probe,
+                    100 * id as u64,
+                ) {
+                    Found::Counted => {}
                     _ => panic!("{set:?} not found"),
                 }
-                assert_eq!(map.get(&self::probe(&map, set)), Some(id as u32));
+                assert_eq!(find(&map, set), Some(id as u32), "{set:?}");
+                let offset = map.get(&self::probe(&map, set)).expect("entered");
+                map.count(offset, 10_000);
             }
+            let expected: Vec<(u32, u64)> = (0..sets.len())
+                .map(|id| (id as u32, 1 + 100 * id as u64 + 10_000))
+                .collect();
+            assert_eq!(counts(&map), expected, "{N} attributes");
         }
         check::<1>();
         check::<2>();
@@ -543,7 +625,7 @@ mod tests {
         let mut map = AddressMap::new(7);
         let set = [KeyValue::new("route", String::from("/a"))];
         let key = set.clone();
-        map.insert(&key, &probe(&map, &set), 0);
+        assert!(!map.insert(&key, &probe(&map, &set), 0, 1));
         assert_eq!(find(&map, &key), None);
         assert_eq!(find(&map, &set), None);
     }

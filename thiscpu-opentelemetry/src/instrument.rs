@@ -191,7 +191,7 @@ pub struct PerCpuCounter {
 
 impl PerCpuCounter {
     /// Adds `value` to the series of `attributes` on the current CPU.
-    #[inline]
+    #[inline(always)]
     pub fn add(&self, value: u64, attributes: &[KeyValue]) {
         self.store.add(value, attributes);
     }

@@ -5,9 +5,10 @@
 //! Values are `u64` words that wrap: an `i64` up-down counter stores its two's complement, and
 //! the wrapped sum read back as `i64` is the exact total.
 
-use crate::by_address::{AddressMap, Found, Probe};
+use crate::by_address::{self, AddressMap, Found, Probe, Read};
 use crate::set_map::{Attributes, SetMap};
 use opentelemetry::KeyValue;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock, RwLock};
 use thiscpu::Sharded;
 
@@ -39,8 +40,9 @@ struct Resolved {
 }
 
 /// One CPU's share: the sets it has met (in the orders they were given), by the addresses of
-/// their strings or else by their bytes, and a slot per series.
-#[derive(Debug, Default)]
+/// their strings (each with its count beside it) or else by their bytes (with a slot per
+/// series).
+#[derive(Debug)]
 struct Shard {
     addresses: AddressMap,
     probe: Probe,
@@ -49,34 +51,58 @@ struct Shard {
 }
 
 impl Shard {
-    /// Counts `value` in the series of `attributes` if this CPU has met the set: false if not.
+    fn new(address_seed: u64) -> Shard {
+        Shard {
+            addresses: AddressMap::new(address_seed),
+            probe: Probe::default(),
+            ids: SetMap::default(),
+            counts: Vec::new(),
+        }
+    }
+
+    /// [`add`](Shard::add) of a set of `N` attributes whose words were read beforehand
+    /// (`None`: a set that cannot be entered by address).
     #[inline(always)]
-    fn add(&mut self, value: u64, attributes: &[KeyValue]) -> bool {
-        let found = if let Ok(set) = <&[KeyValue; 1]>::try_from(attributes) {
-            self.addresses.find(set, &mut self.probe)
-        } else if let Ok(set) = <&[KeyValue; 2]>::try_from(attributes) {
-            self.addresses.find(set, &mut self.probe)
-        } else if let Ok(set) = <&[KeyValue; 3]>::try_from(attributes) {
-            self.addresses.find(set, &mut self.probe)
-        } else if let Ok(set) = <&[KeyValue; 4]>::try_from(attributes) {
-            self.addresses.find(set, &mut self.probe)
-        } else if self.addresses.is_empty() {
+    fn add_read<const N: usize>(
+        &mut self,
+        value: u64,
+        set: &[KeyValue; N],
+        read: Option<Read<N>>,
+        by_address: &AtomicBool,
+    ) -> bool {
+        match read {
+            Some(read) => match self.addresses.find(&read, &mut self.probe, value) {
+                Found::Counted => true,
+                Found::Missing => self.add_by_bytes(value, set, Words::Probed, by_address),
+                Found::Empty | Found::Never => {
+                    self.add_by_bytes(value, set, Words::Unread, by_address)
+                }
+            },
+            None => self.add_by_bytes(value, set, Words::Unenterable, by_address),
+        }
+    }
+
+    /// Counts `value` in the series of `attributes` if this CPU has met the set: false if not.
+    #[inline]
+    fn add(&mut self, value: u64, attributes: &[KeyValue], by_address: &AtomicBool) -> bool {
+        let found = if self.addresses.is_empty() {
             Found::Empty
         } else if !self.addresses.probe(attributes, &mut self.probe) {
             Found::Never
         } else {
-            self.addresses
-                .get(&self.probe)
-                .map_or(Found::Missing, Found::Id)
+            match self.addresses.get(&self.probe) {
+                Some(entry) => {
+                    self.addresses.count(entry, value);
+                    Found::Counted
+                }
+                None => Found::Missing,
+            }
         };
         match found {
-            Found::Id(id) => {
-                self.add_to(id, value);
-                true
-            }
-            Found::Missing => self.add_by_bytes(value, attributes, Words::Probed),
-            Found::Never => self.add_by_bytes(value, attributes, Words::Unenterable),
-            Found::Empty => self.add_by_bytes(value, attributes, Words::Unread),
+            Found::Counted => true,
+            Found::Missing => self.add_by_bytes(value, attributes, Words::Probed, by_address),
+            Found::Never => self.add_by_bytes(value, attributes, Words::Unenterable, by_address),
+            Found::Empty => self.add_by_bytes(value, attributes, Words::Unread, by_address),
         }
     }
 
@@ -84,7 +110,13 @@ impl Shard {
     /// of its order on this CPU since the set was met by bytes. `words` says what `probe`
     /// holds.
     #[inline(never)]
-    fn add_by_bytes(&mut self, value: u64, attributes: &[KeyValue], words: Words) -> bool {
+    fn add_by_bytes(
+        &mut self,
+        value: u64,
+        attributes: &[KeyValue],
+        words: Words,
+        by_address: &AtomicBool,
+    ) -> bool {
         let Some((key, id)) = self.ids.get(attributes) else {
             return false;
         };
@@ -98,12 +130,13 @@ impl Shard {
                     && self.addresses.probe(attributes, &mut self.probe)
             }
         };
-        if probed {
-            // The registry holds `key` as long as the store, so as long as this shard; `probe`
-            // holds `attributes`' words.
-            self.addresses.insert(key, &self.probe, id);
+        // The registry holds `key` as long as the store, so as long as this shard; `probe`
+        // holds `attributes`' words.
+        if probed && self.addresses.insert(key, &self.probe, id, value) {
+            enter_by_address(by_address);
+        } else {
+            self.add_to(id, value);
         }
-        self.add_to(id, value);
         true
     }
 
@@ -113,17 +146,24 @@ impl Shard {
     /// A set entered by address is not cached by bytes too, which would cost each CPU about as
     /// much memory again: should it come with owned strings later, the first such add on this
     /// CPU finds it in the registry and caches it by bytes then.
-    fn add_first(&mut self, value: u64, attributes: &[KeyValue], key: Attributes, id: u32) {
-        let by_address = self.addresses.probe(attributes, &mut self.probe);
-        let cached = (by_address
-            && (self.addresses.get(&self.probe).is_some()
-                // The registry holds `key` as long as the store, so as long as this shard.
-                || self.addresses.insert(&key, &self.probe, id)))
-            || self.ids.get(attributes).is_some();
-        if !cached {
+    ///
+    /// Says whether the set is counted by address on this CPU from now on.
+    fn add_first(&mut self, value: u64, attributes: &[KeyValue], key: Attributes, id: u32) -> bool {
+        if self.addresses.probe(attributes, &mut self.probe) {
+            if let Some(entry) = self.addresses.get(&self.probe) {
+                self.addresses.count(entry, value);
+                return true;
+            }
+            // The registry holds `key` as long as the store, so as long as this shard.
+            if self.addresses.insert(&key, &self.probe, id, value) {
+                return true;
+            }
+        }
+        if self.ids.get(attributes).is_none() {
             self.ids.insert(key, id);
         }
         self.add_to(id, value);
+        false
     }
 
     #[inline]
@@ -133,6 +173,14 @@ impl Shard {
             self.counts.resize(id + 1, 0);
         }
         self.counts[id] = self.counts[id].wrapping_add(value);
+    }
+}
+
+/// Records in a store's flag that some CPU counts a set by address.
+#[inline]
+fn enter_by_address(by_address: &AtomicBool) {
+    if !by_address.load(Ordering::Relaxed) {
+        by_address.store(true, Ordering::Relaxed);
     }
 }
 
@@ -151,6 +199,12 @@ enum Words {
 #[derive(Debug)]
 pub(crate) struct Store {
     shards: Sharded<Shard>,
+    /// The seed of every shard's address map.
+    address_seed: u64,
+    /// Whether some CPU counts a set by address: until then, adds do not read their sets'
+    /// words before taking the shard (a caller whose strings are owned never has them
+    /// entered). Either way of adding finds every entry; this only chooses the faster.
+    by_address: AtomicBool,
     registry: RwLock<Registry>,
     limit: usize,
 }
@@ -172,22 +226,52 @@ fn canonical(attributes: &[KeyValue]) -> Vec<KeyValue> {
 
 impl Store {
     pub(crate) fn new(limit: usize) -> Store {
+        let address_seed = by_address::random_seed();
         Store {
-            shards: Sharded::new(|_| Shard::default()),
+            shards: Sharded::new(move |_| Shard::new(address_seed)),
+            address_seed,
+            by_address: AtomicBool::new(false),
             registry: RwLock::new(Registry::default()),
             limit,
         }
     }
 
     /// Adds `value` to the series of `attributes` on the current CPU.
-    #[inline]
+    ///
+    /// Inlined into the caller, with sets of one to four attributes read before the shard is
+    /// taken: where the caller builds its `KeyValue`s from literals, as most do, the compiler
+    /// folds most of their reading away (an add of three attributes went from 18.3 to 16.7 ns
+    /// in `thiscpu bench otel`).
+    #[inline(always)]
     pub(crate) fn add(&self, value: u64, attributes: &[KeyValue]) {
-        let counted = self
-            .shards
-            .with_current(|shard| shard.add(value, attributes));
+        let counted = if !self.by_address.load(Ordering::Relaxed) {
+            self.shards
+                .with_current(|shard| shard.add(value, attributes, &self.by_address))
+        } else if let Ok(set) = <&[KeyValue; 1]>::try_from(attributes) {
+            self.add_set(value, set)
+        } else if let Ok(set) = <&[KeyValue; 2]>::try_from(attributes) {
+            self.add_set(value, set)
+        } else if let Ok(set) = <&[KeyValue; 3]>::try_from(attributes) {
+            self.add_set(value, set)
+        } else if let Ok(set) = <&[KeyValue; 4]>::try_from(attributes) {
+            self.add_set(value, set)
+        } else {
+            self.shards
+                .with_current(|shard| shard.add(value, attributes, &self.by_address))
+        };
         if !counted {
             self.add_first(value, attributes);
         }
+    }
+
+    /// The add of a set of `N` attributes on the current CPU's shard: false if it has not met
+    /// the set.
+    #[inline(always)]
+    fn add_set<const N: usize>(&self, value: u64, set: &[KeyValue; N]) -> bool {
+        let read = Read::of(set, self.address_seed);
+        self.shards
+            .lock_current()
+            .add_read(value, set, read, &self.by_address)
     }
 
     /// The add of a set this CPU has not met: resolve it in the registry (outside the shard, so
@@ -195,10 +279,16 @@ impl Store {
     #[cold]
     fn add_first(&self, value: u64, attributes: &[KeyValue]) {
         let resolved = self.resolve(attributes);
-        self.shards.with_current(|shard| match resolved.key {
+        let by_address = self.shards.with_current(|shard| match resolved.key {
             Some(key) => shard.add_first(value, attributes, key, resolved.id),
-            None => shard.add_to(resolved.id, value),
+            None => {
+                shard.add_to(resolved.id, value);
+                false
+            }
         });
+        if by_address {
+            enter_by_address(&self.by_address);
+        }
     }
 
     /// The per-CPU counter of the series of `attributes`, made on first use.
@@ -307,6 +397,11 @@ impl Store {
             for (total, count) in totals.iter_mut().zip(&shard.counts) {
                 *total = total.wrapping_add(*count);
             }
+            shard.addresses.for_each_count(|id, count| {
+                if let Some(total) = totals.get_mut(id as usize) {
+                    *total = total.wrapping_add(count);
+                }
+            });
         });
         for (series, total) in series.iter().zip(totals) {
             let bound = series.bound.get().map_or(0, |counter| counter.sum());
@@ -414,6 +509,51 @@ mod tests {
                     "{size} attributes: {found:?}"
                 );
             }
+        }
+    }
+
+    /// An instrument first added to with owned strings only (nothing entered by address, sets
+    /// not read before the shard is taken), then with literals of another set (entered, read
+    /// before), then each set the other way: one series per set, for every size, each exact.
+    #[test]
+    fn adds_before_and_after_a_set_is_entered_by_address_count_in_one_series() {
+        const KEYS: [&str; 6] = ["a", "b", "c", "d", "e", "f"];
+        const VALUES: [&str; 2] = ["x", "y"];
+        for size in 1..=KEYS.len() {
+            let store = Store::new(100);
+            let literal = |v: usize| -> Vec<KeyValue> {
+                KEYS[..size]
+                    .iter()
+                    .map(|&key| KeyValue::new(key, VALUES[v]))
+                    .collect()
+            };
+            let owned = |v: usize| -> Vec<KeyValue> {
+                KEYS[..size]
+                    .iter()
+                    .map(|&key| KeyValue::new(key.to_owned(), VALUES[v].to_owned()))
+                    .collect()
+            };
+            store.add(1, &owned(0));
+            assert!(
+                !store.by_address.load(Ordering::Relaxed),
+                "{size} attributes"
+            );
+            store.add(2, &literal(1));
+            assert!(
+                store.by_address.load(Ordering::Relaxed),
+                "{size} attributes"
+            );
+            for _ in 0..2 {
+                store.add(10, &literal(0));
+                store.add(100, &owned(1));
+                store.add(1000, &literal(1));
+                store.add(10_000, &owned(0));
+            }
+            assert_eq!(
+                totals(&store),
+                vec![(literal(0), 20_021), (literal(1), 2_202)],
+                "{size} attributes"
+            );
         }
     }
 

@@ -191,6 +191,9 @@ pub struct PerCpuCounter {
 
 impl PerCpuCounter {
     /// Adds `value` to the series of `attributes` on the current CPU.
+    ///
+    /// Inlined into the caller (about 1 KB of code at a call site of three attributes), so
+    /// that a set built there from literals is read with little work.
     #[inline(always)]
     pub fn add(&self, value: u64, attributes: &[KeyValue]) {
         self.store.add(value, attributes);

@@ -362,6 +362,7 @@ mod tests {
 
     const RECORDED: &str = include_str!("../../../results/bench.json");
     const RWLOCK: &str = include_str!("../../../results/rwlock.json");
+    const OTEL: &str = include_str!("../../../results/otel.json");
 
     /// The repository's Markdown files that quote recorded runs, by path from its root.
     /// Compiled in: the test runs where the repository is not (an emulated guest).
@@ -411,6 +412,7 @@ mod tests {
                 &mut |report| match from_root(folder, report).as_str() {
                     "results/bench.json" => Replay::parse(RECORDED),
                     "results/rwlock.json" => Replay::parse(RWLOCK),
+                    "results/otel.json" => Replay::parse(OTEL),
                     other => Err(Error::input(format!(
                         "a report this test does not know: {other}"
                     ))),

@@ -99,6 +99,7 @@ for f in "$kernel" "$busybox"; do
     [ -e "$f" ] || { echo "runner: $f missing; run .ci/${THISCPU_VM_ARCH:-aarch64}/setup.sh" >&2; exit 2; }
 done
 
+started_s=$SECONDS
 work=$(mktemp -d "${TMPDIR:-/tmp}/thiscpu-vm.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 root=$work/root
@@ -227,6 +228,9 @@ names=()
     echo 'ifconfig lo 127.0.0.1 up'
     # Not over mirrored host paths under /tmp (the initramfs is writable anyway).
     echo '[ -n "$(ls -A /tmp)" ] || mount -t tmpfs tmpfs /tmp'
+    # Seconds since the guest's kernel started, for the time of each run and of the boot.
+    echo 'uptime_s() { cut -d. -f1 /proc/uptime; }'
+    echo "echo $marker-BOOTED=\$(uptime_s)"
     while IFS= read -r name; do
         printf 'export %s=%s\n' "$name" "$(quote "${!name}")"
     done < <(compgen -e | grep -E "^($pass_through)" | grep -v '^THISCPU_VM_' || true)
@@ -270,13 +274,14 @@ names=()
         done
         printf ' </dev/null\n'
         echo 'code=$?'
-        echo "echo; echo $marker=\$code"
+        echo "echo; echo $marker=\$code \$(uptime_s)"
     done
     echo 'poweroff -f'
 } >"$root/init"
 chmod +x "$root/init" "$root/bin/busybox"
 
 (cd "$root" && find . -mindepth 1 | cpio -o -H newc --quiet >"$work/initrd.cpio")
+packed_s=$((SECONDS - started_s))
 # The guest holds the initramfs twice while unpacking it (a batch's test executables weigh
 # over a hundred MiB even without their debug information), and the tests need room besides.
 initrd_mib=$(($(stat -c %s "$work/initrd.cpio") / 1048576 + 1))
@@ -298,6 +303,7 @@ relay() {
         fi
         case $line in
         "$marker="*) printf '%s\n' "${line#"$marker="}" >>"$work/codes" ;;
+        "$marker-BOOTED="*) printf '%s\n' "${line#"$marker-BOOTED="}" >"$work/booted" ;;
         *"] reboot: Power down") ;;
         "") pending=yes ;;
         *) printf '%s\n' "$line" ;;
@@ -316,13 +322,27 @@ timeout --foreground -k 10 "$timeout_s" \
 status=${PIPESTATUS[0]}
 set -e
 
+# Each marker holds the exit code and the guest's uptime when the run ended: the runs' times
+# follow from the uptime at the end of the boot.
 codes=()
-[ ! -f "$work/codes" ] || mapfile -t codes <"$work/codes"
+ends=()
+[ ! -f "$work/codes" ] || while read -r code end; do
+    codes+=("$code")
+    ends+=("${end:-0}")
+done <"$work/codes"
+booted=$(cat "$work/booted" 2>/dev/null || echo 0)
 result=0
 if [ "$batch" = yes ]; then
-    echo "runner: exit codes:"
+    echo "runner: exit codes and seconds (initramfs of $(du -m "$work/initrd.cpio" | cut -f1)" \
+        "MiB packed in $packed_s s, kernel booted in $booted s, qemu ran $((SECONDS - started_s - packed_s)) s):"
+    previous=$booted
     for i in "${!names[@]}"; do
-        printf 'runner:   %-4s %s\n' "${codes[$i]:-none}" "${names[$i]}"
+        took=-
+        if [ -n "${ends[$i]:-}" ]; then
+            took=$((ends[i] - previous))
+            previous=${ends[$i]}
+        fi
+        printf 'runner:   %-4s %4s s  %s\n' "${codes[$i]:-none}" "$took" "${names[$i]}"
     done
 fi
 for code in "${codes[@]}"; do

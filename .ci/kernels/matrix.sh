@@ -28,7 +28,8 @@
 # fatal too.
 #
 # Under TCG (qemu's software CPU, `-cpu max`; one host thread per vCPU for smp2, one thread for
-# all vCPUs where CPUs are hot-plugged, see accel() below) unless THISCPU_KERNELS_KVM=1 asks for
+# all vCPUs where CPUs are hot-plugged, see accel() below; those guests boot two at a time,
+# each on a host CPU of its own, after the smp2 guests, which boot alone) unless THISCPU_KERNELS_KVM=1 asks for
 # KVM (`-enable-kvm -cpu host`), which only helps where the host has real hardware
 # virtualization. Builds the `thiscpu` command (release), the library's and the stress driver's
 # test executables (`cargo test -p thiscpu -p thiscpu-stress --all-features --no-run`: the
@@ -231,68 +232,119 @@ relay() {
 mkdir -p "$store/logs"
 summary=()
 failures=0
-for dir in "${kernel_dirs[@]}"; do
+
+# guest_plan DIR TOPO: sets what one guest needs (qemu options, kernel command line, log), or
+# returns 1 when this kernel does not run that topology.
+guest_plan() {
+    dir=$1
+    topo=$2
     suite=${dir##*/}
     release=$(cat "$dir/release")
     # Linux 7.x enforces the read-only ID fields of an optimized-mode area.
     enforce=0
     [ "${release%%.*}" -ge 7 ] && enforce=1
-    for topo in $topologies; do
-        if [ "$topo" = many ] && [ "$dir" != "${kernel_dirs[-1]}" ]; then continue; fi
-        # numa and up2of4 on the oldest and the newest kernel only (see the header).
-        if [ "$topo" != smp2 ] && [ "$dir" != "${kernel_dirs[0]}" ] &&
-            [ "$dir" != "${kernel_dirs[-1]}" ]; then continue; fi
-        topology "$topo"
-        accel "$topo"
-        stress=$stress_s
-        [ "$topo" = up2of4 ] && stress=$((stress_s > 5 ? stress_s : 5))
-        guest=$topo
-        extra=""
-        if [ "$enforce" = 1 ] && [ "$topo" = numa ]; then
-            guest=numa+rseq_debug
-            extra="rseq_debug=1 KM_RSEQ_DEBUG=1"
-        fi
-        log=$store/logs/$suite-$guest.log
-        append="console=ttyS0 panic=-1 quiet loglevel=3 rdinit=/init $kernel_topology $extra"
-        append+=" KM_TOPOLOGY=$topo KM_STRESS=$stress KM_BENCH=$bench KM_TIMEOUT=$((timeout_s / 2))"
-        append+=" KM_ENFORCE=$enforce"
-        echo
-        echo "=== kernels: $release ($suite), $guest"
-        t0=$SECONDS
-        set +e
-        timeout --foreground -k 10 "$timeout_s" qemu-system-x86_64 "${accel[@]}" \
-            "${qemu_topology[@]}" -nographic -no-reboot -nic none \
-            -kernel "$dir/vmlinuz" -initrd "$store/initramfs.cpio" \
-            -append "$append" \
-            </dev/null 2>&1 | tee "$log" | relay
-        status=${PIPESTATUS[0]}
-        set -e
-        took=$((SECONDS - t0))
+    if [ "$topo" = many ] && [ "$dir" != "${kernel_dirs[-1]}" ]; then return 1; fi
+    # numa and up2of4 on the oldest and the newest kernel only (see the header).
+    if [ "$topo" != smp2 ] && [ "$dir" != "${kernel_dirs[0]}" ] &&
+        [ "$dir" != "${kernel_dirs[-1]}" ]; then return 1; fi
+    topology "$topo"
+    accel "$topo"
+    stress=$stress_s
+    [ "$topo" = up2of4 ] && stress=$((stress_s > 5 ? stress_s : 5))
+    guest=$topo
+    extra=""
+    if [ "$enforce" = 1 ] && [ "$topo" = numa ]; then
+        guest=numa+rseq_debug
+        extra="rseq_debug=1 KM_RSEQ_DEBUG=1"
+    fi
+    log=$store/logs/$suite-$guest.log
+    append="console=ttyS0 panic=-1 quiet loglevel=3 rdinit=/init $kernel_topology $extra"
+    append+=" KM_TOPOLOGY=$topo KM_STRESS=$stress KM_BENCH=$bench KM_TIMEOUT=$((timeout_s / 2))"
+    append+=" KM_ENFORCE=$enforce"
+    return 0
+}
 
-        # The verdict, from the log alone.
-        verdict=$(tr -d '\r' <"$log" | awk -v release="$release" -v status="$status" \
-            -v enforce="$enforce" '
-            /@@KERNEL / { sub(/.*@@KERNEL /, ""); kernel = $1 }
-            /^@@CHECK / { checks++; if ($3 != "ok") failed++ }
-            /^@@CHECK write-cpu-id-optimized ok / { enforced = 1 }
-            /^@@SKIPPED / { skipped++ }
-            /^@@TESTS / { programs++; split($3, p, "="); tests += p[2]; if (p[2] + 0 == 0) { empty++; names = names " " $2 } }
-            /^@@END / { split($2, c, "="); split($3, f, "="); end_checks = c[2]; end_failed = f[2]; ended = 1 }
-            /^@@GUEST_EXIT=/ { exit_code = substr($0, 14) }
-            END {
-                if (status == 124 || status == 137) { print "FAIL: hung (timeout)"; exit }
-                if (kernel != release) { print "FAIL: booted " (kernel == "" ? "nothing" : kernel) " instead of " release; exit }
-                if (!ended) { print "FAIL: no end marker after " checks + 0 " checks (crash or panic)"; exit }
-                if (end_checks != checks + 0) { print "FAIL: " checks + 0 " check results for " end_checks " checks"; exit }
-                if (failed + 0 > 0 || end_failed != 0 || exit_code != "0") { print "FAIL: " failed + 0 " of " checks " checks failed"; exit }
-                if (enforce == 1 && !enforced) { print "FAIL: no proof that the kernel enforces the optimized mode"; exit }
-                if (empty + 0 > 0) { print "FAIL: " empty " test executables ran no tests:" names; exit }
-                print "ok: " checks " checks passed, " programs + 0 " test executables ran " tests + 0 " tests, 0 with no tests, " skipped + 0 " skipped"
-            }')
-        echo "--- kernels: $release ($suite), $guest: $verdict in $took s (log: ${log#"$repo/"})"
-        summary+=("$(printf '%-28s %-16s %4d s  %-14s %s' "$release" "$guest" "$took" \
-            "$accel_label" "$verdict")")
-        case $verdict in ok*) ;; *) failures=$((failures + 1)) ;; esac
+# guest_boot: boots the guest that guest_plan set up. The console goes to its log, the relayed
+# check lines to LOG.relay, qemu's exit status and the seconds it ran to LOG.status. Runs in
+# the background as well as in the foreground: it writes only its own files.
+guest_boot() {
+    local t0=$SECONDS status
+    set +e
+    timeout --foreground -k 10 "$timeout_s" qemu-system-x86_64 "${accel[@]}" \
+        "${qemu_topology[@]}" -nographic -no-reboot -nic none \
+        -kernel "$dir/vmlinuz" -initrd "$store/initramfs.cpio" \
+        -append "$append" \
+        </dev/null 2>&1 | tee "$log" | relay >"$log.relay"
+    status=${PIPESTATUS[0]}
+    set -e
+    echo "$status $((SECONDS - t0))" >"$log.status"
+}
+
+# guest_verdict: prints the relayed lines of the guest that guest_plan set up and its
+# verdict, from its log alone, and adds it to the summary.
+guest_verdict() {
+    local status took verdict
+    read -r status took <"$log.status"
+    echo
+    echo "=== kernels: $release ($suite), $guest"
+    cat "$log.relay"
+    verdict=$(tr -d '\r' <"$log" | awk -v release="$release" -v status="$status" \
+        -v enforce="$enforce" '
+        /@@KERNEL / { sub(/.*@@KERNEL /, ""); kernel = $1 }
+        /^@@CHECK / { checks++; if ($3 != "ok") failed++ }
+        /^@@CHECK write-cpu-id-optimized ok / { enforced = 1 }
+        /^@@SKIPPED / { skipped++ }
+        /^@@TESTS / { programs++; split($3, p, "="); tests += p[2]; if (p[2] + 0 == 0) { empty++; names = names " " $2 } }
+        /^@@END / { split($2, c, "="); split($3, f, "="); end_checks = c[2]; end_failed = f[2]; ended = 1 }
+        /^@@GUEST_EXIT=/ { exit_code = substr($0, 14) }
+        END {
+            if (status == 124 || status == 137) { print "FAIL: hung (timeout)"; exit }
+            if (kernel != release) { print "FAIL: booted " (kernel == "" ? "nothing" : kernel) " instead of " release; exit }
+            if (!ended) { print "FAIL: no end marker after " checks + 0 " checks (crash or panic)"; exit }
+            if (end_checks != checks + 0) { print "FAIL: " checks + 0 " check results for " end_checks " checks"; exit }
+            if (failed + 0 > 0 || end_failed != 0 || exit_code != "0") { print "FAIL: " failed + 0 " of " checks " checks failed"; exit }
+            if (enforce == 1 && !enforced) { print "FAIL: no proof that the kernel enforces the optimized mode"; exit }
+            if (empty + 0 > 0) { print "FAIL: " empty " test executables ran no tests:" names; exit }
+            print "ok: " checks " checks passed, " programs + 0 " test executables ran " tests + 0 " tests, 0 with no tests, " skipped + 0 " skipped"
+        }')
+    echo "--- kernels: $release ($suite), $guest: $verdict in $took s (log: ${log#"$repo/"})"
+    summary+=("$(printf '%-28s %-16s %4d s  %-14s %s' "$release" "$guest" "$took" \
+        "$accel_label" "$verdict")")
+    case $verdict in ok*) ;; *) failures=$((failures + 1)) ;; esac
+}
+
+# The guests whose vCPUs share one host thread (tcg-single, see accel) use one host CPU each,
+# so they boot two at a time, each on its own host CPU; the others (one host thread per vCPU)
+# boot alone. Guest plans are kept as "DIR TOPO" pairs and set up again for the verdict.
+single=()
+for dir in "${kernel_dirs[@]}"; do
+    for topo in $topologies; do
+        guest_plan "$dir" "$topo" || continue
+        if [ "$accel_label" = tcg-single ]; then
+            single+=("$dir $topo")
+            continue
+        fi
+        echo
+        echo "=== kernels: $release ($suite), $guest: booting"
+        guest_boot
+        guest_verdict
+    done
+done
+at_once=$(($(nproc) >= 2 ? 2 : 1))
+for ((i = 0; i < ${#single[@]}; i += at_once)); do
+    batch=("${single[@]:i:at_once}")
+    echo
+    for plan in "${batch[@]}"; do
+        read -r plan_dir plan_topo <<<"$plan"
+        guest_plan "$plan_dir" "$plan_topo"
+        echo "=== kernels: $release ($suite), $guest: booting (one host thread)"
+        guest_boot &
+    done
+    wait
+    for plan in "${batch[@]}"; do
+        read -r plan_dir plan_topo <<<"$plan"
+        guest_plan "$plan_dir" "$plan_topo"
+        guest_verdict
     done
 done
 

@@ -79,9 +79,9 @@ pub const MAX_CAPACITY: usize = 1 << 20;
 ///   objects come back in the state they were left in. When the CPU's cache and the shared
 ///   list are both empty, the pool makes a new object with the function given to
 ///   [`new`](Pool::new). It also makes one when the calling thread's sections abort
-///   [`ops::ABORT_LIMIT`](crate::ops::ABORT_LIMIT) times in a row while the shared list is
-///   empty (a debugger single-stepping the thread), since its CPU's cache is then out of its
-///   reach; such calls are counted by [`ops::abort_fallbacks`](crate::ops::abort_fallbacks).
+///   [`ops::ABORT_LIMIT`] times in a row while the shared list is empty (a debugger
+///   single-stepping the thread), since its CPU's cache is then out of its reach; such calls
+///   are counted by [`ops::abort_fallbacks`].
 /// - `get` and `put` on the current CPU's cache are restartable sequences: no lock, no atomic
 ///   read-modify-write. Every object is in exactly one place at a time (a cache, the shared
 ///   list, or one guard): none is lost and none is handed out twice, under preemption,

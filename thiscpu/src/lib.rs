@@ -54,11 +54,8 @@
 //! | others (wasm, ...) | a per-thread index, so threads still spread | atomic |
 //!
 //! What the atomic updates cost is measured on Linux by running the same structures with
-//! `THISCPU_RSEQ=off`: in the repository's recorded run (a 2-CPU x86_64 VM) a
-//! [`Counter::inc`] took 14.8 ns per thread against 0.607 with restartable sequences (and 14.0
-//! for one shared `AtomicU64`; a loop of it built on its own took 7.3 ns), an [`RwLock`] read
-//! 14.6 ns against 2.01, and an [`RwLock`]
-//! write 29.6 ns against 740 (no `membarrier` is needed when readers count with atomics).
+//! `THISCPU_RSEQ=off` (`thiscpu bench` has a case of each); the repository's recorded figures
+//! are in its `docs/platforms.md`, checked against the recorded runs.
 //!
 //! Off Linux, [`topology`] counts CPUs with `std::thread::available_parallelism` and the
 //! system's configured processors and puts every CPU on node 0; [`topology::pin_to`] and
@@ -116,10 +113,11 @@
 //!   A CPU taken offline keeps what was stored on its slot (still summed, but cached objects
 //!   on it are out of reach until it comes back), and a process that brings CPUs on and off all
 //!   the time gains nothing from locality it keeps losing.
-//! - **Not Linux, not x86_64, aarch64 or riscv64.** rseq is a Linux system call; other targets
-//!   do not build. On Linux before 4.18, or where rseq is missing (some sandboxes, valgrind,
-//!   qemu-user), everything falls back to atomics or system calls: correct, but slower than
-//!   using atomics directly.
+//! - **Not Linux, not x86_64, aarch64 or riscv64, if speed is the reason.** rseq is a Linux
+//!   system call with a port per architecture; every other target builds the same API on the
+//!   portable path above. There, and on Linux before 4.18 or where rseq is missing (some
+//!   sandboxes, valgrind, qemu-user), every update is an atomic read-modify-write on the CPU's
+//!   own slot: exact and free of contention, but slower than one atomic used directly.
 //! - **Code that must not use rseq.** A seccomp policy that forbids `rseq(2)` makes thiscpu
 //!   fall back, as above. A process where another library manages rseq registration on its own
 //!   terms, or checkpoint/restore tools that do not carry rseq state, are better served by plain
@@ -156,7 +154,6 @@
 #![cfg_attr(windows, allow(clippy::missing_const_for_thread_local))]
 
 #[doc(hidden)]
-#[allow(unsafe_code)]
 pub mod abi;
 #[allow(unsafe_code)]
 pub mod allocator;
@@ -164,7 +161,6 @@ pub mod allocator;
 mod arch;
 #[allow(unsafe_code)]
 mod counter;
-#[allow(unsafe_code)]
 mod cpu;
 #[allow(unsafe_code)]
 // The model checker stands in for the decision (`arch::model`).
@@ -206,9 +202,7 @@ mod rwlock;
 mod sharded;
 #[allow(unsafe_code)]
 mod sync;
-#[allow(unsafe_code)]
 pub mod topology;
-#[allow(unsafe_code)]
 pub mod via;
 // Compile-fail checks that no type written through `&self` lets a borrow shorten its `T`.
 #[cfg(doctest)]

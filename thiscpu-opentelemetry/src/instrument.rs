@@ -1,7 +1,6 @@
 //! The instruments users hold: how they are built from a meter, their adds, their bound
 //! handles, and the OpenTelemetry instrument types they hand out.
 
-use crate::DEFAULT_CARDINALITY_LIMIT;
 use crate::registry::{self, Kind};
 use crate::series::Store;
 use opentelemetry::KeyValue;
@@ -11,6 +10,10 @@ use opentelemetry::metrics::{
 use std::borrow::Cow;
 use std::marker::PhantomData;
 use std::sync::Arc;
+
+/// The number of distinct non-empty attribute sets an instrument holds before it counts further
+/// sets in the overflow series, as the SDK's default.
+pub const DEFAULT_CARDINALITY_LIMIT: usize = 2000;
 
 /// Makes per-CPU instruments from an OpenTelemetry [`Meter`].
 ///

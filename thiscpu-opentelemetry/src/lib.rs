@@ -91,13 +91,9 @@ mod series;
 mod set_map;
 
 pub use instrument::{
-    BoundCounter, BoundUpDownCounter, PerCpuCounter, PerCpuInstrumentBuilder, PerCpuMeterExt,
-    PerCpuUpDownCounter,
+    BoundCounter, BoundUpDownCounter, DEFAULT_CARDINALITY_LIMIT, PerCpuCounter,
+    PerCpuInstrumentBuilder, PerCpuMeterExt, PerCpuUpDownCounter,
 };
 /// The OpenTelemetry API crate this crate is built against: use it (or the same version) for
 /// `Meter`, `KeyValue` and the instrument types, so that versions cannot disagree.
 pub use opentelemetry;
-
-/// The number of distinct non-empty attribute sets an instrument holds before it counts further
-/// sets in the overflow series, as the SDK's default.
-pub const DEFAULT_CARDINALITY_LIMIT: usize = 2000;

@@ -59,8 +59,14 @@ use std::sync::Arc;
 /// # Memory
 /// Besides the current value, the cell keeps each value replaced while a reader that could see
 /// it was still pinned, until a later store (or [`reclaim`](EpochCell::reclaim)) finds its
-/// readers gone: one guard kept for long keeps every value replaced meanwhile.
-/// [`retired`](EpochCell::retired) says how many the cell holds.
+/// readers gone: one guard kept for long keeps every value replaced meanwhile, because a
+/// reader's count says which phase it entered, not which value it holds. A guard that is never
+/// dropped (`mem::forget(cell.load())`, or a thread parked inside one) keeps every later
+/// value until the cell itself is dropped: after 1,000 stores, all 1,000 replaced values (the
+/// test `a_forgotten_epoch_guard_keeps_every_later_value_until_the_cell_drops`). An
+/// `arc_swap::ArcSwap` guard pins its one value instead. So keep guards short, and use
+/// [`load_full`](EpochCell::load_full) for a value held across a wait;
+/// [`retired`](EpochCell::retired) says how many values the cell holds.
 ///
 /// # Modes and costs
 /// As for [`crate::RwLock`]: without rseq or `membarrier`, pins are `SeqCst` atomic adds and

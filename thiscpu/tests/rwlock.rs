@@ -1281,3 +1281,36 @@ fn timed_locks_give_up_at_their_deadline_and_leave_the_lock_as_found() {
     assert_eq!(*lock.read(), 2);
     assert_eq!(*lock.try_read_for(Duration::MAX).unwrap(), 2);
 }
+
+/// The documented cost of a reader that never leaves (`EpochCell`'s "Memory"): a guard that is
+/// forgotten keeps the value it could see and every value stored after it, until the cell is
+/// dropped, which drops them all. Checked with the values' own drops, not only the count.
+#[test]
+fn a_forgotten_epoch_guard_keeps_every_later_value_until_the_cell_drops() {
+    static DROPPED: AtomicUsize = AtomicUsize::new(0);
+    struct Counted;
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            DROPPED.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+    const STORES: usize = 1000;
+    let cell = EpochCell::new(Counted);
+    std::mem::forget(cell.load());
+    for _ in 0..STORES {
+        cell.store(Counted);
+    }
+    cell.reclaim();
+    assert_eq!(
+        cell.retired(),
+        STORES,
+        "values kept while the guard stays pinned"
+    );
+    assert_eq!(
+        DROPPED.load(Ordering::Relaxed),
+        0,
+        "a value dropped under a pinned guard"
+    );
+    drop(cell);
+    assert_eq!(DROPPED.load(Ordering::Relaxed), STORES + 1);
+}

@@ -314,23 +314,46 @@ fn the_readme_agrees_with_the_manifest_and_ci() {
     let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
     let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap();
     let ci = std::fs::read_to_string(root.join(".ci/run")).unwrap();
-    let repository = manifest
+    let rust_version = manifest
         .lines()
-        .find_map(|line| line.strip_prefix("repository = \""))
+        .find_map(|line| line.strip_prefix("rust-version = \""))
         .and_then(|rest| rest.strip_suffix('"'))
-        .expect("the workspace's repository field");
-    let version = manifest
-        .lines()
-        .find_map(|line| line.strip_prefix("version = \""))
-        .and_then(|rest| rest.strip_suffix('"'))
-        .expect("the workspace's version");
+        .expect("the workspace's rust-version");
+    // Dependency lines that name folders of this repository, and no release tag or repository
+    // address that this repository does not have.
     for line in [
-        format!("thiscpu = {{ git = \"{repository}\", tag = \"v{version}\" }}"),
-        format!("thiscpu-opentelemetry = {{ git = \"{repository}\", tag = \"v{version}\" }}"),
-        format!("cargo add --git {repository} thiscpu"),
+        "thiscpu = { path = \"../thiscpu/thiscpu\" }",
+        "thiscpu-opentelemetry = { path = \"../thiscpu/thiscpu-opentelemetry\" }",
     ] {
-        assert!(readme.contains(&line), "the README does not say `{line}`");
+        assert!(readme.contains(line), "the README does not say `{line}`");
+        let folder = line
+            .split('"')
+            .nth(1)
+            .unwrap()
+            .trim_start_matches("../thiscpu/");
+        assert!(
+            root.join(folder).join("Cargo.toml").exists(),
+            "no crate in {folder}"
+        );
     }
+    for (at, _) in readme.match_indices("tag = \"") {
+        let tag = readme[at + 7..].split('"').next().unwrap();
+        let tags = std::process::Command::new("git")
+            .args(["tag", "--list", tag])
+            .current_dir(&root)
+            .output()
+            .expect("run git");
+        assert!(
+            !String::from_utf8_lossy(&tags.stdout).trim().is_empty(),
+            "the README names the tag {tag}, which the repository does not have"
+        );
+    }
+    assert!(
+        !readme.contains("github.com"),
+        "the README names a repository address"
+    );
+    let needs = format!("It needs Rust {rust_version} or later");
+    assert!(readme.contains(&needs), "the README does not say `{needs}`");
     // The two commands the README gives from the repository, and CI running the same tests.
     for command in ["cargo run --release -- bench", "cargo test --workspace"] {
         assert!(

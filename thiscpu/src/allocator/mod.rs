@@ -674,7 +674,9 @@ pub struct AllocStats {
     /// process without rseq).
     pub caching: bool,
     /// The most bytes one CPU can cache (what [`PerCpuAlloc::with_cache_bytes`] allows, less
-    /// the rounding of each class's share to whole objects).
+    /// the rounding of each class's share to whole objects); 0 while `caching` is false: before
+    /// the first allocation, and for good where the process has no rseq (every request then
+    /// goes to the inner allocator, so nothing can be cached).
     pub capacity_bytes: u64,
     /// Whether hits are counted ([`PerCpuAlloc::counting_hits`]).
     pub counting_hits: bool,

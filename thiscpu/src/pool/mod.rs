@@ -125,9 +125,24 @@ impl<T: Default + 'static> Default for Pool<T> {
 impl<T> Pool<T> {
     /// A pool that makes objects with `make`, caching up to [`DEFAULT_CAPACITY`] per CPU.
     ///
+    /// The pool keeps `make` for its whole life and may call it from any thread, so it must be
+    /// `'static` (and `Send + Sync`): a closure that borrows a local, such as a counter of what
+    /// it makes, does not compile (E0373). Move a shared handle into it instead:
+    ///
     /// ```
-    /// let pool = thiscpu::Pool::new(|| String::with_capacity(64));
+    /// use std::sync::Arc;
+    /// use std::sync::atomic::{AtomicU64, Ordering};
+    ///
+    /// let made = Arc::new(AtomicU64::new(0));
+    /// let pool = thiscpu::Pool::new({
+    ///     let made = made.clone();
+    ///     move || {
+    ///         made.fetch_add(1, Ordering::Relaxed);
+    ///         String::with_capacity(64)
+    ///     }
+    /// });
     /// assert_eq!(pool.get().capacity(), 64);
+    /// assert_eq!(made.load(Ordering::Relaxed), pool.created());
     /// ```
     pub fn new(make: impl Fn() -> T + Send + Sync + 'static) -> Self {
         Pool::with_capacity(DEFAULT_CAPACITY, make)

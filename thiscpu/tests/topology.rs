@@ -176,3 +176,111 @@ fn pins_outside_the_allowed_cpus_are_errors_that_change_nothing() {
     .join()
     .unwrap();
 }
+
+/// Some container runtimes bind-mount a `/sys/devices/system/cpu/possible` that lists fewer
+/// CPUs than the process runs on. Here a child process makes a mount namespace of its own in
+/// which the file says CPU 0 alone, and starts a grandchild there (thiscpu reads the file when
+/// a process starts), while two or more CPUs are online: `possible_cpus()` must still exceed
+/// every CPU the grandchild is handed, and a counter added to on each of them must be exact.
+#[test]
+fn possible_cpus_covers_every_cpu_in_use_when_sys_lists_fewer() {
+    const ROLE: &str = "THISCPU_TEST_POSSIBLE_SAYS_ONE";
+    const NAME: &str = "possible_cpus_covers_every_cpu_in_use_when_sys_lists_fewer";
+    const POSSIBLE: &str = "/sys/devices/system/cpu/possible";
+    let limit = std::time::Duration::from_secs(120);
+    let online = cpulist(&std::fs::read_to_string("/sys/devices/system/cpu/online").unwrap());
+    match std::env::var(ROLE).as_deref() {
+        Ok("mount") => {
+            if bind_one_cpu_over(POSSIBLE) {
+                eprint!("{}", rerun_alone(NAME, &[(ROLE, "check")], limit));
+            }
+        }
+        Ok("check") => {
+            assert_eq!(std::fs::read_to_string(POSSIBLE).unwrap(), "0\n");
+            let possible = topology::possible_cpus();
+            eprintln!("{POSSIBLE} says 0, online {online:?}: possible_cpus() = {possible}");
+            let counter = thiscpu::Counter::new();
+            for &cpu in &online {
+                // The portable path cannot pin (qemu-user runs it): the CPU it is on then.
+                let _pinned = match topology::pin_to(cpu) {
+                    Err(why) if why.kind() == std::io::ErrorKind::Unsupported => None,
+                    pinned => Some(pinned.unwrap()),
+                };
+                let here = thiscpu::current_cpu();
+                assert!(
+                    (here as usize) < possible,
+                    "running on CPU {here}, possible_cpus() = {possible}"
+                );
+                counter.add(u64::from(cpu) + 1);
+            }
+            let expected: u64 = online.iter().map(|&cpu| u64::from(cpu) + 1).sum();
+            assert_eq!(counter.sum(), expected);
+        }
+        _ => {
+            if online.len() < 2 {
+                eprintln!("one CPU online: a file that lists one CPU would tell the truth");
+                return;
+            }
+            let said = rerun_alone(NAME, &[(ROLE, "mount")], limit);
+            eprint!("{said}");
+            // SAFETY: geteuid has no precondition.
+            if unsafe { libc::geteuid() } == 0 {
+                assert!(
+                    said.contains("possible_cpus() = "),
+                    "as root the child must be able to bind-mount and check"
+                );
+            }
+        }
+    }
+}
+
+/// Puts the calling thread in a mount namespace of its own, private to it, in which `path`
+/// reads "0"; `false` where namespaces are refused (no privilege).
+fn bind_one_cpu_over(path: &str) -> bool {
+    // SAFETY: unshare has no memory preconditions.
+    if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
+        eprintln!(
+            "no mount namespace here: {}",
+            std::io::Error::last_os_error()
+        );
+        return false;
+    }
+    let root = std::ffi::CString::new("/").unwrap();
+    // SAFETY: a null source, type and data are allowed for a propagation change; `root` is a
+    // NUL-terminated path that lives across the call.
+    let private = unsafe {
+        libc::mount(
+            std::ptr::null(),
+            root.as_ptr(),
+            std::ptr::null(),
+            libc::MS_REC | libc::MS_PRIVATE,
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(
+        private,
+        0,
+        "make the new namespace's mounts private (else the bind mount would reach the host): {}",
+        std::io::Error::last_os_error()
+    );
+    let lie = std::env::temp_dir().join(format!("thiscpu-possible-{}", std::process::id()));
+    std::fs::write(&lie, "0\n").unwrap();
+    let source = std::ffi::CString::new(lie.as_os_str().as_encoded_bytes()).unwrap();
+    let target = std::ffi::CString::new(path).unwrap();
+    // SAFETY: both paths are NUL-terminated and live across the call; a bind mount takes no
+    // type or data.
+    let bound = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            std::ptr::null(),
+            libc::MS_BIND,
+            std::ptr::null(),
+        )
+    };
+    let bind_error = std::io::Error::last_os_error();
+    assert_eq!(bound, 0, "bind-mount over {path}: {bind_error}");
+    // The mount holds the file open: it can go from the directory now.
+    let _ = std::fs::remove_file(&lie);
+    true
+}

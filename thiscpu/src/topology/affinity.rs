@@ -74,7 +74,11 @@ impl CpuSet {
     fn of_thread(tid: i32) -> io::Result<CpuSet> {
         // `possible_cpus` is the kernel's `nr_cpu_ids` when /sys can be read; when it could
         // not be, the count may be short, and the kernel says so with EINVAL: grow and retry.
-        let mut bits = possible_cpus();
+        CpuSet::of_thread_from(tid, possible_cpus())
+    }
+
+    /// As `of_thread`, with a first guess of `bits` for the mask's size.
+    fn of_thread_from(tid: i32, mut bits: usize) -> io::Result<CpuSet> {
         loop {
             let mut set = CpuSet::with_room_for(bits);
             let Err(error) = crate::os::get_affinity(tid, &mut set.words) else {
@@ -109,6 +113,14 @@ impl CpuSet {
 #[doc(alias = "sched_getaffinity")]
 pub fn allowed_cpus() -> io::Result<Vec<u32>> {
     CpuSet::of_thread(0).map(|set| set.cpus())
+}
+
+/// The largest CPU the calling thread may run on, read without [`possible_cpus`], which takes
+/// it as a floor: `None` where the system does not say.
+#[cfg(not(thiscpu_model))]
+pub(crate) fn largest_allowed_cpu() -> Option<u32> {
+    let set = CpuSet::of_thread_from(0, 1024).ok()?;
+    set.cpus().last().copied()
 }
 
 /// Pins the calling thread to `cpu`, one of its [`allowed_cpus`], until the returned guard is

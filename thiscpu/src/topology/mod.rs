@@ -15,6 +15,8 @@
 
 mod affinity;
 
+#[cfg(not(thiscpu_model))]
+use affinity::largest_allowed_cpu;
 pub use affinity::{PinGuard, allowed_cpus, pin_to};
 pub(crate) use affinity::{pin_to_beyond_mask, some_thread_may_run_on};
 
@@ -75,6 +77,12 @@ fn configured_cpus() -> usize {
 /// Number of possible CPUs: one more than the largest CPU id the kernel can ever report.
 /// Every per-CPU structure has this many slots. Read once and cached.
 ///
+/// The kernel's count (`/sys/devices/system/cpu/possible`) is taken at least as large as what
+/// the process sees for itself when it asks: the CPUs online, the CPUs this thread may run
+/// on, and the CPU it runs on. Where a container runtime bind-mounts a `possible` file that
+/// lists fewer CPUs than run, those keep the count from falling short of a CPU number the
+/// process is handed; a CPU beyond all of them that comes online later is not foreseen.
+///
 /// ```
 /// assert!(thiscpu::current_cpu() < thiscpu::topology::possible_cpus() as u32);
 /// ```
@@ -84,8 +92,23 @@ pub fn possible_cpus() -> usize {
     *POSSIBLE.get_or_init(|| {
         let from_sys = read_cpu_list("/sys/devices/system/cpu/possible")
             .and_then(|cpus| cpus.last().map(|&last| last as usize + 1));
-        from_sys.unwrap_or_else(configured_cpus)
+        from_sys.unwrap_or_else(configured_cpus).max(seen_cpus())
     })
+}
+
+/// One more than the largest CPU number the process can see in use: online, allowed to this
+/// thread, or running it (1 where none of them can be read).
+#[cfg(not(thiscpu_model))]
+fn seen_cpus() -> usize {
+    let online =
+        read_cpu_list("/sys/devices/system/cpu/online").and_then(|cpus| cpus.last().copied());
+    let running = crate::os::getcpu_syscall().map(|(cpu, _)| cpu);
+    [online, largest_allowed_cpu(), running]
+        .into_iter()
+        .flatten()
+        .map(|cpu| cpu as usize + 1)
+        .max()
+        .unwrap_or(1)
 }
 
 /// The model machine's CPUs, under the model checker.

@@ -575,7 +575,13 @@ mod tests {
         encode(&mut text, &registry).unwrap();
         assert_eq!(samples(&text), expected(&allocator.stats()), "{text}");
         assert!(
+            text.contains("# UNIT thiscpu_alloc_capacity_bytes bytes\n"),
+            "{text}"
+        );
+        // The per-CPU series exist only while the caches are in use (not without rseq).
+        assert_eq!(
             text.contains("# UNIT thiscpu_alloc_cached_bytes bytes\n"),
+            allocator.stats().caching,
             "{text}"
         );
 

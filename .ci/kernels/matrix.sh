@@ -3,8 +3,10 @@
 # the topology checks of .ci/kernels/guest.sh on Debian's x86_64 kernels of several series
 # (.ci/kernels/setup.sh), each booted in qemu-system-x86_64 in several CPU topologies:
 #
-#   smp2     2 CPUs, one node; the only topology that runs every test under both
-#            registrations (the others: see REGISTRATION_TESTS and FEATURE_TESTS in guest.sh)
+#   smp2     2 CPUs, one node; on 7.x every test under both registrations, on older kernels
+#            (where both registrations are legacy-mode areas) the registration's tests under
+#            both and the rest under glibc's (see REGISTRATION_TESTS and FEATURE_TESTS in
+#            guest.sh)
 #   numa     4 CPUs in 2 NUMA nodes (0-1 and 2-3), each with 1 GiB; ends with CPU 3 taken
 #            offline while a process starts and brought back. This and up2of4 run on the
 #            first and the last kernel of the list only: what they add (reading the topology,
@@ -261,6 +263,10 @@ guest_plan() {
     append="console=ttyS0 panic=-1 quiet loglevel=3 rdinit=/init $kernel_topology $extra"
     append+=" KM_TOPOLOGY=$topo KM_STRESS=$stress KM_BENCH=$bench KM_TIMEOUT=$((timeout_s / 2))"
     append+=" KM_ENFORCE=$enforce"
+    # The optional features' tests (see FEATURE_TESTS in guest.sh): the newest kernel's smp2.
+    if [ "$topo" = smp2 ] && [ "$dir" = "${kernel_dirs[-1]}" ]; then
+        append+=" KM_FEATURES=1"
+    fi
     return 0
 }
 

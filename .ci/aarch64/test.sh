@@ -12,9 +12,15 @@
 #                the workspace's own crates are compiled through Debian's clippy-driver (same
 #                release as the compiler) with -D warnings, so this also lints them for
 #                aarch64 without a second pass over the dependencies
-#   test-glibc   `cargo test --workspace` in the VM, glibc registering rseq
-#   test-own     the tests of the library and of the stress driver (thiscpu-stress) with
-#                GLIBC_TUNABLES=glibc.pthread.rseq=0: thiscpu registers its own
+#   test-glibc   the tests of the library, of the stress driver (thiscpu-stress) and of
+#                thiscpu-opentelemetry in the VM, glibc registering rseq, and their doctests
+#                (the command's own tests check its parsing, output and reports, which no
+#                architecture changes: they run on the host, and the `cli` steps below run the
+#                command itself here)
+#   test-own     with GLIBC_TUNABLES=glibc.pthread.rseq=0, thiscpu registering its own area: a
+#                legacy-mode area on 6.1 like glibc's, so the tests of the registration and
+#                of what it reports (on sid's kernel, every test of the library and of the
+#                stress driver)
 #   test-release the unit tests of both and tests/optimiser.rs, built with --release
 #   test-off     the tests of both with THISCPU_RSEQ=off: the fallback without rseq
 #   test-static  the core tests and the stresses linked with -C target-feature=+crt-static
@@ -22,7 +28,9 @@
 #                built with --cfg thiscpu_inject (delays inside sections, registrations the
 #                kernel accepts without a CPU), as .ci/run does on x86_64
 #   cli          `thiscpu --help`, `info`, `stress` and `bench --quick getcpu counter rseq-mode`
-#                (every family runs with --quick in the command's tests on 6.1)
+#                (every family runs with --quick on the host, in the command's tests and in
+#                .ci/bench-smoke.sh; what the other families measure is the library's, whose
+#                tests run here)
 #   fast-path    .ci/check_fast_path.py on the aarch64 probe, through aarch64-linux-gnu-objdump
 #   sid-test-glibc, sid-test-own, sid-cli
 #                the tests of the library and of the stress driver with both registrations and
@@ -36,7 +44,8 @@
 # from its package's root with the step's environment; the step fails when any of them
 # fails. Doctests run too, through cargo: Debian's rustdoc (same release as the compiler)
 # builds them for aarch64, merged into one executable, and cargo hands it to the runner, one
-# more boot. Nothing is skipped on purpose; a step that cannot run says why.
+# more boot, once (test-glibc on 6.1): they show the API's examples at work, and the host runs
+# them under every registration. A step that cannot run says why.
 #
 # Knobs: THISCPU_AARCH64_TARGET_DIR (default target/aarch64), THISCPU_VM_TIMEOUT (seconds per
 # test executable in a VM run, default 300), THISCPU_AARCH64_JOBS (cargo -j, default 2).
@@ -149,25 +158,43 @@ vm_doctests() {
     run cargo test "$@" --target "$triple" --doc
 }
 
-# The command's own tests (cli/tests: a quick bench of every family, about two minutes under
-# TCG) run once, with glibc's registration on 6.1; the other runs test the library, as
-# .ci/run's test-own does, and the `cli` steps run the command on both kernels.
-test_packages=(--workspace)
+# The command's own tests (cli/tests) took 194 s of a 314 s test-glibc here (a quick bench of
+# every family, and `stress` with 1,024 threads, under TCG) and check nothing an architecture
+# changes: they run on the host. thiscpu-opentelemetry's run once, with glibc's registration
+# on 6.1, and the doctests once; the other runs test the library, as .ci/run's test-own does,
+# and the `cli` steps run the command on both kernels.
+library_packages=(-p thiscpu -p thiscpu-stress)
+# The runs of the library's tests take every optional feature (the metrics backends' and
+# serde's tests), which is also the library as the build step built it for the command: no
+# step builds the library again.
+guest_packages=("${library_packages[@]}" --all-features)
 test_glibc() (
     export THISCPU_EXPECT_REGISTRAR=glibc
-    vm_test "${test_packages[@]}"
-    vm_doctests "${test_packages[@]}"
+    vm_test "${guest_packages[@]}" -p thiscpu-opentelemetry
+    vm_doctests "${guest_packages[@]}" -p thiscpu-opentelemetry
 )
 step test-glibc test_glibc
-library_packages=(-p thiscpu -p thiscpu-stress)
-test_packages=("${library_packages[@]}")
+# On sid's kernel: the library's tests alone.
+sid_test_glibc() (
+    export THISCPU_EXPECT_REGISTRAR=glibc
+    vm_test "${guest_packages[@]}"
+)
 
+# thiscpu's own registration. On 6.1 it is a legacy-mode area like glibc's, which differs only in
+# where it lies: the tests of the registration and of what it reports run under it (the rest of
+# the suite ran under glibc's above). On sid's kernel it is an optimized-mode area, and every
+# test runs under it.
+registration_tests=(-p thiscpu --all-features --lib --test identity --test registration
+    --test fallback --test topology --test mm_cid --test counter --test shared_library)
 test_own() (
     export GLIBC_TUNABLES=glibc.pthread.rseq=0 THISCPU_EXPECT_REGISTRAR=thiscpu
-    vm_test "${library_packages[@]}"
-    vm_doctests "${library_packages[@]}"
+    vm_test "${registration_tests[@]}"
 )
 step test-own test_own
+sid_test_own() (
+    export GLIBC_TUNABLES=glibc.pthread.rseq=0 THISCPU_EXPECT_REGISTRAR=thiscpu
+    vm_test "${guest_packages[@]}"
+)
 
 # The library's unit tests and the optimiser's test, optimised, as .ci/run does on x86_64: the
 # miscompiled form of the rseq size clamp (tests/optimiser.rs) went wrong on aarch64 only.
@@ -181,8 +208,7 @@ step test-release test_release
 # getcpu nor an instruction for it), counters add atomically and pools lock.
 test_off() (
     export THISCPU_RSEQ=off THISCPU_EXPECT_REGISTRAR=none
-    vm_test "${library_packages[@]}"
-    vm_doctests "${library_packages[@]}"
+    vm_test "${guest_packages[@]}"
 )
 step test-off test_off
 
@@ -251,8 +277,8 @@ step fast-path fast_path
 
 # The same executables on sid's kernel.
 export THISCPU_VM_KERNEL=$new_kernel/vmlinuz
-step sid-test-glibc test_glibc
-step sid-test-own test_own
+step sid-test-glibc sid_test_glibc
+step sid-test-own sid_test_own
 step sid-cli cli
 
 echo

@@ -16,9 +16,13 @@
 #            them for riscv64
 #   fast-path  .ci/check_fast_path.py on the riscv64 probe, through riscv64-linux-gnu-objdump
 #   lts      one boot of 6.12 that runs, one after the other:
-#              glibc    `cargo test --workspace`'s executables, glibc registering rseq
-#              own      the library's and the stress driver's (thiscpu-stress) with
-#                       GLIBC_TUNABLES=glibc.pthread.rseq=0: thiscpu registers its own
+#              glibc    the tests of the library, the stress driver and thiscpu-opentelemetry,
+#                       glibc registering rseq (the command's own tests check its parsing,
+#                       output and reports, which no architecture changes: they run on the
+#                       host; `cli` below runs the command here)
+#              own      with GLIBC_TUNABLES=glibc.pthread.rseq=0, thiscpu registering its own
+#                       area (legacy-mode, like glibc's): the tests of the registration and of
+#                       what it reports
 #              off      the same with THISCPU_RSEQ=off: the fallback without rseq
 #              static   the registration, identity, counter and pool tests and the stresses,
 #                       linked with -C target-feature=+crt-static; they carry Debian 12's
@@ -26,8 +30,8 @@
 #                       expect thiscpu's own registration, having found glibc's rseq
 #                       symbols through the link
 #              cli      `thiscpu --help`, `info` (both registrations), `stress`, and
-#                       `bench --quick getcpu counter` (every family ran with --quick in the
-#                       command's tests; the times mean nothing under emulation)
+#                       `bench --quick getcpu counter` (every family runs with --quick on the
+#                       host; the times mean nothing under emulation)
 #   new      one boot of sid's 7.x for what depends on the kernel's rseq: the library's tests
 #            with both registrations, `info` with both and `stress`
 # The programs link against Debian 12's cross glibc (2.36) and run in the guests with trixie's
@@ -111,6 +115,9 @@ echo "guests: $(cat "$lts_kernel/package"), $(cat "$new_kernel/package")"
 # compiler, so they are cross-compiled here and the runner copies THISCPU_TEST_C_DIR in.
 export THISCPU_TEST_C_DIR=$CARGO_TARGET_DIR/c-tests
 library_packages=(-p thiscpu -p thiscpu-stress)
+# The guests' runs of the library's tests take every optional feature: the library as the build
+# step built it for the command (see .ci/aarch64/test.sh).
+guest_packages=("${library_packages[@]}" --all-features)
 static_tests=(--test registration --test identity --test counter --test pool
     --test counter_stress --test pool_stress)
 static_env=(RUSTFLAGS="-C target-feature=+crt-static" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/static")
@@ -191,10 +198,15 @@ boot() {
 lts() {
     local manifest=$CARGO_TARGET_DIR/vm-lts.manifest
     : >"$manifest"
-    add_tests "$manifest" THISCPU_EXPECT_REGISTRAR=glibc -- --workspace
-    add_tests "$manifest" "${own[@]}" -- "${library_packages[@]}"
+    add_tests "$manifest" THISCPU_EXPECT_REGISTRAR=glibc -- "${guest_packages[@]}" \
+        -p thiscpu-opentelemetry
+    # thiscpu's own area is a legacy-mode area on 6.12, like glibc's: the tests of the
+    # registration and of what it reports (on 7.x, in `new`, every test).
+    add_tests "$manifest" "${own[@]}" -- -p thiscpu --all-features --lib --test identity \
+        --test registration --test fallback --test topology --test mm_cid --test counter \
+        --test shared_library
     add_tests "$manifest" THISCPU_RSEQ=off THISCPU_EXPECT_REGISTRAR=none -- \
-        "${library_packages[@]}"
+        "${guest_packages[@]}"
     (export "${static_env[@]}" && add_tests "$manifest" THISCPU_EXPECT_REGISTRAR=thiscpu -- \
         "${library_packages[@]}" "${static_tests[@]}")
     {
@@ -202,7 +214,8 @@ lts() {
         manifest_line / "$cli_bin" info
         manifest_line / "${own[0]}" "$cli_bin" info
         manifest_line / "$cli_bin" stress --seconds 2
-        # Two families: the command's own tests above ran every family with --quick.
+        # Two families: every family runs with --quick on the host (the command's tests and
+        # .ci/bench-smoke.sh), and what the others measure is the library's, tested above.
         manifest_line / "$cli_bin" bench --quick getcpu counter
     } >>"$manifest"
     boot "$lts_kernel" "$manifest"
@@ -212,8 +225,8 @@ step lts lts
 new() {
     local manifest=$CARGO_TARGET_DIR/vm-new.manifest
     : >"$manifest"
-    add_tests "$manifest" THISCPU_EXPECT_REGISTRAR=glibc -- "${library_packages[@]}"
-    add_tests "$manifest" "${own[@]}" -- "${library_packages[@]}"
+    add_tests "$manifest" THISCPU_EXPECT_REGISTRAR=glibc -- "${guest_packages[@]}"
+    add_tests "$manifest" "${own[@]}" -- "${guest_packages[@]}"
     {
         manifest_line / "$cli_bin" info
         manifest_line / "${own[0]}" "$cli_bin" info

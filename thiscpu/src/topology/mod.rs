@@ -97,11 +97,10 @@ pub fn possible_cpus() -> usize {
 }
 
 /// One more than the largest CPU number the process can see in use: online, allowed to this
-/// thread, or running it (1 where none of them can be read).
+/// thread, or running it.
 #[cfg(not(thiscpu_model))]
 fn seen_cpus() -> usize {
-    let online =
-        read_cpu_list("/sys/devices/system/cpu/online").and_then(|cpus| cpus.last().copied());
+    let online = online_cpus().last().copied();
     let running = crate::os::getcpu_syscall().map(|(cpu, _)| cpu);
     [online, largest_allowed_cpu(), running]
         .into_iter()

@@ -54,8 +54,9 @@
 //! | others (wasm, ...) | a per-thread index, so threads still spread | atomic |
 //!
 //! What the atomic updates cost is measured on Linux by running the same structures with
-//! `THISCPU_RSEQ=off` (`thiscpu bench` has a case of each); the repository's recorded figures
-//! are in its `docs/platforms.md`, checked against the recorded runs.
+//! `THISCPU_RSEQ=off` (the `-rseq-off` cases of `thiscpu bench counter sharded rwlock`); the
+//! repository's recorded figures are in its `docs/platforms.md`, checked against the recorded
+//! runs.
 //!
 //! Off Linux, [`topology`] counts CPUs with `std::thread::available_parallelism` and the
 //! system's configured processors and puts every CPU on node 0; [`topology::pin_to`] and

@@ -124,7 +124,7 @@ impl<S: Spread> Counter<S> {
     fn allocate() -> Self {
         let slot = dense::alloc(WORD, WORD).cast::<u64>();
         let by_mm_cid = S::FIELD == ByMmCid::FIELD
-            && registration::decided().is_some_and(|process| process.mm_cid_usable());
+            && registration::decided().is_some_and(|process| process.rseq.mm_cid_usable());
         Counter {
             tagged_slot: slot.map_addr(|address| address | usize::from(by_mm_cid)),
             spread: PhantomData,
@@ -305,7 +305,8 @@ impl<S: Spread> Counter<S> {
         // words is atomic, so the fallback CPU's word spreads the load safely; otherwise (or
         // while the decision is not known, in a signal handler that interrupted it) sections
         // may write the words with plain adds, and this thread must stay off them.
-        if registration::decided().is_some_and(|process| process.registrar == Registrar::None) {
+        if registration::decided().is_some_and(|process| process.rseq.registrar == Registrar::None)
+        {
             let cpu = cpu::current_cpu() % dense::cpu_rows();
             self.word(cpu).fetch_add(n, Ordering::Relaxed);
         } else {

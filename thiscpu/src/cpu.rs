@@ -138,7 +138,7 @@ pub fn getcpu() -> CpuNode {
 #[inline(never)]
 fn getcpu_slow() -> CpuNode {
     if !registration::decided_without_rseq() && registration::ensure_registered() {
-        if registration::decided().is_some_and(|process| process.node_id_usable()) {
+        if registration::decided().is_some_and(|process| process.rseq.node_id_usable()) {
             // Aborts are rare: a section two loads long is only interrupted by events that
             // happen between them, unless the thread is interrupted at every instruction
             // (single-stepped), which the bound on consecutive aborts is for.
@@ -216,7 +216,7 @@ pub fn mm_cid() -> Option<u32> {
 #[cold]
 #[inline(never)]
 fn mm_cid_slow() -> Option<u32> {
-    let usable = registration::decided().is_some_and(|process| process.mm_cid_usable());
+    let usable = registration::decided().is_some_and(|process| process.rseq.mm_cid_usable());
     if usable && registration::ensure_registered() {
         return Some(arch::active_field::<{ offset::MM_CID }>() as u32);
     }
@@ -238,8 +238,9 @@ pub fn source() -> Source {
 }
 
 fn source_of(process: &registration::Process) -> Source {
+    let facts = &process.rseq;
     let this_thread = if registration::ensure_registered() {
-        match process.registrar {
+        match facts.registrar {
             Registrar::Glibc => CpuSource::RseqGlibc,
             _ => CpuSource::RseqThiscpu,
         }
@@ -247,22 +248,21 @@ fn source_of(process: &registration::Process) -> Source {
         process.fallback
     };
     Source {
-        registrar: process.registrar,
-        unavailable: process.unavailable,
+        registrar: facts.registrar,
+        unavailable: facts.unavailable,
         this_thread,
         fallback: process.fallback,
-        kernel_feature_size: process.kernel_feature_size,
-        kernel_align: process.kernel_align,
-        registered_size: process.registered_size,
-        mode: process.mode(),
-        optimized_size: process.optimized_size(),
-        area_offset: (process.registrar != Registrar::None)
-            .then(|| arch::area_offset().area_start()),
-        usable_size: process.usable_size,
-        glibc_rseq_size: process.glibc_rseq_size,
-        glibc_rseq_offset: process.glibc_rseq_offset,
-        node_id: process.node_id_usable(),
-        mm_cid: process.mm_cid_usable(),
+        kernel_feature_size: facts.kernel_feature_size,
+        kernel_align: facts.kernel_align,
+        registered_size: facts.registered_size,
+        mode: facts.mode(),
+        optimized_size: facts.optimized_size(),
+        area_offset: (facts.registrar != Registrar::None).then(|| arch::area_offset().area_start()),
+        usable_size: facts.usable_size,
+        glibc_rseq_size: facts.glibc_rseq_size,
+        glibc_rseq_offset: facts.glibc_rseq_offset,
+        node_id: facts.node_id_usable(),
+        mm_cid: facts.mm_cid_usable(),
     }
 }
 

@@ -33,6 +33,8 @@ const _: () = assert!(1 << STRIDE_SHIFT == STRIDE);
 
 /// Largest alignment a slot may ask for: one page keeps every row aligned alike.
 pub const MAX_ALIGN: usize = 4096;
+// Every row starts at a multiple of `STRIDE` from a range that the system aligns this much.
+const _: () = assert!(MAX_ALIGN <= crate::os::RESERVED_ALIGN && STRIDE.is_multiple_of(MAX_ALIGN));
 
 /// Rows for CPUs (the number of possible CPUs). Set once, before the first slot is handed out,
 /// and never changed; 0 until then, so an index check against it is always conservative. A CPU

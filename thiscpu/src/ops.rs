@@ -246,7 +246,8 @@ pub(crate) fn position_by<S: Spread>() -> Option<Position<S>> {
         return Some(Position::new(cpu.offset, cpu.index));
     }
     // A position means the process decided (only the decision registers a thread).
-    if !registration::mm_cid_usable() && !registration::decided().is_some_and(|p| p.mm_cid_usable())
+    if !registration::mm_cid_usable()
+        && !registration::decided().is_some_and(|p| p.rseq.mm_cid_usable())
     {
         return None;
     }

@@ -176,7 +176,7 @@ impl<const PHASES: usize> ReaderCounts<PHASES> {
     pub(crate) fn new() -> Self {
         const { assert!(PHASES >= 1 && PHASES <= 8) };
         let by_sections = registration::decided()
-            .is_some_and(|process| process.registrar != Registrar::None)
+            .is_some_and(|process| process.rseq.registrar != Registrar::None)
             && fence::available();
         Self::in_mode(by_sections)
     }

@@ -295,14 +295,14 @@ impl<T, S: Spread> Sharded<T, S> {
         // Readers need fences to take a shard from sections; registering for them once here
         // keeps that system call (which may wait for an RCU grace period) off the first read.
         let rseq = registration::decided()
-            .is_some_and(|process| process.registrar != Registrar::None)
+            .is_some_and(|process| process.rseq.registrar != Registrar::None)
             && fence::available();
         Sharded {
             shards,
             rseq,
             by_mm_cid: rseq
                 && S::FIELD == ByMmCid::FIELD
-                && registration::decided().is_some_and(|process| process.mm_cid_usable()),
+                && registration::decided().is_some_and(|process| process.rseq.mm_cid_usable()),
             spread: PhantomData,
         }
     }

@@ -212,7 +212,7 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
                 self.state.store(UNSTARTED, Ordering::Release);
                 return None;
             }
-            Some(process) => process.registrar != Registrar::None,
+            Some(process) => process.rseq.registrar != Registrar::None,
         };
         let made = uses_rseq
             .then(|| Caches::allocate(&self.inner, topology::possible_cpus(), self.cache_bytes))

@@ -72,8 +72,8 @@ fn own_area_is_aligned_static_tls_and_starts_unregistered() {
 fn area_offset_follows_the_registrar() {
     let process = registration::decided().expect("decided before the tests");
     let active = area_offset().area_start();
-    match process.registrar {
-        Registrar::Glibc => assert_eq!(Some(active), process.glibc_rseq_offset),
+    match process.rseq.registrar {
+        Registrar::Glibc => assert_eq!(Some(active), process.rseq.glibc_rseq_offset),
         _ => assert_eq!(active, own_area_offset()),
     }
 }

@@ -318,7 +318,7 @@ mod tests {
     fn the_node_area_is_the_active_one_once_node_id_is_usable_else_the_blank_one() {
         let process = crate::registration::decided().expect("decided before the tests");
         let node_area = area_offset_of::<{ areas::NODE }>().area_start();
-        if process.node_id_usable() {
+        if process.rseq.node_id_usable() {
             assert_eq!(node_area, area_offset().area_start());
         } else {
             // Never written: this checks the table's initial value too.

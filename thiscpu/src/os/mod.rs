@@ -4,13 +4,12 @@
 //! types, so a build for any target fails if one strays): `linux.rs` (`futex`, `membarrier`,
 //! `getcpu` and the vDSO, `mmap`, `sched_{get,set}affinity`, `/proc`, `pthread_atfork`) and
 //! `portable.rs` for every other system (a `Mutex` and `Condvar` per address, no fences, a
-//! zeroed allocation, no pinning). The build script decides between them (`thiscpu_linux`),
-//! and whether rseq is registered at all (`thiscpu_rseq`: Linux with an architecture port),
-//! which chooses `rseq.rs` or `no_rseq.rs`. `cpu_number.rs` holds the CPU numbers that other
-//! systems' libraries give, each where it exists.
+//! zeroed allocation, no pinning). The build script decides between them (`thiscpu_linux`).
+//! `cpu_number.rs` holds the CPU numbers that other systems' libraries give, each where it
+//! exists. The rseq system call is the registration's (`registration/rseq.rs`).
 //!
-//! Under `--cfg thiscpu_portable` a Linux build takes `portable.rs` and `no_rseq.rs`, the path
-//! of every other system, with glibc's `sched_getcpu` for the CPU number; `portable.rs` is also
+//! Under `--cfg thiscpu_portable` a Linux build takes `portable.rs`, the path of every other
+//! system, with glibc's `sched_getcpu` for the CPU number; `portable.rs` is also
 //! compiled into the unit tests of a plain Linux build, so that its own tests run there too.
 
 #[cfg(thiscpu_linux)]
@@ -28,14 +27,11 @@ mod portable;
 
 pub(crate) use system::*;
 
+/// The alignment of every range `reserve_zeroed` returns: one page, whether it maps pages or
+/// asks an allocator for them.
+pub(crate) const RESERVED_ALIGN: usize = 4096;
+
 pub(crate) mod cpu_number;
-
-#[cfg(thiscpu_rseq)]
-pub(crate) mod rseq;
-
-#[cfg(not(thiscpu_rseq))]
-#[path = "no_rseq.rs"]
-pub(crate) mod rseq;
 
 // The contract: both backends export these items with these types.
 const _: () = {

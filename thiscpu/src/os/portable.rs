@@ -98,8 +98,8 @@ pub(crate) fn membarrier(_cmd: i32, _flags: u32, _cpu: i32) -> Result<(), i32> {
     Err(libc::ENOSYS)
 }
 
-/// `length` bytes of zeroed memory for the dense arena, aligned to a page (4096 bytes, the
-/// arena's largest slot alignment). On Unix an anonymous mapping, whose pages are backed on
+/// `length` bytes of zeroed memory for the dense arena, aligned to a page
+/// (`RESERVED_ALIGN`). On Unix an anonymous mapping, whose pages are backed on
 /// first write; elsewhere a zeroed allocation from the global allocator (on Windows,
 /// `HeapAlloc`, which takes large blocks from `VirtualAlloc`: zero pages backed on first
 /// touch, though committed). Never freed: the arena keeps its ranges for the process's life.
@@ -125,7 +125,7 @@ pub(crate) fn reserve_zeroed(length: usize) -> Option<NonNull<u8>> {
     }
     #[cfg(not(unix))]
     {
-        let layout = std::alloc::Layout::from_size_align(length, crate::dense::MAX_ALIGN).ok()?;
+        let layout = std::alloc::Layout::from_size_align(length, super::RESERVED_ALIGN).ok()?;
         if layout.size() == 0 {
             return None;
         }
@@ -310,9 +310,9 @@ mod tests {
 
     #[test]
     fn the_arena_memory_reads_zero() {
-        let length = 3 * crate::dense::STRIDE;
+        let length = 3 * 64 * 1024;
         let range = reserve_zeroed(length).unwrap();
-        assert_eq!(range.as_ptr() as usize % crate::dense::MAX_ALIGN, 0);
+        assert_eq!(range.as_ptr() as usize % crate::os::RESERVED_ALIGN, 0);
         // SAFETY: `length` bytes were just reserved, readable and writable.
         let bytes = unsafe { core::slice::from_raw_parts_mut(range.as_ptr(), length) };
         assert!(bytes.iter().all(|&byte| byte == 0));

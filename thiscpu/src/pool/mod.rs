@@ -167,16 +167,17 @@ impl<T> Pool<T> {
         let capacity = per_cpu.max(1);
         let cpus = topology::possible_cpus().max(1);
         // Without a decision (a signal handler that interrupted it) the pool never runs sections.
-        let caches =
-            if registration::decided().is_none_or(|process| process.registrar == Registrar::None) {
-                Caches::Locked(
-                    (0..cpus)
-                        .map(|_| CachePadded(Mutex::new(Vec::new())))
-                        .collect(),
-                )
-            } else {
-                Caches::Rseq(Stacks::new(cpus, capacity))
-            };
+        let caches = if registration::decided()
+            .is_none_or(|process| process.rseq.registrar == Registrar::None)
+        {
+            Caches::Locked(
+                (0..cpus)
+                    .map(|_| CachePadded(Mutex::new(Vec::new())))
+                    .collect(),
+            )
+        } else {
+            Caches::Rseq(Stacks::new(cpus, capacity))
+        };
         Pool {
             caches,
             capacity,

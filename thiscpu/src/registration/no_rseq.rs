@@ -1,12 +1,11 @@
 //! The rseq registration where thiscpu has no port for the target: nobody registers, and the
 //! reason says so. Everything that asks the decision then takes its path without rseq.
 
-use crate::registration::{Process, Registrar, Unavailable};
-use crate::via::CpuSource;
+use super::facts::{Registrar, RseqFacts, Unavailable};
 
 /// Nobody registers rseq: the target has no port.
-pub(crate) fn decide_registrar() -> Process {
-    Process {
+pub(super) fn decide_registrar() -> RseqFacts {
+    RseqFacts {
         registrar: Registrar::None,
         unavailable: Some(Unavailable::NotPorted),
         kernel_feature_size: 0,
@@ -15,11 +14,10 @@ pub(crate) fn decide_registrar() -> Process {
         usable_size: 0,
         glibc_rseq_size: None,
         glibc_rseq_offset: None,
-        fallback: CpuSource::ThreadIndex,
     }
 }
 
 /// Never registers: asked only when thiscpu owns rseq, which it never does here.
-pub(crate) fn register_thread(_size: u32) -> bool {
+pub(super) fn register_thread(_size: u32) -> bool {
     false
 }

@@ -1,31 +1,18 @@
 //! The rseq registration on Linux with an architecture port: finding glibc's areas
 //! (`__rseq_size`, `__rseq_offset`), the kernel's feature size and alignment (`getauxval`),
-//! probing and making the `rseq` system call on thiscpu's own area, and deciding before `main`.
+//! probing and making the `rseq` system call on thiscpu's own area.
 //!
 //! # Safety
 //! This module calls `dlsym`, `dladdr`, `dlopen`, `getauxval`, `getenv` and the `rseq` syscall,
 //! and writes the calling thread's own area before registering it; each block states why it
 //! holds.
 
+use super::facts::{Registrar, RseqFacts, Unavailable};
+use super::inject;
 use crate::abi::{self, Rseq};
 use crate::arch;
-use crate::registration::{Process, Registrar, Unavailable, decided, inject};
-use crate::via::CpuSource;
 use std::cell::Cell;
 use std::ffi::CStr;
-
-/// Runs the decision before `main`, so that no first call pays for it, and no first call
-/// happens inside a signal handler.
-#[used]
-#[unsafe(link_section = ".init_array")]
-static DECIDE_AT_STARTUP: extern "C" fn() = decide_at_startup;
-
-extern "C" fn decide_at_startup() {
-    if inject::defer_decision() {
-        return;
-    }
-    let _ = decided();
-}
 
 /// Whether the environment variable `name` holds one of `values`.
 fn env_is(name: &CStr, values: &[&[u8]]) -> bool {
@@ -195,9 +182,8 @@ fn registration_outcome(
     }
 }
 
-/// Who registers rseq in this process, and with which length; the fallback source is chosen
-/// by the caller.
-pub(crate) fn decide_registrar() -> Process {
+/// Who registers rseq in this process, and with which length.
+pub(super) fn decide_registrar() -> RseqFacts {
     pin_own_module();
     // SAFETY: `getauxval` has no precondition; it returns 0 for absent entries.
     let kernel_feature_size = unsafe { libc::getauxval(abi::AT_RSEQ_FEATURE_SIZE) } as u32;
@@ -205,7 +191,7 @@ pub(crate) fn decide_registrar() -> Process {
     let kernel_align = unsafe { libc::getauxval(abi::AT_RSEQ_ALIGN) } as u32;
     let glibc_rseq_size = glibc_symbol::<u32>(c"__rseq_size");
     let glibc_rseq_offset = glibc_symbol::<isize>(c"__rseq_offset");
-    let mut process = Process {
+    let mut found = RseqFacts {
         registrar: Registrar::None,
         unavailable: None,
         kernel_feature_size,
@@ -214,33 +200,32 @@ pub(crate) fn decide_registrar() -> Process {
         usable_size: 0,
         glibc_rseq_size,
         glibc_rseq_offset,
-        fallback: CpuSource::Syscall,
     };
     if rseq_turned_off() {
-        process.unavailable = Some(Unavailable::TurnedOff);
-        return process;
+        found.unavailable = Some(Unavailable::TurnedOff);
+        return found;
     }
     if let (Some(size), Some(_)) = (glibc_rseq_size, glibc_rseq_offset)
         && size > 0
     {
-        process.registrar = Registrar::Glibc;
+        found.registrar = Registrar::Glibc;
         // glibc registers 32 bytes when it reports 20, 28 or 32, and its reported size (the
         // kernel's feature size) when that is larger (2.41+).
-        process.registered_size = size.max(abi::ORIGINAL_AREA_SIZE);
-        process.usable_size = abi::usable_size(size, kernel_feature_size);
-        return process;
+        found.registered_size = size.max(abi::ORIGINAL_AREA_SIZE);
+        found.usable_size = abi::usable_size(size, kernel_feature_size);
+        return found;
     }
     let own_size =
         abi::own_registration_size(kernel_feature_size, kernel_align, legacy_area_asked());
     match probe_syscall().and_then(|()| register_deciding_thread(own_size)) {
         Ok(size) => {
-            process.registrar = Registrar::Thiscpu;
-            process.registered_size = size;
-            process.usable_size = abi::usable_size(size, kernel_feature_size);
+            found.registrar = Registrar::Thiscpu;
+            found.registered_size = size;
+            found.usable_size = abi::usable_size(size, kernel_feature_size);
         }
-        Err(why) => process.unavailable = Some(why),
+        Err(why) => found.unavailable = Some(why),
     }
-    process
+    found
 }
 
 thread_local! {
@@ -253,7 +238,7 @@ thread_local! {
 
 /// Registers thiscpu's own area for the calling thread, once per thread (a refused
 /// registration costs one syscall per thread, not one per call); whether it is registered.
-pub(crate) fn register_thread(size: u32) -> bool {
+pub(super) fn register_thread(size: u32) -> bool {
     let tried = REGISTRATION_TRIED
         .try_with(|tried| tried.replace(true))
         .unwrap_or(true);
@@ -268,7 +253,7 @@ fn registered_with(size: u32) -> u32 {
 
 /// Why the calling thread's own area is not registered.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum NotRegistered {
+pub(super) enum NotRegistered {
     /// The kernel refused the registration with this errno.
     Refused(i32),
     /// The kernel accepted it but left `cpu_id` negative; the registration was withdrawn.
@@ -289,7 +274,7 @@ enum NotRegistered {
 /// kernel would start filling the area later, and this thread would then run restartable
 /// sequences (plain stores) on data that the rest of the process, told that nobody owns rseq,
 /// updates with atomics.
-fn register_own_area(size: u32) -> Result<u32, NotRegistered> {
+pub(super) fn register_own_area(size: u32) -> Result<u32, NotRegistered> {
     debug_assert!((abi::ORIGINAL_AREA_SIZE..=abi::OWN_AREA_CAPACITY).contains(&size));
     let size = size.clamp(abi::ORIGINAL_AREA_SIZE, abi::OWN_AREA_CAPACITY);
     let own = arch::area_at(arch::own_area_offset());
@@ -352,7 +337,7 @@ fn register_own_area(size: u32) -> Result<u32, NotRegistered> {
 /// `own` is the calling thread's own area and `size` at most its capacity; for a registration
 /// (`flags == 0`) it is prepared as the kernel requires, for `FLAG_UNREGISTER` it is registered
 /// with `size` bytes.
-unsafe fn own_area_syscall(own: *mut Rseq, size: u32, flags: i32) -> libc::c_long {
+pub(super) unsafe fn own_area_syscall(own: *mut Rseq, size: u32, flags: i32) -> libc::c_long {
     // SAFETY: the caller's contract.
     unsafe { libc::syscall(libc::SYS_rseq, own, size, flags, arch::RSEQ_SIG) }
 }
@@ -360,7 +345,6 @@ unsafe fn own_area_syscall(own: *mut Rseq, size: u32, flags: i32) -> libc::c_lon
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::registration::ensure_registered;
 
     #[test]
     fn a_long_registration_refused_with_einval_is_retried_with_the_original_length() {
@@ -389,36 +373,5 @@ mod tests {
             registration_outcome(64, refused),
             Err(Unavailable::Refused(libc::EPERM))
         );
-    }
-
-    /// Registering thiscpu's own area again on a thread where it is registered (the thread of a
-    /// decision that unwound, or a child forked during the decision) keeps the registration and
-    /// writes nothing into the area. Only where thiscpu registers its own areas.
-    #[test]
-    fn registering_a_registered_own_area_again_keeps_it() {
-        let Some(process) = decided().filter(|p| p.registrar == Registrar::Thiscpu) else {
-            eprintln!("skipped: thiscpu does not register its own areas in this process");
-            return;
-        };
-        let size = process.registered_size;
-        std::thread::spawn(move || {
-            assert!(ensure_registered());
-            let own = arch::area_at(arch::own_area_offset());
-            // SAFETY: this thread's own area; `cpu_id` is read as the kernel writes it.
-            let cpu_id = || unsafe { core::ptr::addr_of!((*own).cpu_id).read_volatile() };
-            assert!(cpu_id() >= 0);
-            assert_eq!(register_own_area(size), Ok(size));
-            assert!(cpu_id() >= 0, "the registered area was rewritten");
-            // The kernel still has this very area: the same registration is "busy".
-            // SAFETY: the area is registered with `size` bytes; asking again changes nothing.
-            let again = unsafe { own_area_syscall(own, size, 0) };
-            assert_eq!(again, -1);
-            assert_eq!(
-                std::io::Error::last_os_error().raw_os_error(),
-                Some(libc::EBUSY)
-            );
-        })
-        .join()
-        .unwrap();
     }
 }

@@ -1,15 +1,17 @@
 //! `getcpu`: how long it takes to ask "which CPU am I on", by every way Linux offers.
 //!
-//! Each case is a loop of calls whose every result goes through `black_box`. The probe is
-//! inlined into the loop, as a caller of the library would have it, except in
-//! `current_cpu-noinline`, which calls an `#[inline(never)]` function the way the arm64
-//! `thread_info->cpu` patch (seed 000) timed its `get_cpu_id()`.
+//! Each case is a loop of calls whose every result is kept in a register (`Kept`), never
+//! stored: a store of each answer to the stack made the figure depend on where the stack and
+//! the thread's rseq area fell relative to each other (their addresses' low 12 bits), which
+//! the size of the program's thread-local data decides. The probe is inlined into the loop, as
+//! a caller of the library would have it, except in `current_cpu-noinline`, which calls an
+//! `#[inline(never)]` function the way the arm64 `thread_info->cpu` patch (seed 000) timed its
+//! `get_cpu_id()`.
 
 use super::model::{Case, Family, Loop, Measured, Stats, Unit};
 use crate::machine::cpu_has_flag;
 use crate::report::table::{self, fmt_ns, fmt_num, fmt_ratio};
-use std::hint::black_box;
-use thiscpu::CpuSource;
+use thiscpu::{CpuNode, CpuSource};
 
 /// The family.
 pub static FAMILY: Family = Family {
@@ -33,12 +35,62 @@ pub static FAMILY: Family = Family {
     report,
 };
 
-/// Calls `probe` `ops` times, each result through `black_box`.
+/// Calls `probe` `ops` times, each result kept in registers.
 #[inline(always)]
-fn repeat<T>(ops: u64, probe: impl Fn() -> T) {
+fn repeat<T: Kept>(ops: u64, probe: impl Fn() -> T) {
     for _ in 0..ops {
-        black_box(probe());
+        probe().keep();
     }
+}
+
+/// An answer the compiler must compute and hold in a register, without storing it anywhere.
+trait Kept {
+    fn keep(self);
+}
+
+impl Kept for u32 {
+    #[inline(always)]
+    fn keep(self) {
+        keep_word(self.into());
+    }
+}
+
+impl Kept for CpuNode {
+    #[inline(always)]
+    fn keep(self) {
+        keep_word(self.cpu.into());
+        keep_word(self.node.into());
+    }
+}
+
+impl<T: Kept> Kept for Option<T> {
+    #[inline(always)]
+    fn keep(self) {
+        match self {
+            Some(answer) => answer.keep(),
+            None => keep_word(u64::MAX),
+        }
+    }
+}
+
+/// Makes `word` an input of an empty `asm!` block: the compiler must have it in a register
+/// there, and knows nothing else of the block, so it can neither skip computing the word nor
+/// fold loop iterations together; no instruction is emitted for it.
+#[cfg(any(target_arch = "x86_64", target_arch = "aarch64", target_arch = "riscv64"))]
+#[inline(always)]
+fn keep_word(word: u64) {
+    // SAFETY: an empty template that only names its input: it reads and writes nothing, keeps
+    // the stack and the flags as they are.
+    unsafe {
+        core::arch::asm!("/* {0} */", in(reg) word, options(nomem, nostack, preserves_flags));
+    }
+}
+
+/// Elsewhere the answer goes through `black_box`, which may store it.
+#[cfg(not(any(target_arch = "x86_64", target_arch = "aarch64", target_arch = "riscv64")))]
+#[inline(always)]
+fn keep_word(word: u64) {
+    std::hint::black_box(word);
 }
 
 /// The seed's `get_cpu_id()`: a function call that returns the current CPU.
@@ -83,7 +135,7 @@ fn mm_cid(ops: u64) {
     repeat(ops, thiscpu::mm_cid)
 }
 
-/// The loop alone: the same shape, a constant through `black_box` instead of a call.
+/// The loop alone: the same shape, a constant kept in a register instead of a call's answer.
 fn empty_loop(ops: u64) {
     repeat(ops, || 0u32)
 }
@@ -177,7 +229,7 @@ fn cases() -> Vec<Case> {
             "the kernel does not provide mm_cid (Linux 6.3+)",
         )
     });
-    cases.push(Case::new("empty-loop", "loop + black_box only", ns, Loop(empty_loop)));
+    cases.push(Case::new("empty-loop", "loop + a constant kept in a register", ns, Loop(empty_loop)));
     cases
 }
 

@@ -464,6 +464,74 @@ pub fn verdict(met: bool) -> &'static str {
     if met { "met" } else { "NOT met" }
 }
 
+/// The thread counts of `results`, ascending, each once.
+pub fn thread_counts<'a>(results: impl IntoIterator<Item = &'a Measured>) -> Vec<usize> {
+    let mut counts: Vec<usize> = results.into_iter().map(|m| m.threads).collect();
+    counts.sort_unstable();
+    counts.dedup();
+    counts
+}
+
+/// `1 thread`, `4 threads`.
+pub fn threads_phrase(n: usize) -> String {
+    format!("{n} thread{}", if n == 1 { "" } else { "s" })
+}
+
+/// `table` under its title, the way families print their own tables: a blank line, the title
+/// and a colon, the table, and a line end.
+pub fn titled(title: &str, table: &Table) -> String {
+    format!("\n{title}:\n{}\n", render(table))
+}
+
+/// A family's target lines under their heading (`targets (ratios of medians)`, say): claims
+/// checked against their targets, and figures shown beside them.
+pub struct Targets {
+    heading: &'static str,
+    lines: Vec<String>,
+}
+
+impl Targets {
+    pub fn new(heading: &'static str) -> Self {
+        Targets {
+            heading,
+            lines: Vec::new(),
+        }
+    }
+
+    /// `  {claim} (target {target}): met`, or `NOT met`.
+    pub fn check(&mut self, claim: impl std::fmt::Display, target: &str, met: bool) {
+        self.lines
+            .push(format!("  {claim} (target {target}): {}", verdict(met)));
+    }
+
+    /// A line of its own, indented as the claims are.
+    pub fn note(&mut self, line: impl std::fmt::Display) {
+        self.lines.push(format!("  {line}"));
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lines.is_empty()
+    }
+
+    /// The heading and the lines, the last one without a line end; nothing without lines.
+    pub fn joined(&self) -> String {
+        if self.lines.is_empty() {
+            return String::new();
+        }
+        format!("\n{}:\n{}", self.heading, self.lines.join("\n"))
+    }
+
+    /// The heading and the lines, each ended; the heading even without lines.
+    pub fn ended(&self) -> String {
+        let mut text = format!("\n{}:\n", self.heading);
+        for line in &self.lines {
+            text.push_str(line);
+            text.push('\n');
+        }
+        text
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -3,15 +3,12 @@
 //! caches; every object carries a pattern of its own over all its bytes, checked before it is
 //! freed, and afterwards the inner allocator must hold nothing but the caches' region.
 
-use crate::gate::StartGate;
-use crate::signal::{HANDLER_INCREMENTS, HandlerGuard, HandlerTarget, RUN};
-use crate::storm::{Churn, Disturber, Random, StressConfig, allowed_cpus};
-use crate::workers::{call_off, spawn_workers, start_worker, thread_refused};
-use core::sync::atomic::{AtomicBool, AtomicI32, AtomicI64, AtomicU64, Ordering};
+use crate::storm::{Random, Shift, StressConfig, Tally, Workload, run_storm};
+use core::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
-use thiscpu::{Counter, PerCpuAlloc};
+use std::time::Duration;
+use thiscpu::PerCpuAlloc;
 
 /// What [`run_alloc`] runs: the [`StressConfig`] storm (migration, signals, churn) around a
 /// [`PerCpuAlloc`], plus a thread that releases CPU caches while the workers use them.
@@ -215,17 +212,17 @@ impl Object {
     }
 }
 
-/// What one worker did.
+/// What one thread did.
 #[derive(Default)]
-struct Tally {
+struct Allocations {
     operations: u64,
     reallocs: u64,
     traded: u64,
     corrupted: u64,
 }
 
-impl Tally {
-    fn add(&mut self, other: Tally) {
+impl Tally for Allocations {
+    fn add(&mut self, other: Allocations) {
         self.operations += other.operations;
         self.reallocs += other.reallocs;
         self.traded += other.traded;
@@ -233,7 +230,16 @@ impl Tally {
     }
 }
 
-/// The shared state of a run.
+/// What the releasing thread did.
+#[derive(Default)]
+struct Releases {
+    releases: u64,
+    bytes: u64,
+    unavailable: u64,
+}
+
+/// The allocator stress's workload: objects made, resized, traded and freed, and the state
+/// every thread of the run shares for it.
 struct Shared {
     allocator: Allocator,
     /// Objects left by one thread for another to free.
@@ -241,6 +247,7 @@ struct Shared {
     max_size: usize,
     hold: usize,
     stamps: AtomicU64,
+    release: bool,
 }
 
 impl Shared {
@@ -256,8 +263,8 @@ impl Shared {
     }
 
     /// One round: hold up to `hold` objects, resize some, trade some, free the rest.
-    fn round(&self, random: &mut Random) -> Tally {
-        let mut tally = Tally::default();
+    fn round(&self, random: &mut Random) -> Allocations {
+        let mut tally = Allocations::default();
         let stamp = || self.stamps.fetch_add(1, Ordering::Relaxed);
         let mut held: Vec<Object> = Vec::with_capacity(self.hold);
         for _ in 0..1 + random.next(self.hold) {
@@ -296,6 +303,67 @@ impl Shared {
         }
         tally
     }
+
+    /// Frees what was left for trade once every thread has stopped; how many were corrupted.
+    fn free_leftovers(&self) -> u64 {
+        let left: Vec<Object> =
+            core::mem::take(&mut *self.exchange.lock().unwrap_or_else(|p| p.into_inner()));
+        left.into_iter()
+            .map(|object| u64::from(!object.free(&self.allocator)))
+            .sum()
+    }
+}
+
+impl Workload for Shared {
+    type Tally = Allocations;
+    type Background = Releases;
+
+    fn work(&self, index: usize, shift: &Shift) -> Allocations {
+        let mut tally = Allocations::default();
+        let mut random = Random(0x2545_f491_4f6c_dd1d ^ (index as u64 + 1));
+        while shift.goes_on() {
+            for _ in 0..8 {
+                tally.add(self.round(&mut random));
+            }
+        }
+        tally
+    }
+
+    fn churn(&self, _earlier: u64) -> Allocations {
+        let mut random = Random(self.stamps.fetch_add(1, Ordering::Relaxed) | 1);
+        let mut tally = Allocations::default();
+        for _ in 0..50 {
+            tally.add(self.round(&mut random));
+        }
+        tally
+    }
+
+    fn background(&self) -> Option<&'static str> {
+        self.release.then_some("the releasing thread")
+    }
+
+    /// Releases random CPUs' caches, and idle ones, while the workers use them.
+    fn run_background(&self, stop: &AtomicBool) -> Releases {
+        let possible = thiscpu::topology::possible_cpus();
+        let mut random = Random(0x9e37_79b9_7f4a_7c15);
+        let mut releases = Releases::default();
+        while !stop.load(Ordering::Relaxed) {
+            let outcome = if random.next(4) == 0 {
+                self.allocator.release_idle()
+            } else {
+                self.allocator.release_cpu(random.next(possible) as u32)
+            };
+            match outcome {
+                Ok(released) => {
+                    releases.releases += 1;
+                    releases.bytes += released as u64;
+                }
+                Err(_) => releases.unavailable += 1,
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        releases
+    }
 }
 
 /// Runs the allocator stress: workers allocate, resize, trade and free objects while being
@@ -318,194 +386,47 @@ impl Shared {
 /// assert!(report.exact(), "{report:?}");
 /// ```
 pub fn run_alloc(config: &AllocStressConfig) -> std::io::Result<AllocStressReport> {
-    let _one_at_a_time = RUN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let stress = &config.stress;
-    let shared = Arc::new(Shared {
+    let workload = Arc::new(Shared {
         allocator: PerCpuAlloc::with_inner(Tracking::default())
             .with_cache_bytes(config.cache_bytes),
         exchange: Mutex::new(Vec::new()),
         max_size: config.max_size.max(1),
         hold: config.hold.max(1),
         stamps: AtomicU64::new(1),
+        release: config.release,
     });
-    let workers = stress.threads.max(1);
-    let cpus = allowed_cpus();
-    let stop = Arc::new(AtomicBool::new(false));
-    let disturbed = Arc::new(AtomicBool::new(false));
-    let gate = Arc::new(StartGate::new(workers));
-    let tids: Arc<Vec<AtomicI32>> = Arc::new((0..workers).map(|_| AtomicI32::new(0)).collect());
-    let aborts_before = thiscpu::ops::aborts();
-    let handled = Arc::new(Counter::new());
-    HANDLER_INCREMENTS.store(0, Ordering::Relaxed);
-    let guard = if stress.signals {
-        Some(HandlerGuard::install(stress.signal)?)
-    } else {
-        None
-    };
-    let target = HandlerTarget::publish(&handled);
-    if config.release {
-        // Registration may wait for an RCU grace period: do it before the clock starts.
-        let _ = thiscpu::fence::register();
-    }
-
-    let duration = stress.duration;
-    let mut worker_handles = spawn_workers(workers, &gate, |index| {
-        let (shared, stop, disturbed, gate, tids) = (
-            shared.clone(),
-            stop.clone(),
-            disturbed.clone(),
-            gate.clone(),
-            tids.clone(),
-        );
-        move || {
-            let mut tally = Tally::default();
-            let Some(deadline) = start_worker(&tids, index, &gate, duration) else {
-                return tally;
-            };
-            let mut random = Random(0x2545_f491_4f6c_dd1d ^ (index as u64 + 1));
-            while !stop.load(Ordering::Relaxed)
-                && (Instant::now() < deadline || !disturbed.load(Ordering::Acquire))
-            {
-                for _ in 0..8 {
-                    tally.add(shared.round(&mut random));
-                }
-            }
-            tids[index].store(0, Ordering::Release);
-            tally
-        }
-    })?;
-
-    let releaser = config.release.then(|| {
-        let (shared, stop) = (shared.clone(), stop.clone());
-        std::thread::Builder::new().spawn(move || {
-            let possible = thiscpu::topology::possible_cpus();
-            let mut random = Random(0x9e37_79b9_7f4a_7c15);
-            let (mut releases, mut bytes, mut unavailable) = (0u64, 0u64, 0u64);
-            while !stop.load(Ordering::Relaxed) {
-                let outcome = if random.next(4) == 0 {
-                    shared.allocator.release_idle()
-                } else {
-                    shared.allocator.release_cpu(random.next(possible) as u32)
-                };
-                match outcome {
-                    Ok(released) => {
-                        releases += 1;
-                        bytes += released as u64;
-                    }
-                    Err(_) => unavailable += 1,
-                }
-                std::thread::sleep(Duration::from_micros(100));
-            }
-            (releases, bytes, unavailable)
-        })
-    });
-    let releaser = match releaser.transpose() {
-        Ok(releaser) => releaser,
-        Err(error) => {
-            gate.cancel();
-            for handle in worker_handles.drain(..) {
-                let _ = handle.join();
-            }
-            return Err(thread_refused("the releasing thread", &error));
-        }
-    };
-
-    if !gate.wait_for_all(|| worker_handles.iter().any(|h| h.is_finished())) {
-        stop.store(true, Ordering::Relaxed);
-        if let Some(releaser) = releaser {
-            let _ = releaser.join();
-        }
-        return Err(call_off(&gate, worker_handles));
-    }
-    let began = gate.open();
-    let deadline = began + stress.duration;
-    let mut disturber = Disturber::new(stress);
-    let mut churn = Churn::default();
-    let churned = Arc::new(Mutex::new(Tally::default()));
-    let mut refused = None;
-    loop {
-        disturber.round(&tids, &cpus);
-        disturbed.store(true, Ordering::Release);
-        if stress.churn {
-            let (shared, churned) = (shared.clone(), churned.clone());
-            let spawned = churn.spawn(move || {
-                let mut random = Random(shared.stamps.fetch_add(1, Ordering::Relaxed) | 1);
-                let mut tally = Tally::default();
-                for _ in 0..50 {
-                    tally.add(shared.round(&mut random));
-                }
-                let operations = tally.operations;
-                churned.lock().unwrap_or_else(|p| p.into_inner()).add(tally);
-                operations
-            });
-            if let Err(error) = spawned {
-                refused = Some(error);
-                break;
-            }
-        }
-        if Instant::now() >= deadline {
-            break;
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    stop.store(true, Ordering::Relaxed);
-    let mut tally = Tally::default();
-    for handle in worker_handles {
-        tally.add(handle.join().expect("allocator stress worker panicked"));
-    }
-    let threads_created = churn.created;
-    churn.finish();
-    tally.add(core::mem::take(
-        &mut *churned.lock().unwrap_or_else(|p| p.into_inner()),
-    ));
-    let (releases, released_bytes, releases_unavailable) = releaser
-        .map(|handle| handle.join().expect("allocator releaser panicked"))
-        .unwrap_or_default();
-    let elapsed = began.elapsed();
-    if let Some(error) = refused {
-        return Err(error);
-    }
-    drop(guard);
-    drop(target);
-    let signals_handled = HANDLER_INCREMENTS.load(Ordering::Relaxed);
-
-    // Every thread has stopped: free what was left for trade, give every cache back, and count
-    // what the inner allocator still holds.
-    let left: Vec<Object> =
-        core::mem::take(&mut *shared.exchange.lock().unwrap_or_else(|p| p.into_inner()));
-    for object in left {
-        if !object.free(&shared.allocator) {
-            tally.corrupted += 1;
-        }
-    }
-    let during = shared.allocator.stats();
+    let storm = run_storm(&config.stress, &workload)?;
+    let tally = &storm.tally;
+    let corrupted = tally.corrupted + workload.free_leftovers();
+    let allocator = &workload.allocator;
+    let during = allocator.stats();
     // A cache that cannot be released keeps its objects: they count as cached below, and the
     // run as inexact, as the pool stress counts an unreachable cache's objects as lost.
-    let _ = shared.allocator.release();
-    let after = shared.allocator.stats();
+    let _ = allocator.release();
+    let after = allocator.stats();
     let region = i64::from(after.caching);
-    let live = shared.allocator.inner().live.load(Ordering::Relaxed);
-    let cached_after_release = after.cached_bytes();
+    let live = allocator.inner().live.load(Ordering::Relaxed);
     let still_cached: u64 = after.per_cpu.iter().map(|cpu| cpu.cached_objects).sum();
+    let releases = &storm.background;
     Ok(AllocStressReport {
         operations: tally.operations,
         reallocs: tally.reallocs,
         traded: tally.traded,
-        corrupted: tally.corrupted,
+        corrupted,
         lost: live - region - still_cached as i64,
-        cached_after_release,
+        cached_after_release: after.cached_bytes(),
         misses: during.misses(),
         spills: during.spills(),
-        releases,
-        released_bytes,
-        releases_unavailable,
-        aborts: thiscpu::ops::aborts() - aborts_before,
-        migrations: disturber.migrations,
-        signals: disturber.signals,
-        signals_handled,
-        threads_created,
-        workers,
+        releases: releases.releases,
+        released_bytes: releases.bytes,
+        releases_unavailable: releases.unavailable,
+        aborts: storm.aborts(),
+        migrations: storm.migrations,
+        signals: storm.signals,
+        signals_handled: storm.signals_handled,
+        threads_created: storm.threads_created,
+        workers: storm.workers,
         caching: after.caching,
-        elapsed,
+        elapsed: storm.elapsed,
     })
 }

@@ -2,13 +2,9 @@
 //! [`Adder`](thiscpu::Adder)) in the storm, signal handlers increment it too, and every
 //! increment is also counted privately.
 
-use crate::gate::StartGate;
-use crate::signal::{HANDLER_INCREMENTS, HandlerGuard, HandlerTarget, RUN};
-use crate::storm::{Churn, Disturber, StressConfig, allowed_cpus};
-use crate::workers::{call_off, spawn_workers, start_worker};
-use core::sync::atomic::{AtomicBool, AtomicI32, Ordering};
+use crate::storm::{Shift, StressConfig, Workload, run_storm};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 use thiscpu::Counter;
 
 /// What happened.
@@ -56,127 +52,67 @@ impl StressReport {
 /// assert!(report.exact(), "{report:?}");
 /// ```
 pub fn run_counter(config: &StressConfig) -> std::io::Result<StressReport> {
-    let _one_at_a_time = RUN.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
-    let counter = Arc::new(Counter::new());
-    let workers = config.threads.max(1);
-    let cpus = allowed_cpus();
-    let stop = Arc::new(AtomicBool::new(false));
-    // Workers stop by their own clock, but not before the disturber's first round: a run
-    // that moved and signalled nobody would test nothing.
-    let disturbed = Arc::new(AtomicBool::new(false));
-    let gate = Arc::new(StartGate::new(workers));
-    let tids: Arc<Vec<AtomicI32>> = Arc::new((0..workers).map(|_| AtomicI32::new(0)).collect());
-    let aborts_before = thiscpu::ops::aborts();
-    HANDLER_INCREMENTS.store(0, Ordering::Relaxed);
-    let guard = if config.signals {
-        Some(HandlerGuard::install(config.signal)?)
-    } else {
-        None
-    };
-    let target = HandlerTarget::publish(&counter);
-    let duration = config.duration;
-
-    let worker_handles = spawn_workers(workers, &gate, |index| {
-        let (counter, stop, disturbed, gate, tids) = (
-            counter.clone(),
-            stop.clone(),
-            disturbed.clone(),
-            gate.clone(),
-            tids.clone(),
-        );
-        move || {
-            let Some(deadline) = start_worker(&tids, index, &gate, duration) else {
-                return 0;
-            };
-            let mut made = 0u64;
-            // Half the workers add through one `Adder` for the whole run: what it read once
-            // must stay right across every migration and signal.
-            let adder = (index % 2 == 1).then(|| counter.adder());
-            while !stop.load(Ordering::Relaxed) {
-                match adder {
-                    Some(adder) => (0..64).for_each(|_| adder.inc()),
-                    None => (0..64).for_each(|_| counter.inc()),
-                }
-                made += 64;
-                if made.is_multiple_of(4096)
-                    && Instant::now() >= deadline
-                    && disturbed.load(Ordering::Acquire)
-                {
-                    break;
-                }
-            }
-            tids[index].store(0, Ordering::Release);
-            made
-        }
-    })?;
-
-    if !gate.wait_for_all(|| worker_handles.iter().any(|h| h.is_finished())) {
-        return Err(call_off(&gate, worker_handles));
-    }
-    let began = gate.open();
-    let deadline = began + config.duration;
-    let mut disturber = Disturber::new(config);
-    let mut churn = Churn::default();
-    let mut refused = None;
-    // The first round comes before the first look at the clock: waking a thousand workers can
-    // take longer than the run asked for.
-    loop {
-        disturber.round(&tids, &cpus);
-        disturbed.store(true, Ordering::Release);
-        if config.churn {
-            let counter = counter.clone();
-            let by_adder = churn.created % 2 == 1;
-            let spawned = churn.spawn(move || {
-                let n = 2_000;
-                if by_adder {
-                    // Made on this new thread, whose registration `adder()` itself makes.
-                    let adder = counter.adder();
-                    (0..n).for_each(|_| adder.inc());
-                } else {
-                    (0..n).for_each(|_| counter.inc());
-                }
-                n
-            });
-            if let Err(error) = spawned {
-                refused = Some(error);
-                break;
-            }
-        }
-        if Instant::now() >= deadline {
-            break;
-        }
-        std::thread::sleep(Duration::from_micros(200));
-    }
-    stop.store(true, Ordering::Relaxed);
-    let mut operations: u64 = worker_handles
-        .into_iter()
-        .map(|handle| handle.join().expect("stress worker panicked"))
-        .sum();
-    let threads_created = churn.created;
-    operations += churn.finish();
-    let elapsed = began.elapsed();
-    if let Some(error) = refused {
-        return Err(error);
-    }
-    // The storm's signals went only to workers, all joined now; a signal still pending when
-    // its worker exited was discarded with it, neither handled nor counted. A signal sent to
-    // the whole process may still run the handler on another thread: withdrawing the target
-    // waits for it.
-    drop(guard);
-    drop(target);
-    let signal_increments = HANDLER_INCREMENTS.load(Ordering::Relaxed);
-    operations += signal_increments;
-    let counted = counter.sum();
+    let workload = Arc::new(Increments {
+        counter: Arc::new(Counter::new()),
+    });
+    let storm = run_storm(config, &workload)?;
+    // The handler increments the counter under test, so its increments are operations too.
+    let operations = storm.tally + storm.signals_handled;
+    let counted = workload.counter.sum();
     Ok(StressReport {
         operations,
         counted,
         lost: i128::from(operations) - i128::from(counted),
-        aborts: thiscpu::ops::aborts() - aborts_before,
-        migrations: disturber.migrations,
-        signals: disturber.signals,
-        signal_increments,
-        threads_created,
-        workers,
-        elapsed,
+        aborts: storm.aborts(),
+        migrations: storm.migrations,
+        signals: storm.signals,
+        signal_increments: storm.signals_handled,
+        threads_created: storm.threads_created,
+        workers: storm.workers,
+        elapsed: storm.elapsed,
     })
+}
+
+/// The counter stress's workload: increments, counted privately.
+struct Increments {
+    counter: Arc<Counter>,
+}
+
+impl Workload for Increments {
+    type Tally = u64;
+    type Background = ();
+
+    fn work(&self, index: usize, shift: &Shift) -> u64 {
+        let mut made = 0u64;
+        // Half the workers add through one `Adder` for the whole run: what it read once
+        // must stay right across every migration and signal.
+        let adder = (index % 2 == 1).then(|| self.counter.adder());
+        while !shift.stopped() {
+            match adder {
+                Some(adder) => (0..64).for_each(|_| adder.inc()),
+                None => (0..64).for_each(|_| self.counter.inc()),
+            }
+            made += 64;
+            if made.is_multiple_of(4096) && shift.over() {
+                break;
+            }
+        }
+        made
+    }
+
+    fn churn(&self, earlier: u64) -> u64 {
+        let n = 2_000;
+        if earlier % 2 == 1 {
+            // Made on this new thread, whose registration `adder()` itself makes.
+            let adder = self.counter.adder();
+            (0..n).for_each(|_| adder.inc());
+        } else {
+            (0..n).for_each(|_| self.counter.inc());
+        }
+        n
+    }
+
+    fn handler_target(&self) -> Arc<Counter> {
+        self.counter.clone()
+    }
 }

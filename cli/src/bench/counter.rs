@@ -12,7 +12,9 @@
 
 use super::model::{Case, Family, Measured, Stats, Unit, Workload};
 use super::rseq_off;
-use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
+use crate::report::table::{
+    Targets, align_right, fmt_num, fmt_ratio, new_table, threads_phrase, titled,
+};
 use contatori::counters::Observable;
 use std::cell::Cell;
 use std::hint::black_box;
@@ -340,7 +342,23 @@ fn mops(ns: f64) -> f64 {
 
 /// Throughput per thread and in total beside the ns/op table, then the targets.
 fn report(results: &[Measured]) -> String {
-    let mut out = String::new();
+    let mut out = throughput_table(results);
+    let mut targets = Targets::new("targets (ratios of medians)");
+    let fewest = results.iter().map(|m| m.threads).min();
+    let most = results.iter().map(|m| m.threads).max();
+    if let Some(one) = fewest {
+        fewest_threads_targets(&mut targets, results, one);
+    }
+    if let Some(n) = most.filter(|&n| Some(n) != fewest) {
+        most_threads_targets(&mut targets, results, n);
+    }
+    out.push_str(&targets.joined());
+    out.push_str(&rseq_off::report(results));
+    out.trim_end().to_owned()
+}
+
+/// Millions of operations per second, per thread and in total, of every result.
+fn throughput_table(results: &[Measured]) -> String {
     let mut table = new_table();
     table.set_header(vec![
         "case",
@@ -364,82 +382,65 @@ fn report(results: &[Measured]) -> String {
         ]);
     }
     align_right(&mut table, &[1, 2, 3, 4, 5]);
-    out.push_str(
-        "\nthroughput (total = threads × per thread, from each thread's CPU time):\n",
-    );
-    out.push_str(&render(&table));
-    out.push('\n');
+    titled(
+        "throughput (total = threads × per thread, from each thread's CPU time)",
+        &table,
+    )
+}
 
-    let fewest = results.iter().map(|m| m.threads).min();
-    let most = results.iter().map(|m| m.threads).max();
-    let mut lines = Vec::new();
-    if let Some(one) = fewest {
-        if let Some(ns) = ns_per_op(results, "thiscpu-counter", one) {
-            lines.push(format!(
-                "  Counter::inc, {one} thread{}: {} ns/op (target ≤ 1.0 ns): {}",
-                if one == 1 { "" } else { "s" },
-                fmt_num(ns),
-                verdict(ns <= 1.0)
-            ));
-        }
-        if let (Some(adder), Some(inc)) = (
-            ns_per_op(results, "thiscpu-adder", one),
-            ns_per_op(results, "thiscpu-counter", one),
-        ) {
-            lines.push(format!(
-                "  Counter::adder() then inc, {one} thread{}: {} ns/op, {} Counter::inc's",
-                if one == 1 { "" } else { "s" },
-                fmt_num(adder),
-                fmt_ratio(adder / inc)
-            ));
-        }
-        if let (Some(ours), Some(theirs)) = (
-            ns_per_op(results, "thiscpu-counter", one),
-            ns_per_op(results, "percpu-atomic", one),
-        ) {
-            let ratio = theirs / ours;
-            lines.push(format!(
-                "  thiscpu-counter vs percpu-atomic, {one} thread{}: {} faster \
-                 (target ≥ 2×): {}",
-                if one == 1 { "" } else { "s" },
-                fmt_ratio(ratio),
-                verdict(ratio >= 2.0)
-            ));
-        }
+/// The targets at the fewest threads: one increment's cost, and against a per-CPU atomic.
+fn fewest_threads_targets(targets: &mut Targets, results: &[Measured], one: usize) {
+    let threads = threads_phrase(one);
+    let inc = ns_per_op(results, "thiscpu-counter", one);
+    if let Some(ns) = inc {
+        targets.check(
+            format!("Counter::inc, {threads}: {} ns/op", fmt_num(ns)),
+            "≤ 1.0 ns",
+            ns <= 1.0,
+        );
     }
-    if let Some(n) = most.filter(|&n| Some(n) != fewest) {
-        if let (Some(ours), Some(theirs)) = (
-            ns_per_op(results, "thiscpu-counter", n),
-            ns_per_op(results, "atomic-global", n),
-        ) {
-            let ratio = theirs / ours;
-            lines.push(format!(
-                "  thiscpu-counter vs atomic-global per thread, {n} threads: {} \
-                 (target ≥ 8×): {}",
-                fmt_ratio(ratio),
-                verdict(ratio >= 8.0)
-            ));
-        }
-        let mut others = Vec::new();
-        for &case in CASES {
-            if let (Some(ours), Some(theirs)) = (
-                ns_per_op(results, case, n),
-                ns_per_op(results, "atomic-global", n),
-            ) {
-                others.push(format!("{case} {}", fmt_ratio(theirs / ours)));
-            }
-        }
-        if !others.is_empty() {
-            lines.push(format!(
-                "  per-thread throughput ÷ atomic-global's, {n} threads: {}",
-                others.join(", ")
-            ));
-        }
+    if let (Some(adder), Some(inc)) = (ns_per_op(results, "thiscpu-adder", one), inc) {
+        targets.note(format!(
+            "Counter::adder() then inc, {threads}: {} ns/op, {} Counter::inc's",
+            fmt_num(adder),
+            fmt_ratio(adder / inc)
+        ));
     }
-    if !lines.is_empty() {
-        out.push_str("\ntargets (ratios of medians):\n");
-        out.push_str(&lines.join("\n"));
+    if let (Some(ours), Some(theirs)) = (inc, ns_per_op(results, "percpu-atomic", one)) {
+        let ratio = theirs / ours;
+        targets.check(
+            format!("thiscpu-counter vs percpu-atomic, {threads}: {} faster", fmt_ratio(ratio)),
+            "≥ 2×",
+            ratio >= 2.0,
+        );
     }
-    out.push_str(&rseq_off::report(results));
-    out.trim_end().to_owned()
+}
+
+/// The targets at the most threads: against one global atomic, and every case's ratio to it.
+fn most_threads_targets(targets: &mut Targets, results: &[Measured], n: usize) {
+    let global = ns_per_op(results, "atomic-global", n);
+    if let (Some(ours), Some(theirs)) = (ns_per_op(results, "thiscpu-counter", n), global) {
+        let ratio = theirs / ours;
+        targets.check(
+            format!(
+                "thiscpu-counter vs atomic-global per thread, {n} threads: {}",
+                fmt_ratio(ratio)
+            ),
+            "≥ 8×",
+            ratio >= 8.0,
+        );
+    }
+    let others: Vec<String> = CASES
+        .iter()
+        .filter_map(|&case| {
+            let ours = ns_per_op(results, case, n)?;
+            Some(format!("{case} {}", fmt_ratio(global? / ours)))
+        })
+        .collect();
+    if !others.is_empty() {
+        targets.note(format!(
+            "per-thread throughput ÷ atomic-global's, {n} threads: {}",
+            others.join(", ")
+        ));
+    }
 }

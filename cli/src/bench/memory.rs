@@ -23,9 +23,11 @@
 
 use super::runner::cpus_for;
 use super::model::{
-    Case, Family, Measured, Measuring, ProcessMemory, Unit, on_each_cpu,
+    Case, Family, Measured, Measuring, ProcessMemory, Unit, median_of, on_each_cpu,
 };
-use crate::report::table::{align_right, fmt_num, new_table, render, verdict};
+use crate::report::table::{
+    Targets, align_right, fmt_num, new_table, thread_counts, titled, verdict,
+};
 use std::hint::black_box;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use thiscpu::{Counter, PerCpu};
@@ -247,19 +249,28 @@ fn bytes(value: f64) -> String {
 
 /// The measured figures side by side, against the targets and a 256-CPU machine.
 fn report(results: &[Measured]) -> String {
-    let median = |case: &str, threads: usize| {
-        results
-            .iter()
-            .find(|m| m.case == case && m.threads == threads)
-            .map(|m| m.stats().median)
-    };
-    let mut thread_counts: Vec<usize> = results.iter().map(|m| m.threads).collect();
-    thread_counts.sort_unstable();
-    thread_counts.dedup();
+    let thread_counts = thread_counts(results);
     let possible = thiscpu::topology::possible_cpus();
-    let rows = possible + 1;
-    let cell = |value: Option<f64>| value.map_or_else(|| "–".to_owned(), bytes);
+    let mut out = bytes_table(results, &thread_counts, possible);
+    // Targets, from the run with the most CPUs.
+    if let Some(&threads) = thread_counts.last() {
+        let targets = targets(results, threads, possible);
+        if !targets.is_empty() {
+            out.push_str(&targets.ended());
+        }
+    }
+    out.push_str(&on_256_cpus());
+    out.trim_end().to_owned()
+}
 
+/// A figure in bytes, or a dash where it was not measured.
+fn cell(value: Option<f64>) -> String {
+    value.map_or_else(|| "–".to_owned(), bytes)
+}
+
+/// Each layout's bytes per counter at each thread count: reserved, address space and resident,
+/// in total and per CPU, and the time to make one.
+fn bytes_table(results: &[Measured], thread_counts: &[usize], possible: usize) -> String {
     let mut table = new_table();
     table.set_header(vec![
         "layout",
@@ -272,80 +283,82 @@ fn report(results: &[Measured]) -> String {
         "create ns",
     ]);
     for layout in ["dense", "padded"] {
-        for &threads in &thread_counts {
+        for &threads in thread_counts {
             let ran = cpus_for(threads).len();
-            let space = median(&format!("{layout}/address-space"), threads);
-            let resident = median(&format!("{layout}/resident"), threads);
+            let space = median_of(results, &format!("{layout}/address-space"), threads);
+            let resident = median_of(results, &format!("{layout}/resident"), threads);
             table.add_row(vec![
                 layout.to_owned(),
                 ran.to_string(),
-                cell(median(&format!("{layout}/reserved"), threads)),
+                cell(median_of(results, &format!("{layout}/reserved"), threads)),
                 cell(space),
                 cell(space.map(|s| s / possible as f64)),
                 cell(resident),
                 cell(resident.map(|r| r / ran as f64)),
-                cell(median(&format!("{layout}/create"), threads)),
+                cell(median_of(results, &format!("{layout}/create"), threads)),
             ]);
         }
     }
     align_right(&mut table, &[1, 2, 3, 4, 5, 6, 7]);
-    let mut out = format!(
-        "\nbytes per counter (medians), {possible} possible CPU{}; dense batches of {DENSE_BATCH}, \
-         padded of {PADDED_BATCH}:\n{}\n",
-        if possible == 1 { "" } else { "s" },
-        render(&table)
-    );
+    titled(
+        &format!(
+            "bytes per counter (medians), {possible} possible CPU{}; dense batches of \
+             {DENSE_BATCH}, padded of {PADDED_BATCH}",
+            if possible == 1 { "" } else { "s" },
+        ),
+        &table,
+    )
+}
 
-    // Targets, from the run with the most CPUs.
-    let mut lines = Vec::new();
-    if let Some(&threads) = thread_counts.last() {
-        let ran = cpus_for(threads).len();
-        if let Some(resident) = median("dense/resident", threads) {
-            let each = resident / ran as f64;
-            lines.push(format!(
-                "  dense resident: {} B per counter per CPU that ran ({ran}) (target ≤ 8 B plus \
-                 a small constant): {}",
-                bytes(each),
-                verdict(each <= 8.5)
-            ));
-        }
-        if let Some(reserved) = median("dense/reserved", threads) {
-            let each = reserved / possible as f64;
-            let expected = 8.0 * rows as f64 / possible as f64;
-            lines.push(format!(
-                "  dense address space: {} B per counter per possible CPU (target ≤ 8 B): {}; \
-                 a range has {rows} rows for {possible} possible CPUs (one spare row), so \
-                 {} B is expected here; the rest comes from where a batch starts and ends in \
-                 partly used 64 KiB ranges",
-                bytes(each),
-                verdict(each <= 8.0),
-                bytes(expected)
-            ));
-        }
+/// The dense layout's targets at `threads`, and what the padded layout's figures are made of.
+fn targets(results: &[Measured], threads: usize, possible: usize) -> Targets {
+    let mut targets = Targets::new("targets");
+    let ran = cpus_for(threads).len();
+    if let Some(resident) = median_of(results, "dense/resident", threads) {
+        let each = resident / ran as f64;
+        targets.check(
+            format!(
+                "dense resident: {} B per counter per CPU that ran ({ran})",
+                bytes(each)
+            ),
+            "≤ 8 B plus a small constant",
+            each <= 8.5,
+        );
     }
-    if let (Some(&threads), true) = (thread_counts.last(), results.iter().any(|m| m.case.starts_with("padded/")))
-    {
+    if let Some(reserved) = median_of(results, "dense/reserved", threads) {
+        let rows = possible + 1;
+        let each = reserved / possible as f64;
+        let expected = 8.0 * rows as f64 / possible as f64;
+        targets.note(format!(
+            "dense address space: {} B per counter per possible CPU (target ≤ 8 B): {}; \
+             a range has {rows} rows for {possible} possible CPUs (one spare row), so \
+             {} B is expected here; the rest comes from where a batch starts and ends in \
+             partly used 64 KiB ranges",
+            bytes(each),
+            verdict(each <= 8.0),
+            bytes(expected)
+        ));
+    }
+    if results.iter().any(|m| m.case.starts_with("padded/")) {
         let floor = 128.0 * possible as f64;
-        lines.push(format!(
-            "  padded: {} B of data per counter ({possible} × 128 B); the rest of its resident \
+        targets.note(format!(
+            "padded: {} B of data per counter ({possible} × 128 B); the rest of its resident \
              figure ({} B) is the allocator's rounding for 128-byte alignment. Its address-space \
              figure is approximate: the heap hands out space freed earlier, already counted \
              in VmSize",
             bytes(floor),
-            cell(median("padded/resident", threads)),
+            cell(median_of(results, "padded/resident", threads)),
         ));
     }
-    if !lines.is_empty() {
-        out.push_str("\ntargets:\n");
-        out.push_str(&lines.join("\n"));
-        out.push('\n');
-    }
+    targets
+}
 
-    // The same counters on a 256-CPU machine, by arithmetic.
+/// The same counters on a 256-CPU machine, by arithmetic.
+fn on_256_cpus() -> String {
     const CPUS: f64 = 256.0;
     let padded = CPUS * 128.0;
     let dense_space = (CPUS + 1.0) * 8.0;
-    out.push_str(&format!(
+    format!(
         "\non a 256-CPU machine (arithmetic), per counter:\n\
          \x20 padded: {padded:.0} B of address space, all resident (PerCpu::new writes every slot)\n\
          \x20 dense:  {dense_space:.0} B of address space (257 rows × 8 B) plus at most one partly used \
@@ -357,6 +370,5 @@ fn report(results: &[Measured]) -> String {
         padded * 1e5 / 1e9,
         dense_space * 1e5 / 1e6,
         16.0 * 1e5 / 1e6,
-    ));
-    out.trim_end().to_owned()
+    )
 }

@@ -24,7 +24,10 @@ use super::model::{
     on_each_cpu,
 };
 use super::rseq_off;
-use crate::report::table::{competitors_table, align_right, fmt_num, fmt_ratio, new_table, render, verdict};
+use crate::report::table::{
+    Targets, align_right, competitors_table, fmt_num, fmt_ratio, new_table, render,
+    thread_counts, threads_phrase, titled,
+};
 use arc_swap::ArcSwap;
 use crossbeam_utils::sync::ShardedLock;
 use std::hint::black_box;
@@ -586,44 +589,58 @@ fn break_even_table(results: &[Measured], threads: &[usize]) -> String {
 
 /// The tables: ns per operation for each mix, write latencies, break-even ratios, targets.
 fn report(results: &[Measured]) -> String {
-    let mut threads: Vec<usize> = results.iter().map(|m| m.threads).collect();
-    threads.sort_unstable();
-    threads.dedup();
+    let threads = thread_counts(results);
     if threads.is_empty() {
         return String::new();
     }
     let mut out = String::new();
     for &(mix, _) in MIXES {
-        let table = competitors_table(
-            KINDS,
-            &threads,
-            "ns",
-            "÷ ours",
-            |kind, n| median(results, &format!("{mix}/{kind}"), n),
-            |kind| match kind {
-                "arc_swap" => Some("epoch"),
-                "thiscpu" | "epoch" => None,
-                _ => Some("thiscpu"),
-            },
-        );
-        let what = match mix {
-            "read" => "reads only".to_owned(),
-            other => format!("a write every {} reads", &other[1..]),
-        };
-        out.push_str(&format!(
-            "\n{what} (medians over rounds, ns per operation per thread; ÷ ours: times \
-             thiscpu's, arc_swap's times epoch's):\n"
-        ));
-        out.push_str(&render(&table));
-        out.push('\n');
+        out.push_str(&mix_table(results, &threads, mix));
     }
+    out.push_str(&write_table(results, &threads));
+    out.push_str(&memory_lines(results, &threads));
+    out.push_str(&break_even_table(results, &threads));
+    out.push_str(&lazy_lines(results, &threads));
+    out.push_str(&targets(results, &threads).ended());
+    out.push_str(&rseq_off::report(results));
+    out.trim_end().to_owned()
+}
 
+/// ns per operation of every competitor for one mix of reads and writes.
+fn mix_table(results: &[Measured], threads: &[usize], mix: &str) -> String {
+    let table = competitors_table(
+        KINDS,
+        threads,
+        "ns",
+        "÷ ours",
+        |kind, n| median(results, &format!("{mix}/{kind}"), n),
+        |kind| match kind {
+            "arc_swap" => Some("epoch"),
+            "thiscpu" | "epoch" => None,
+            _ => Some("thiscpu"),
+        },
+    );
+    let what = match mix {
+        "read" => "reads only".to_owned(),
+        other => format!("a write every {} reads", &other[1..]),
+    };
+    titled(
+        &format!(
+            "{what} (medians over rounds, ns per operation per thread; ÷ ours: times \
+             thiscpu's, arc_swap's times epoch's)"
+        ),
+        &table,
+    )
+}
+
+/// ns per write of every competitor, alone and under readers.
+fn write_table(results: &[Measured], threads: &[usize]) -> String {
     let mut table = new_table();
     let mut header = vec!["writers".to_owned()];
     header.extend(KINDS.iter().map(|kind| format!("{kind} ns")));
     table.set_header(header);
     for prefix in ["write", "write-under-readers"] {
-        for &n in &threads {
+        for &n in threads {
             let mut row = vec![format!("{n}{}", if prefix == "write" { "" } else { " + readers" })];
             row.extend(KINDS.iter().map(|kind| {
                 median(results, &format!("{prefix}/{kind}"), n).map_or("–".to_owned(), fmt_num)
@@ -632,9 +649,15 @@ fn report(results: &[Measured]) -> String {
         }
     }
     align_right(&mut table, &(0..=KINDS.len()).collect::<Vec<_>>());
-    out.push_str("\nwrite lock + write + unlock (medians, ns per write):\n");
-    out.push_str(&render(&table));
+    format!(
+        "\nwrite lock + write + unlock (medians, ns per write):\n{}",
+        render(&table)
+    )
+}
 
+/// Resident and address-space bytes of thiscpu's lock at each thread count; nothing when
+/// they were not measured.
+fn memory_lines(results: &[Measured], threads: &[usize]) -> String {
     let memory: Vec<String> = threads
         .iter()
         .filter_map(|&n| {
@@ -649,78 +672,88 @@ fn report(results: &[Measured]) -> String {
             ))
         })
         .collect();
-    if !memory.is_empty() {
-        out.push_str(
-            "\nmemory of thiscpu::RwLock (medians; its counts are 16 B per possible CPU plus a \
-             spare row):\n",
-        );
-        memory.iter().for_each(|line| out.push_str(line));
+    if memory.is_empty() {
+        return String::new();
     }
+    format!(
+        "\nmemory of thiscpu::RwLock (medians; its counts are 16 B per possible CPU plus a \
+         spare row):\n{}",
+        memory.concat()
+    )
+}
 
-    out.push_str(&break_even_table(results, &threads));
-    for &n in &threads {
+/// What a lock made on first use costs a read, at each thread count.
+fn lazy_lines(results: &[Measured], threads: &[usize]) -> String {
+    let mut out = String::new();
+    for &n in threads {
         if let (Some(lazy), Some(plain)) = (
             median(results, "read/thiscpu-lazy", n),
             median(results, "read/thiscpu", n),
         ) {
             out.push_str(&format!(
-                "made on first use (a LazyLock around the lock), {n} thread{}: a read {} ns \
+                "made on first use (a LazyLock around the lock), {}: a read {} ns \
                  against {} ns, {:+.2} ns for the check\n",
-                if n == 1 { "" } else { "s" },
+                threads_phrase(n),
                 fmt_num(lazy),
                 fmt_num(plain),
                 lazy - plain
             ));
         }
     }
+    out
+}
 
-    out.push_str("\ntargets (medians):\n");
+/// Reads at one and two threads, against sharded_lock and parking_lot, epoch against
+/// arc_swap, and an uncontended write.
+fn targets(results: &[Measured], threads: &[usize]) -> Targets {
+    let mut targets = Targets::new("targets (medians)");
     let read = |kind: &str, n: usize| median(results, &format!("read/{kind}"), n);
     if let Some(ns) = read("thiscpu", 1) {
-        out.push_str(&format!(
-            "  read lock + unlock, 1 thread: {} ns (target ≤ 3.0): {}\n",
-            fmt_num(ns),
-            verdict(ns <= 3.0)
-        ));
+        targets.check(
+            format!("read lock + unlock, 1 thread: {} ns", fmt_num(ns)),
+            "≤ 3.0",
+            ns <= 3.0,
+        );
     }
     if let Some(ns) = read("thiscpu", 2) {
-        out.push_str(&format!(
-            "  read lock + unlock, 2 threads: {} ns per thread (target ≤ 3.5): {}\n",
-            fmt_num(ns),
-            verdict(ns <= 3.5)
-        ));
+        targets.check(
+            format!("read lock + unlock, 2 threads: {} ns per thread", fmt_num(ns)),
+            "≤ 3.5",
+            ns <= 3.5,
+        );
         for (kind, target) in [("sharded_lock", 3.0), ("parking_lot", 10.0)] {
             if let Some(theirs) = read(kind, 2) {
                 let r = theirs / ns;
-                out.push_str(&format!(
-                    "  2 threads: thiscpu {} faster than {kind} (target ≥ {target}×): {}\n",
-                    fmt_ratio(r),
-                    verdict(r >= target)
-                ));
+                targets.check(
+                    format!("2 threads: thiscpu {} faster than {kind}", fmt_ratio(r)),
+                    &format!("≥ {target}×"),
+                    r >= target,
+                );
             }
         }
     }
-    for &n in &threads {
+    for &n in threads {
         if let (Some(theirs), Some(ours)) = (read("arc_swap", n), read("epoch", n)) {
             let r = theirs / ours;
-            out.push_str(&format!(
-                "  {n} thread{}: epoch pin + unpin {} faster than an ArcSwap load (target ≥ \
-                 5×): {}\n",
-                if n == 1 { "" } else { "s" },
-                fmt_ratio(r),
-                verdict(r >= 5.0)
-            ));
+            targets.check(
+                format!(
+                    "{}: epoch pin + unpin {} faster than an ArcSwap load",
+                    threads_phrase(n),
+                    fmt_ratio(r)
+                ),
+                "≥ 5×",
+                r >= 5.0,
+            );
         }
     }
     if let Some(ns) = median(results, "write/thiscpu", 1) {
-        out.push_str(&format!(
-            "  uncontended write: {} µs (target ≤ 10): {}\n",
-            fmt_num(ns / 1000.0),
-            verdict(ns <= 10_000.0)
-        ));
+        targets.check(
+            format!("uncontended write: {} µs", fmt_num(ns / 1000.0)),
+            "≤ 10",
+            ns <= 10_000.0,
+        );
     }
-    out.push_str(&rseq_off::report(results));
-    out.trim_end().to_owned()
+    targets
 }
 
 #[cfg(test)]

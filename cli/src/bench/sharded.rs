@@ -18,7 +18,8 @@
 use super::model::{Case, Family, Measured, Measuring, Unit, Workload, median_of as median};
 use super::rseq_off;
 use crate::report::table::{
-    align_right, competitors_table, fmt_num, fmt_ratio, new_table, render, verdict,
+    Targets, align_right, competitors_table, fmt_num, fmt_ratio, new_table, render,
+    thread_counts, titled, verdict,
 };
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -446,13 +447,7 @@ fn cases() -> Vec<Case> {
 
 /// ns/op per competitor and the ratios to thiscpu, the memory table, and the targets.
 fn report(results: &[Measured]) -> String {
-    let mut threads: Vec<usize> = results
-        .iter()
-        .filter(|m| m.unit == Unit::NsPerOp)
-        .map(|m| m.threads)
-        .collect();
-    threads.sort_unstable();
-    threads.dedup();
+    let threads = thread_counts(results.iter().filter(|m| m.unit == Unit::NsPerOp));
     if threads.is_empty() {
         return String::new();
     }
@@ -466,20 +461,32 @@ fn report(results: &[Measured]) -> String {
             |kind, n| median(results, &format!("{op}/{kind}"), n),
             |kind| (kind != "thiscpu").then_some("thiscpu"),
         );
-        out.push_str(&format!(
-            "\n{op} (medians over rounds, ns per operation per thread; ÷ thiscpu: times thiscpu's):\n"
+        out.push_str(&titled(
+            &format!(
+                "{op} (medians over rounds, ns per operation per thread; ÷ thiscpu: times \
+                 thiscpu's)"
+            ),
+            &table,
         ));
-        out.push_str(&render(&table));
-        out.push('\n');
     }
+    out.push_str(&memory_table(results));
+    out.push_str(&targets(results, &threads).ended());
+    out.push_str(&rseq_off::report(results));
+    out.trim_end().to_owned()
+}
 
+/// The median of the memory case `case`, at whatever thread count it ran.
+fn memory_median(results: &[Measured], case: &str) -> Option<f64> {
+    results
+        .iter()
+        .find(|m| m.case == case)
+        .map(|m| m.stats().median)
+}
+
+/// Heap bytes of each holder with 100 and 1000 threads alive, in total and per thread or
+/// shard.
+fn memory_table(results: &[Measured]) -> String {
     let shards = thiscpu::topology::possible_cpus().max(1);
-    let memory = |case: &str| {
-        results
-            .iter()
-            .find(|m| m.case == case)
-            .map(|m| m.stats().median)
-    };
     let mut table = new_table();
     table.set_header(vec![
         "threads alive",
@@ -489,8 +496,8 @@ fn report(results: &[Measured]) -> String {
         "per shard",
     ]);
     for alive in [100usize, 1000] {
-        let theirs = memory(&format!("memory-{alive}/thread_local"));
-        let ours = memory(&format!("memory-{alive}/thiscpu"));
+        let theirs = memory_median(results, &format!("memory-{alive}/thread_local"));
+        let ours = memory_median(results, &format!("memory-{alive}/thiscpu"));
         table.add_row(vec![
             alive.to_string(),
             theirs.map_or("–".to_owned(), fmt_num),
@@ -500,16 +507,16 @@ fn report(results: &[Measured]) -> String {
         ]);
     }
     align_right(&mut table, &[0, 1, 2, 3, 4]);
-    out.push_str(&format!(
-        "
-heap memory (medians), {shards} possible CPUs, each live thread updated once:
-"
-    ));
-    out.push_str(&render(&table));
+    format!(
+        "\nheap memory (medians), {shards} possible CPUs, each live thread updated once:\n{}",
+        render(&table)
+    )
+}
 
-    out.push_str("
-targets (ratios of medians):
-");
+/// Updates against parking_lot and hashed mutexes at the fewest and the most threads, and
+/// memory that must not grow with the threads.
+fn targets(results: &[Measured], threads: &[usize]) -> Targets {
+    let mut targets = Targets::new("targets (ratios of medians)");
     let one = threads[0];
     let most = *threads.last().unwrap_or(&one);
     let ratio = |case: &str, n: usize| -> Option<f64> {
@@ -518,44 +525,47 @@ targets (ratios of medians):
         (ours > 0.0).then(|| theirs / ours)
     };
     if let Some(r) = ratio("update/parking_lot", one) {
-        out.push_str(&format!(
-            "  update, {one} thread: thiscpu {} faster than parking_lot (target ≥ 2×): {}
-",
-            fmt_ratio(r),
-            verdict(r >= 2.0)
-        ));
+        targets.check(
+            format!("update, {one} thread: thiscpu {} faster than parking_lot", fmt_ratio(r)),
+            "≥ 2×",
+            r >= 2.0,
+        );
     }
     if most > one {
         if let Some(r) = ratio("update/parking_lot", most) {
-            out.push_str(&format!(
-                "  update, {most} threads: thiscpu {} the per-thread throughput of one \
-                 parking_lot (target ≥ 10×): {}\n",
-                fmt_ratio(r),
-                verdict(r >= 10.0)
-            ));
+            targets.check(
+                format!(
+                    "update, {most} threads: thiscpu {} the per-thread throughput of one \
+                     parking_lot",
+                    fmt_ratio(r)
+                ),
+                "≥ 10×",
+                r >= 10.0,
+            );
         }
         if let Some(r) = ratio("update/hashed-mutexes", most) {
-            out.push_str(&format!(
-                "  update, {most} threads: hashed-mutexes cost {} of thiscpu (target ≥ 1×): {}
-",
-                fmt_ratio(r),
-                verdict(r >= 1.0)
-            ));
+            targets.check(
+                format!("update, {most} threads: hashed-mutexes cost {} of thiscpu", fmt_ratio(r)),
+                "≥ 1×",
+                r >= 1.0,
+            );
         }
     }
-    if let (Some(few), Some(many)) = (memory("memory-100/thiscpu"), memory("memory-1000/thiscpu")) {
+    if let (Some(few), Some(many)) = (
+        memory_median(results, "memory-100/thiscpu"),
+        memory_median(results, "memory-1000/thiscpu"),
+    ) {
         // The aligned allocation's placement moves the figure by a few dozen bytes between
         // rounds; growing with the threads would add at least a byte per thread.
         let per_extra_thread = (many - few) / 900.0;
-        out.push_str(&format!(
-            "  memory: thiscpu {} bytes with 100 threads alive, {} with 1000, {} per extra \
-             thread (target: independent of the threads, < 1 byte per thread): {}\n",
+        targets.note(format!(
+            "memory: thiscpu {} bytes with 100 threads alive, {} with 1000, {} per extra \
+             thread (target: independent of the threads, < 1 byte per thread): {}",
             fmt_num(few),
             fmt_num(many),
             fmt_num(per_extra_thread),
             verdict(per_extra_thread < 1.0)
         ));
     }
-    out.push_str(&rseq_off::report(results));
-    out.trim_end().to_owned()
+    targets
 }

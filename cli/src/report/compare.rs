@@ -7,6 +7,7 @@ use crate::error::{Error, Result};
 use crate::report::json::{self, Report, ResultRow};
 use crate::report::output::Output;
 use crate::report::table::{self, align_right, fmt_num, fmt_percent, new_table};
+use comfy_table::Table;
 use std::path::Path;
 
 /// Reads both reports, prints the comparison, and checks the threshold.
@@ -102,6 +103,36 @@ pub fn render(
     if style == Style::Markdown {
         out.push_str("# thiscpu compare\n\n");
     }
+    out.push_str(&header(before, after, before_name, after_name, style));
+    let mut unmatched = Unmatched::default();
+    for bench in benches(before, after) {
+        if let Some(table) = bench_table(before, after, bench, &mut unmatched) {
+            out.push_str(&in_style(bench, table, style));
+        }
+    }
+    if !unmatched.only_before.is_empty() {
+        out.push_str(&format!(
+            "\nonly in before ({before_name}): {}\n",
+            unmatched.only_before.join(", ")
+        ));
+    }
+    if !unmatched.only_after.is_empty() {
+        out.push_str(&format!(
+            "\nonly in after ({after_name}): {}\n",
+            unmatched.only_after.join(", ")
+        ));
+    }
+    out.trim_end().to_owned()
+}
+
+/// Which file is which, and the machine (or each file's, when they differ).
+fn header(
+    before: &Report,
+    after: &Report,
+    before_name: &str,
+    after_name: &str,
+    style: Style,
+) -> String {
     let header = if before.machine.summary() == after.machine.summary() {
         format!(
             "before: {before_name}\nafter:  {after_name}\nmachine: {}\n",
@@ -115,113 +146,117 @@ pub fn render(
         )
     };
     match style {
-        Style::Text => out.push_str(&header),
+        Style::Text => header,
         // One list item per line, or Markdown would join them into one paragraph.
-        Style::Markdown => {
-            for line in header.lines() {
-                out.push_str(&format!("- {}\n", line.replacen(":  ", ": ", 1)));
-            }
-        }
+        Style::Markdown => header
+            .lines()
+            .map(|line| format!("- {}\n", line.replacen(":  ", ": ", 1)))
+            .collect(),
     }
+}
 
-    // Benches in order of first appearance, before's first.
+/// Benches in order of first appearance, before's first.
+fn benches<'a>(before: &'a Report, after: &'a Report) -> Vec<&'a str> {
     let mut benches: Vec<&str> = Vec::new();
     for row in before.results.iter().chain(&after.results) {
         if !benches.contains(&row.bench.as_str()) {
             benches.push(&row.bench);
         }
     }
+    benches
+}
+
+/// Results found in one report only, by label and why the other left them out.
+#[derive(Default)]
+struct Unmatched {
+    only_before: Vec<String>,
+    only_after: Vec<String>,
+}
+
+/// One bench's table of the results in both reports, in order of first appearance; `None`
+/// when no result is in both. Those in one report only go to `unmatched`.
+fn bench_table(
+    before: &Report,
+    after: &Report,
+    bench: &str,
+    unmatched: &mut Unmatched,
+) -> Option<Table> {
     let find = |report: &'_ Report, k: Key<'_>| -> Option<ResultRow> {
         report.results.iter().find(|r| key(r) == k).cloned()
     };
+    let mut keys: Vec<Key<'_>> = Vec::new();
+    for row in before.results.iter().chain(&after.results) {
+        let k = key(row);
+        if row.bench == bench && !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    let mut table = new_table();
+    table.set_header(vec![
+        "case",
+        "threads",
+        "unit",
+        "before (min–max)",
+        "after (min–max)",
+        "difference",
+        "change",
+    ]);
+    let mut rows = 0;
+    for k in keys {
+        match (find(before, k), find(after, k)) {
+            (Some(old), Some(new)) => {
+                table.add_row(comparison_row(&old, &new));
+                rows += 1;
+            }
+            (Some(_), None) => unmatched.only_before.push(label(k) + &left_out(after, k)),
+            (None, Some(_)) => unmatched.only_after.push(label(k) + &left_out(before, k)),
+            (None, None) => {}
+        }
+    }
+    if rows == 0 {
+        return None;
+    }
+    align_right(&mut table, &[1, 3, 4, 5]);
+    Some(table)
+}
 
-    let mut only_before = Vec::new();
-    let mut only_after = Vec::new();
-    for bench in benches {
-        let mut keys: Vec<Key<'_>> = Vec::new();
-        for row in before.results.iter().chain(&after.results) {
-            let k = key(row);
-            if row.bench == bench && !keys.contains(&k) {
-                keys.push(k);
-            }
-        }
-        let mut table = new_table();
-        table.set_header(vec![
-            "case",
-            "threads",
-            "unit",
-            "before (min–max)",
-            "after (min–max)",
-            "difference",
-            "change",
-        ]);
-        let mut rows = 0;
-        for k in keys {
-            let (old, new) = match (find(before, k), find(after, k)) {
-                (Some(old), Some(new)) => (old, new),
-                (Some(_), None) => {
-                    only_before.push(label(k) + &left_out(after, k));
-                    continue;
-                }
-                (None, Some(_)) => {
-                    only_after.push(label(k) + &left_out(before, k));
-                    continue;
-                }
-                (None, None) => continue,
-            };
-            rows += 1;
-            let cell = |row: &ResultRow| {
-                format!(
-                    "{} ({}–{})",
-                    fmt_num(row.median),
-                    fmt_num(row.min),
-                    fmt_num(row.max)
-                )
-            };
-            let unit = if old.unit == new.unit {
-                old.unit.clone()
-            } else {
-                format!("{} → {}", old.unit, new.unit)
-            };
-            let (difference, change) = if old.unit != new.unit {
-                (String::new(), "unit changed".to_owned())
-            } else {
-                describe_change(&old, &new)
-            };
-            table.add_row(vec![
-                old.case.clone(),
-                old.threads.to_string(),
-                unit,
-                cell(&old),
-                cell(&new),
-                difference,
-                change,
-            ]);
-        }
-        if rows > 0 {
-            align_right(&mut table, &[1, 3, 4, 5]);
-            match style {
-                Style::Text => out.push_str(&format!("\n{bench}\n{}\n", table::render(&table))),
-                Style::Markdown => out.push_str(&format!(
-                    "\n## {bench}\n\n{}\n",
-                    table::markdown(&mut table)
-                )),
-            }
-        }
+/// A result in both reports: both medians with their ranges, the difference, the change.
+fn comparison_row(old: &ResultRow, new: &ResultRow) -> Vec<String> {
+    let cell = |row: &ResultRow| {
+        format!(
+            "{} ({}–{})",
+            fmt_num(row.median),
+            fmt_num(row.min),
+            fmt_num(row.max)
+        )
+    };
+    let unit = if old.unit == new.unit {
+        old.unit.clone()
+    } else {
+        format!("{} → {}", old.unit, new.unit)
+    };
+    let (difference, change) = if old.unit != new.unit {
+        (String::new(), "unit changed".to_owned())
+    } else {
+        describe_change(old, new)
+    };
+    vec![
+        old.case.clone(),
+        old.threads.to_string(),
+        unit,
+        cell(old),
+        cell(new),
+        difference,
+        change,
+    ]
+}
+
+/// A bench's table under its name, as text or as a Markdown section.
+fn in_style(bench: &str, mut table: Table, style: Style) -> String {
+    match style {
+        Style::Text => format!("\n{bench}\n{}\n", table::render(&table)),
+        Style::Markdown => format!("\n## {bench}\n\n{}\n", table::markdown(&mut table)),
     }
-    if !only_before.is_empty() {
-        out.push_str(&format!(
-            "\nonly in before ({before_name}): {}\n",
-            only_before.join(", ")
-        ));
-    }
-    if !only_after.is_empty() {
-        out.push_str(&format!(
-            "\nonly in after ({after_name}): {}\n",
-            only_after.join(", ")
-        ));
-    }
-    out.trim_end().to_owned()
 }
 
 /// ` (left out there: REASON)` when `report` lists the case as skipped.

@@ -166,6 +166,44 @@ fn wrap(text: &str, width: usize) -> Vec<String> {
     lines
 }
 
+/// The thread counts and units of a family's results, each in the order it first appears.
+struct Series<'a> {
+    thread_counts: Vec<usize>,
+    units: Vec<&'a str>,
+}
+
+impl<'a> Series<'a> {
+    fn of(results: &[&'a Measured]) -> Self {
+        let mut series = Series {
+            thread_counts: Vec::new(),
+            units: Vec::new(),
+        };
+        for m in results {
+            if !series.thread_counts.contains(&m.threads) {
+                series.thread_counts.push(m.threads);
+            }
+            if !series.units.contains(&m.unit.label()) {
+                series.units.push(m.unit.label());
+            }
+        }
+        series
+    }
+
+    fn several_threads(&self) -> bool {
+        self.thread_counts.len() > 1
+    }
+
+    /// The bar colour of a thread count.
+    fn colour(&self, threads: usize) -> &'static str {
+        let index = self
+            .thread_counts
+            .iter()
+            .position(|&t| t == threads)
+            .unwrap_or(0);
+        COLOURS[index % COLOURS.len()]
+    }
+}
+
 /// The chart of one family's results.
 pub fn chart(
     family: &Family,
@@ -173,26 +211,40 @@ pub fn chart(
     machine: &Machine,
     info: &RunInfo,
 ) -> Document {
-    let mut thread_counts: Vec<usize> = Vec::new();
-    let mut units: Vec<&str> = Vec::new();
-    for m in results {
-        if !thread_counts.contains(&m.threads) {
-            thread_counts.push(m.threads);
-        }
-        if !units.contains(&m.unit.label()) {
-            units.push(m.unit.label());
-        }
+    let series = Series::of(results);
+    let (mut body, mut y) = heading(family, machine, Group::new());
+    if series.several_threads() {
+        y += LINE + 4.0;
+        body = legend(&series, body, y);
     }
-    let several_threads = thread_counts.len() > 1;
-    let colour = |threads: usize| {
-        let index = thread_counts
+    y += 12.0;
+    for &unit in &series.units {
+        let rows: Vec<(&Measured, Stats)> = results
             .iter()
-            .position(|&t| t == threads)
-            .unwrap_or(0);
-        COLOURS[index % COLOURS.len()]
-    };
+            .filter(|m| m.unit.label() == unit)
+            .map(|m| (*m, m.stats()))
+            .collect();
+        (body, y) = panel(family, &series, unit, &rows, info, body, y);
+    }
 
-    let mut body = Group::new();
+    let height = y + MARGIN;
+    Document::new()
+        .set("width", WIDTH)
+        .set("height", round(height))
+        .set("viewBox", (0, 0, WIDTH, round(height)))
+        .add(Title::new(format!("thiscpu bench {}", family.name)))
+        .add(
+            Rectangle::new()
+                .set("width", "100%")
+                .set("height", "100%")
+                .set("fill", "white"),
+        )
+        .add(body)
+}
+
+/// The family's name, what it measures, and the machine it ran on, added to `body`; and the
+/// height reached.
+fn heading(family: &Family, machine: &Machine, mut body: Group) -> (Group, f64) {
     let mut y = MARGIN + 10.0;
     body = body.add(
         text(MARGIN, y, format!("thiscpu bench {}", family.name))
@@ -214,118 +266,125 @@ pub fn chart(
         y += LINE;
         body = body.add(text(MARGIN, y, note).set("fill", MUTED));
     }
-    if several_threads {
-        y += LINE + 4.0;
-        let mut x = MARGIN;
-        for &threads in &thread_counts {
-            body = body
-                .add(
-                    Rectangle::new()
-                        .set("x", round(x))
-                        .set("y", round(y - 10.0))
-                        .set("width", 12)
-                        .set("height", 12)
-                        .set("fill", colour(threads)),
-                )
-                .add(text(
-                    x + 16.0,
-                    y,
-                    format!("{threads} thread{}", if threads == 1 { "" } else { "s" }),
-                ));
-            x += 100.0;
-        }
-    }
-    y += 12.0;
+    (body, y)
+}
 
-    for unit in units {
-        let rows: Vec<(&Measured, Stats)> = results
-            .iter()
-            .filter(|m| m.unit.label() == unit)
-            .map(|m| (*m, m.stats()))
-            .collect();
-        let values: Vec<f64> = rows.iter().flat_map(|(_, s)| [s.min, s.max]).collect();
-        let scale = Scale::fit(&values);
-        let top = y + 8.0;
-        let bottom = top + ROW * rows.len() as f64;
-
-        let mut grid = Group::new();
-        for tick in scale.ticks() {
-            let x = scale.x(tick);
-            grid = grid
-                .add(line(x, top - 4.0, x, bottom, GRID, 1.0))
-                .add(text(x, bottom + 16.0, tick_label(tick)).set("text-anchor", "middle"));
-        }
-        grid = grid.add(line(PLOT_LEFT, top - 4.0, PLOT_LEFT, bottom, "#999", 1.0));
-        body = body.add(grid).add(
-            text(
-                (PLOT_LEFT + PLOT_RIGHT) / 2.0,
-                bottom + 34.0,
-                format!(
-                    "{unit} ({}) · bar: median · whisker: min–max over {} rounds",
-                    scale.name(),
-                    info.rounds
-                ),
+/// A swatch and a name per thread count, on the line at `y`.
+fn legend(series: &Series, mut body: Group, y: f64) -> Group {
+    let mut x = MARGIN;
+    for &threads in &series.thread_counts {
+        body = body
+            .add(
+                Rectangle::new()
+                    .set("x", round(x))
+                    .set("y", round(y - 10.0))
+                    .set("width", 12)
+                    .set("height", 12)
+                    .set("fill", series.colour(threads)),
             )
-            .set("text-anchor", "middle"),
-        );
-
-        for (i, (m, s)) in rows.iter().enumerate() {
-            let centre = top + ROW * i as f64 + ROW / 2.0;
-            let label = if several_threads {
-                format!("{} ×{}", m.case, m.threads)
-            } else {
-                m.case.to_owned()
-            };
-            let mut label_text =
-                text(LABEL_RIGHT, centre + 4.0, label.clone()).set("text-anchor", "end");
-            if family.baseline_for(m.case).as_deref() == Some(m.case) {
-                label_text = label_text.set("font-weight", "bold");
-            }
-            let (x_min, x_median, x_max) = (scale.x(s.min), scale.x(s.median), scale.x(s.max));
-            let row = Group::new()
-                .add(Title::new(format!(
-                    "{label}: median {} {unit}, min {}, max {}, {} rounds; {}",
-                    fmt_num(s.median),
-                    fmt_num(s.min),
-                    fmt_num(s.max),
-                    m.rounds.len(),
-                    m.how
-                )))
-                .add(label_text)
-                .add(
-                    Rectangle::new()
-                        .set("x", PLOT_LEFT)
-                        .set("y", round(centre - BAR / 2.0))
-                        .set("width", round((x_median - PLOT_LEFT).max(1.0)))
-                        .set("height", BAR)
-                        .set("fill", colour(m.threads)),
-                )
-                .add(line(x_min, centre, x_max, centre, INK, 1.2))
-                .add(line(x_min, centre - 4.0, x_min, centre + 4.0, INK, 1.2))
-                .add(line(x_max, centre - 4.0, x_max, centre + 4.0, INK, 1.2))
-                .add(text(
-                    x_max.max(x_median) + 6.0,
-                    centre + 4.0,
-                    fmt_num(s.median),
-                ));
-            body = body.add(row);
-        }
-        y = bottom + 48.0;
+            .add(text(
+                x + 16.0,
+                y,
+                format!("{threads} thread{}", if threads == 1 { "" } else { "s" }),
+            ));
+        x += 100.0;
     }
+    body
+}
 
-    let height = y + MARGIN;
-    Document::new()
-        .set("width", WIDTH)
-        .set("height", round(height))
-        .set("viewBox", (0, 0, WIDTH, round(height)))
-        .add(Title::new(format!("thiscpu bench {}", family.name)))
+/// The panel of the results in one unit, below `y`: its axis, and a bar per result. The
+/// height reached.
+fn panel(
+    family: &Family,
+    series: &Series,
+    unit: &str,
+    rows: &[(&Measured, Stats)],
+    info: &RunInfo,
+    mut body: Group,
+    y: f64,
+) -> (Group, f64) {
+    let values: Vec<f64> = rows.iter().flat_map(|(_, s)| [s.min, s.max]).collect();
+    let scale = Scale::fit(&values);
+    let top = y + 8.0;
+    let bottom = top + ROW * rows.len() as f64;
+    body = body.add(grid(&scale, top, bottom)).add(
+        text(
+            (PLOT_LEFT + PLOT_RIGHT) / 2.0,
+            bottom + 34.0,
+            format!(
+                "{unit} ({}) · bar: median · whisker: min–max over {} rounds",
+                scale.name(),
+                info.rounds
+            ),
+        )
+        .set("text-anchor", "middle"),
+    );
+    for (i, (m, s)) in rows.iter().enumerate() {
+        let centre = top + ROW * i as f64 + ROW / 2.0;
+        body = body.add(bar(family, series, &scale, unit, m, s, centre));
+    }
+    (body, bottom + 48.0)
+}
+
+/// The vertical lines at the scale's ticks, with their values, and the axis line.
+fn grid(scale: &Scale, top: f64, bottom: f64) -> Group {
+    let mut grid = Group::new();
+    for tick in scale.ticks() {
+        let x = scale.x(tick);
+        grid = grid
+            .add(line(x, top - 4.0, x, bottom, GRID, 1.0))
+            .add(text(x, bottom + 16.0, tick_label(tick)).set("text-anchor", "middle"));
+    }
+    grid.add(line(PLOT_LEFT, top - 4.0, PLOT_LEFT, bottom, "#999", 1.0))
+}
+
+/// One result's row centred at `centre`: its label (bold for the baseline), the bar to its
+/// median, the whisker from min to max, the median's value, and a tooltip with all of them.
+fn bar(
+    family: &Family,
+    series: &Series,
+    scale: &Scale,
+    unit: &str,
+    m: &Measured,
+    s: &Stats,
+    centre: f64,
+) -> Group {
+    let label = if series.several_threads() {
+        format!("{} ×{}", m.case, m.threads)
+    } else {
+        m.case.to_owned()
+    };
+    let mut label_text = text(LABEL_RIGHT, centre + 4.0, label.clone()).set("text-anchor", "end");
+    if family.baseline_for(m.case).as_deref() == Some(m.case) {
+        label_text = label_text.set("font-weight", "bold");
+    }
+    let (x_min, x_median, x_max) = (scale.x(s.min), scale.x(s.median), scale.x(s.max));
+    Group::new()
+        .add(Title::new(format!(
+            "{label}: median {} {unit}, min {}, max {}, {} rounds; {}",
+            fmt_num(s.median),
+            fmt_num(s.min),
+            fmt_num(s.max),
+            m.rounds.len(),
+            m.how
+        )))
+        .add(label_text)
         .add(
             Rectangle::new()
-                .set("width", "100%")
-                .set("height", "100%")
-                .set("fill", "white"),
+                .set("x", PLOT_LEFT)
+                .set("y", round(centre - BAR / 2.0))
+                .set("width", round((x_median - PLOT_LEFT).max(1.0)))
+                .set("height", BAR)
+                .set("fill", series.colour(m.threads)),
         )
-        .add(body)
+        .add(line(x_min, centre, x_max, centre, INK, 1.2))
+        .add(line(x_min, centre - 4.0, x_min, centre + 4.0, INK, 1.2))
+        .add(line(x_max, centre - 4.0, x_max, centre + 4.0, INK, 1.2))
+        .add(text(
+            x_max.max(x_median) + 6.0,
+            centre + 4.0,
+            fmt_num(s.median),
+        ))
 }
 
 /// Writes the chart of `family` to `file` (already created at `path`).

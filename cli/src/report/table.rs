@@ -296,91 +296,62 @@ fn legend(family: &Family, results: &[Measured]) -> String {
     format!("what each case calls{ratio}:\n{}\n", render(&table))
 }
 
+/// Which columns a family's table has.
+struct Columns {
+    /// What each case calls (Markdown only: the terminal has it in a legend).
+    calls: bool,
+    /// The thread count, when there are several.
+    threads: bool,
+    /// The unit beside each median, when the results have several.
+    unit_per_row: bool,
+    /// Each median over its baseline's, labelled so, when the baseline ran.
+    ratio: Option<&'static str>,
+}
+
 /// A family's table, `None` without results.
 fn family_table(family: &Family, results: &[Measured], layout: Layout) -> Option<Table> {
     if results.is_empty() {
         return None;
     }
-    let thread_counts = {
-        let mut counts: Vec<usize> = results.iter().map(|m| m.threads).collect();
-        counts.sort_unstable();
-        counts.dedup();
-        counts
-    };
-    let several = thread_counts.len() > 1;
     let units = {
         let mut units: Vec<Unit> = results.iter().map(|m| m.unit).collect();
         units.dedup();
         units
     };
+    let columns = Columns {
+        calls: layout == Layout::Markdown,
+        threads: thread_counts(results).len() > 1,
+        unit_per_row: units.len() > 1,
+        ratio: family.baseline_label().filter(|_| {
+            results
+                .iter()
+                .any(|m| family.baseline_for(m.case).as_deref() == Some(m.case))
+        }),
+    };
     let unit = match units.as_slice() {
         [one] => one.label(),
         _ => "",
     };
-    // A ratio only between like rows: of one unit (bytes divided by nanoseconds means
-    // nothing) and, where case names are `operation/structure` and the baseline is one
-    // structure's, of one operation (a write divided by a read neither).
-    // A ratio only between like rows: of one unit (bytes divided by nanoseconds means
-    // nothing), and of one operation where the family's baseline says how to match them.
-    let baseline_median = |m: &Measured| {
-        let like = family.baseline_for(m.case)?;
-        results
-            .iter()
-            .find(|base| base.case == like && base.threads == m.threads && base.unit == m.unit)
-            .map(|base| base.stats().median)
-    };
     let mut table = new_table();
     let mut header = vec!["case".to_owned()];
-    if layout == Layout::Markdown {
+    if columns.calls {
         header.push("what it calls".to_owned());
     }
-    if several {
+    if columns.threads {
         header.push("threads".to_owned());
     }
     header.push(format!("median {unit}"));
     header.push("min – max".to_owned());
     header.push("mean ± sd".to_owned());
     header.push("CPUs".to_owned());
-    let baseline = family.baseline_label().filter(|_| {
-        results
-            .iter()
-            .any(|m| family.baseline_for(m.case).as_deref() == Some(m.case))
-    });
-    if let Some(label) = baseline {
+    if let Some(label) = columns.ratio {
         header.push(format!("÷ {label}"));
     }
     table.set_header(header);
     for m in results {
-        let stats = m.stats();
-        let mut row = vec![m.case.to_owned()];
-        if layout == Layout::Markdown {
-            row.push(m.how.clone());
-        }
-        if several {
-            row.push(m.threads.to_string());
-        }
-        let suffix = if units.len() > 1 {
-            format!(" {}", m.unit.label())
-        } else {
-            String::new()
-        };
-        row.push(format!("{}{suffix}", fmt_num(stats.median)));
-        row.push(format!("{} – {}", fmt_num(stats.min), fmt_num(stats.max)));
-        row.push(format!(
-            "{} ± {}",
-            fmt_num(stats.mean),
-            fmt_num(stats.stddev)
-        ));
-        row.push(format_cpu_list(&m.cpus));
-        if baseline.is_some() {
-            row.push(match baseline_median(m) {
-                Some(base) if base > 0.0 => fmt_ratio(stats.median / base),
-                _ => String::new(),
-            });
-        }
-        table.add_row(row);
+        table.add_row(family_row(family, results, m, &columns));
     }
-    let first_number = usize::from(layout == Layout::Markdown) + if several { 2 } else { 1 };
+    let first_number = usize::from(columns.calls) + if columns.threads { 2 } else { 1 };
     align_right(
         &mut table,
         &[
@@ -392,6 +363,56 @@ fn family_table(family: &Family, results: &[Measured], layout: Layout) -> Option
         ],
     );
     Some(table)
+}
+
+/// The row of result `m` in its family's table.
+fn family_row(
+    family: &Family,
+    results: &[Measured],
+    m: &Measured,
+    columns: &Columns,
+) -> Vec<String> {
+    let stats = m.stats();
+    let mut row = vec![m.case.to_owned()];
+    if columns.calls {
+        row.push(m.how.clone());
+    }
+    if columns.threads {
+        row.push(m.threads.to_string());
+    }
+    let suffix = if columns.unit_per_row {
+        format!(" {}", m.unit.label())
+    } else {
+        String::new()
+    };
+    row.push(format!("{}{suffix}", fmt_num(stats.median)));
+    row.push(format!("{} – {}", fmt_num(stats.min), fmt_num(stats.max)));
+    row.push(format!(
+        "{} ± {}",
+        fmt_num(stats.mean),
+        fmt_num(stats.stddev)
+    ));
+    row.push(format_cpu_list(&m.cpus));
+    if columns.ratio.is_some() {
+        row.push(match baseline_median(family, results, m) {
+            Some(base) if base > 0.0 => fmt_ratio(stats.median / base),
+            _ => String::new(),
+        });
+    }
+    row
+}
+
+/// The median of the row `m` is divided by: its baseline's, at the same thread count.
+///
+/// A ratio only between like rows: of one unit (bytes divided by nanoseconds means nothing)
+/// and, where case names are `operation/structure` and the baseline is one structure's, of
+/// one operation (a write divided by a read neither).
+fn baseline_median(family: &Family, results: &[Measured], m: &Measured) -> Option<f64> {
+    let like = family.baseline_for(m.case)?;
+    results
+        .iter()
+        .find(|base| base.case == like && base.threads == m.threads && base.unit == m.unit)
+        .map(|base| base.stats().median)
 }
 
 /// Seed 000's table: a number of calls and the time they take, before and after, with the
@@ -462,6 +483,74 @@ pub fn seed_latency_table(vdso: Option<f64>, syscall: Option<f64>, after: f64) -
 /// `met` or `NOT met`, for the families' target lines.
 pub fn verdict(met: bool) -> &'static str {
     if met { "met" } else { "NOT met" }
+}
+
+/// The thread counts of `results`, ascending, each once.
+pub fn thread_counts<'a>(results: impl IntoIterator<Item = &'a Measured>) -> Vec<usize> {
+    let mut counts: Vec<usize> = results.into_iter().map(|m| m.threads).collect();
+    counts.sort_unstable();
+    counts.dedup();
+    counts
+}
+
+/// `1 thread`, `4 threads`.
+pub fn threads_phrase(n: usize) -> String {
+    format!("{n} thread{}", if n == 1 { "" } else { "s" })
+}
+
+/// `table` under its title, the way families print their own tables: a blank line, the title
+/// and a colon, the table, and a line end.
+pub fn titled(title: &str, table: &Table) -> String {
+    format!("\n{title}:\n{}\n", render(table))
+}
+
+/// A family's target lines under their heading (`targets (ratios of medians)`, say): claims
+/// checked against their targets, and figures shown beside them.
+pub struct Targets {
+    heading: &'static str,
+    lines: Vec<String>,
+}
+
+impl Targets {
+    pub fn new(heading: &'static str) -> Self {
+        Targets {
+            heading,
+            lines: Vec::new(),
+        }
+    }
+
+    /// `  {claim} (target {target}): met`, or `NOT met`.
+    pub fn check(&mut self, claim: impl std::fmt::Display, target: &str, met: bool) {
+        self.lines
+            .push(format!("  {claim} (target {target}): {}", verdict(met)));
+    }
+
+    /// A line of its own, indented as the claims are.
+    pub fn note(&mut self, line: impl std::fmt::Display) {
+        self.lines.push(format!("  {line}"));
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.lines.is_empty()
+    }
+
+    /// The heading and the lines, the last one without a line end; nothing without lines.
+    pub fn joined(&self) -> String {
+        if self.lines.is_empty() {
+            return String::new();
+        }
+        format!("\n{}:\n{}", self.heading, self.lines.join("\n"))
+    }
+
+    /// The heading and the lines, each ended; the heading even without lines.
+    pub fn ended(&self) -> String {
+        let mut text = format!("\n{}:\n", self.heading);
+        for line in &self.lines {
+            text.push_str(line);
+            text.push('\n');
+        }
+        text
+    }
 }
 
 #[cfg(test)]

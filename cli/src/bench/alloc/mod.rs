@@ -30,7 +30,9 @@ pub mod switch;
 
 use super::model::{Case, Family, Measured, RunInfo, Unit, Workload, median_of};
 use super::rseq_off::{self, ChildSetup};
-use crate::report::table::{align_right, fmt_num, fmt_ratio, new_table, render, verdict};
+use crate::report::table::{
+    Targets, align_right, fmt_num, fmt_ratio, new_table, render, thread_counts, threads_phrase,
+};
 use child::{ChildCase, Figure, Task, Unread};
 use switch::{Kind, PEERS_BUILT};
 
@@ -430,24 +432,43 @@ fn part_table(
     Some(render(&table))
 }
 
+/// The sizes of the alloc + dealloc pairs: each size's label and its cases' prefix.
+const PAIR_GROUPS: &[(&str, &str)] = &[
+    ("16 B", "pair16"),
+    ("64 B", "pair64"),
+    ("256 B", "pair256"),
+    ("1024 B", "pair1024"),
+    ("4096 B", "pair4096"),
+];
+
 /// The four parts' tables, then the targets.
 fn report(results: &[Measured]) -> String {
-    let mut threads: Vec<usize> = results
-        .iter()
-        .filter(|m| m.case.starts_with("pair"))
-        .map(|m| m.threads)
-        .collect();
-    threads.sort_unstable();
-    threads.dedup();
+    let threads = thread_counts(results.iter().filter(|m| m.case.starts_with("pair")));
+    let mut out = part_tables(results, &threads);
+    let mut targets = Targets::new("targets (ratios of medians)");
+    for &n in &threads {
+        pair_targets(&mut targets, results, n);
+    }
+    program_targets(&mut targets, results);
+    let peer_measured = Kind::PEERS.iter().any(|&peer| {
+        results
+            .iter()
+            .any(|r| r.case.ends_with(&format!("/{}", peer.name())))
+    });
+    if !peer_measured && !targets.is_empty() {
+        targets.note(
+            "targets against mimalloc, jemalloc and tcmalloc: not judged, none of them was \
+             measured",
+        );
+    }
+    out.push_str(&targets.joined());
+    out.trim_end().to_owned()
+}
+
+/// The tables of the parts that ran: pairs, remote frees, many threads, program-shaped tasks.
+fn part_tables(results: &[Measured], threads: &[usize]) -> String {
     let mut out = String::new();
-    let pair_groups: Vec<(&str, &str)> = vec![
-        ("16 B", "pair16"),
-        ("64 B", "pair64"),
-        ("256 B", "pair256"),
-        ("1024 B", "pair1024"),
-        ("4096 B", "pair4096"),
-    ];
-    if let Some(table) = part_table(results, &pair_groups, &threads, "ns", fmt_num) {
+    if let Some(table) = part_table(results, PAIR_GROUPS, threads, "ns", fmt_num) {
         out.push_str(&format!(
             "\nalloc + dealloc pairs, per thread (medians; ÷ best peer: over the fastest of \
              mimalloc, jemalloc and tcmalloc at that size and thread count):\n{table}\n"
@@ -483,46 +504,57 @@ fn report(results: &[Measured]) -> String {
             out.push('\n');
         }
     }
+    out
+}
 
-    let mut lines = Vec::new();
-    for &n in &threads {
-        let worst = |ratio_of: &dyn Fn(&str) -> Option<f64>, better_high: bool| {
-            pair_groups
-                .iter()
-                .filter_map(|&(label, prefix)| Some((label, ratio_of(prefix)?)))
-                .max_by(|a, b| {
-                    if better_high {
-                        b.1.total_cmp(&a.1)
-                    } else {
-                        a.1.total_cmp(&b.1)
-                    }
-                })
-        };
-        let ours = |prefix: &str| median_of(results, case_name(prefix, Kind::Thiscpu), n);
-        let plural = if n == 1 { "" } else { "s" };
-        if let Some((label, ratio)) = worst(
-            &|prefix| Some(ours(prefix)? / best_peer(results, prefix, n)?.1),
-            false,
-        ) {
-            lines.push(format!(
-                "  pairs, {n} thread{plural}: thiscpu ÷ best peer, worst size ({label}): {} \
-                 (target ≤ 0.8×): {}",
-                fmt_ratio(ratio),
-                verdict(ratio <= 0.8)
-            ));
-        }
-        if let Some((label, ratio)) = worst(
-            &|prefix| Some(median_of(results, case_name(prefix, Kind::Glibc), n)? / ours(prefix)?),
-            true,
-        ) {
-            lines.push(format!(
-                "  pairs, {n} thread{plural}: glibc ÷ thiscpu, worst size ({label}): {} \
-                 (target ≥ 2×): {}",
-                fmt_ratio(ratio),
-                verdict(ratio >= 2.0)
-            ));
-        }
+/// The pairs' targets at `n` threads, each at its worst size: against the best peer, and
+/// glibc against thiscpu.
+fn pair_targets(targets: &mut Targets, results: &[Measured], n: usize) {
+    let worst = |ratio_of: &dyn Fn(&str) -> Option<f64>, better_high: bool| {
+        PAIR_GROUPS
+            .iter()
+            .filter_map(|&(label, prefix)| Some((label, ratio_of(prefix)?)))
+            .max_by(|a, b| {
+                if better_high {
+                    b.1.total_cmp(&a.1)
+                } else {
+                    a.1.total_cmp(&b.1)
+                }
+            })
+    };
+    let ours = |prefix: &str| median_of(results, case_name(prefix, Kind::Thiscpu), n);
+    let threads = threads_phrase(n);
+    if let Some((label, ratio)) = worst(
+        &|prefix| Some(ours(prefix)? / best_peer(results, prefix, n)?.1),
+        false,
+    ) {
+        targets.check(
+            format!(
+                "pairs, {threads}: thiscpu ÷ best peer, worst size ({label}): {}",
+                fmt_ratio(ratio)
+            ),
+            "≤ 0.8×",
+            ratio <= 0.8,
+        );
     }
+    if let Some((label, ratio)) = worst(
+        &|prefix| Some(median_of(results, case_name(prefix, Kind::Glibc), n)? / ours(prefix)?),
+        true,
+    ) {
+        targets.check(
+            format!(
+                "pairs, {threads}: glibc ÷ thiscpu, worst size ({label}): {}",
+                fmt_ratio(ratio)
+            ),
+            "≥ 2×",
+            ratio >= 2.0,
+        );
+    }
+}
+
+/// The targets of the program-shaped parts, at one thread: peak memory with 1,000 threads
+/// against mimalloc and jemalloc, and each task's time against the best peer.
+fn program_targets(targets: &mut Targets, results: &[Measured]) {
     let at_one = |prefix: &str, kind: Kind| median_of(results, case_name(prefix, kind), 1);
     for peer in [Kind::Mimalloc, Kind::Jemalloc] {
         if let (Some(ours), Some(theirs)) =
@@ -530,12 +562,15 @@ fn report(results: &[Measured]) -> String {
             && theirs > 0.0
         {
             let ratio = ours / theirs;
-            lines.push(format!(
-                "  1,000 threads, peak memory: thiscpu ÷ {}: {} (target ≤ 0.5×): {}",
-                peer.name(),
-                fmt_ratio(ratio),
-                verdict(ratio <= 0.5)
-            ));
+            targets.check(
+                format!(
+                    "1,000 threads, peak memory: thiscpu ÷ {}: {}",
+                    peer.name(),
+                    fmt_ratio(ratio)
+                ),
+                "≤ 0.5×",
+                ratio <= 0.5,
+            );
         }
     }
     for task in ["json", "strings"] {
@@ -544,31 +579,17 @@ fn report(results: &[Measured]) -> String {
             && best > 0.0
         {
             let ratio = ours / best;
-            lines.push(format!(
-                "  {task} time: thiscpu ÷ best peer ({}): {} (target ≤ 1×): {}",
-                peer.name(),
-                fmt_ratio(ratio),
-                verdict(ratio <= 1.0)
-            ));
+            targets.check(
+                format!(
+                    "{task} time: thiscpu ÷ best peer ({}): {}",
+                    peer.name(),
+                    fmt_ratio(ratio)
+                ),
+                "≤ 1×",
+                ratio <= 1.0,
+            );
         }
     }
-    let peer_measured = Kind::PEERS.iter().any(|&peer| {
-        results
-            .iter()
-            .any(|r| r.case.ends_with(&format!("/{}", peer.name())))
-    });
-    if !peer_measured && !lines.is_empty() {
-        lines.push(
-            "  targets against mimalloc, jemalloc and tcmalloc: not judged, none of them was \
-             measured"
-                .to_owned(),
-        );
-    }
-    if !lines.is_empty() {
-        out.push_str("\ntargets (ratios of medians):\n");
-        out.push_str(&lines.join("\n"));
-    }
-    out.trim_end().to_owned()
 }
 
 #[cfg(test)]

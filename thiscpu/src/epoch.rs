@@ -101,10 +101,41 @@ use std::sync::Arc;
 /// they could see: take [`load_full`](EpochCell::load_full) to keep one value instead).
 #[doc(alias = "ArcSwap")]
 #[doc(alias = "rcu")]
-pub struct EpochCell<T> {
-    /// Never holds the null pointer.
-    core: Core<T>,
+pub type EpochCell<T> = EpochCellAny<Arc<T>>;
+
+/// An [`EpochCell`] that may hold no value, as `arc_swap::ArcSwapOption`: the same readers and
+/// writers, with `None` for an empty cell.
+///
+/// ```
+/// use std::sync::Arc;
+/// let cache = thiscpu::EpochCellOption::<String>::empty();
+/// assert!(cache.load().is_none());
+/// cache.store(Some(Arc::new(String::from("warm"))));
+/// assert_eq!(cache.load().as_deref().map(String::as_str), Some("warm"));
+/// let old = cache.swap(None);
+/// assert_eq!(old.as_deref().map(String::as_str), Some("warm"));
+/// ```
+pub type EpochCellOption<T> = EpochCellAny<Option<Arc<T>>>;
+
+/// The one cell behind [`EpochCell`] (`P` is `Arc<T>`) and [`EpochCellOption`] (`P` is
+/// `Option<Arc<T>>`), as `arc_swap::ArcSwapAny` is behind its two names. What both do with a
+/// `P` is written once, for any `P`; what their signatures do not share (`new`, `load`, the
+/// arguments of `store` and `compare_and_swap`) each name has in its own impl.
+pub struct EpochCellAny<P: EpochPointer> {
+    /// Never holds the null pointer when `P` is `Arc<T>`.
+    core: Core<P::Pointee>,
+    /// `P` is used only through `P::Pointee`, which does not count as a use of `P`.
+    kind: PhantomData<P>,
 }
+
+/// What an [`EpochCellAny`] takes and gives back: `Arc<T>` (an [`EpochCell`]) or
+/// `Option<Arc<T>>` (an [`EpochCellOption`]), as `arc_swap::RefCnt`. Sealed, so that its
+/// methods stay this module's own.
+pub trait EpochPointer: sealed::Pointer {}
+
+impl<T> EpochPointer for Arc<T> {}
+
+impl<T> EpochPointer for Option<Arc<T>> {}
 
 /// What [`EpochCell`] and [`EpochCellOption`] share: the reader counts, the phase, the
 /// pointer (`Arc::into_raw` of the value, or 0 for none in an [`EpochCellOption`]) and the
@@ -185,6 +216,18 @@ impl<T> Core<T> {
         self.readers.enter(phase);
         // The writer's fence orders this load after the entry; acquire: the value's contents.
         (phase, self.current.load(Ordering::SeqCst))
+    }
+
+    /// Pins this reader and borrows the current pointer, null for an empty cell: a guard of
+    /// the null pointer is only ever dropped, never handed out.
+    #[inline]
+    fn guard(&self) -> EpochGuard<'_, T> {
+        let (phase, value) = self.pin();
+        EpochGuard {
+            core: self,
+            phase,
+            value: value as *const T,
+        }
     }
 
     #[inline]
@@ -323,6 +366,51 @@ pub trait AsRawPtr<T>: sealed::Sealed {
 }
 
 mod sealed {
+    use std::sync::Arc;
+
+    /// An [`EpochPointer`](super::EpochPointer) as the nullable pointer the core stores.
+    pub trait Pointer: Sized {
+        /// The `T` of the `Arc<T>`.
+        type Pointee;
+        /// The cell's name in its `Debug` output.
+        const NAME: &'static str;
+        /// The value, or `None` for no value.
+        fn into_option(self) -> Option<Arc<Self::Pointee>>;
+        /// Back from what the core gave: `None` only for a cell that held no value, which an
+        /// `EpochCell` never is.
+        fn from_option(value: Option<Arc<Self::Pointee>>) -> Self;
+        /// The address a compare-and-swap compares, 0 for none.
+        fn address(&self) -> usize;
+    }
+
+    impl<T> Pointer for Arc<T> {
+        type Pointee = T;
+        const NAME: &'static str = "EpochCell";
+        fn into_option(self) -> Option<Arc<T>> {
+            Some(self)
+        }
+        fn from_option(value: Option<Arc<T>>) -> Self {
+            value.expect("an EpochCell always holds a value")
+        }
+        fn address(&self) -> usize {
+            Arc::as_ptr(self) as usize
+        }
+    }
+
+    impl<T> Pointer for Option<Arc<T>> {
+        type Pointee = T;
+        const NAME: &'static str = "EpochCellOption";
+        fn into_option(self) -> Option<Arc<T>> {
+            self
+        }
+        fn from_option(value: Option<Arc<T>>) -> Self {
+            value
+        }
+        fn address(&self) -> usize {
+            self.as_ref().map_or(0, Pointer::address)
+        }
+    }
+
     pub trait Sealed {}
     impl<T> Sealed for &std::sync::Arc<T> {}
     impl<T> Sealed for &super::EpochGuard<'_, T> {}
@@ -354,6 +442,84 @@ impl<T> AsRawPtr<T> for *mut T {
     }
 }
 
+impl<P: EpochPointer> EpochCellAny<P> {
+    fn with(value: P) -> Self {
+        EpochCellAny {
+            core: Core::new(value.into_option()),
+            kind: PhantomData,
+        }
+    }
+
+    /// The current value, as an `Arc` of its own (one reference count added): an `Arc<T>`
+    /// from an [`EpochCell`], an `Option<Arc<T>>` from an [`EpochCellOption`].
+    pub fn load_full(&self) -> P {
+        P::from_option(self.core.load_full())
+    }
+
+    /// Replaces the value and returns the old one, without waiting for its readers: the cell
+    /// keeps a count of the old value until they have unpinned, so `Arc::try_unwrap` on it
+    /// may fail until then (as with `arc_swap`). Works while this thread holds a guard of
+    /// this cell. An [`EpochCellOption`] swaps an `Option<Arc<T>>`, `None` for no value.
+    ///
+    /// ```
+    /// use std::sync::Arc;
+    /// let cell = thiscpu::EpochCell::new(1);
+    /// let pinned = cell.load();
+    /// let old = cell.swap(Arc::new(2));
+    /// assert_eq!((*old, *pinned, *cell.load()), (1, 1, 2));
+    /// ```
+    pub fn swap(&self, value: P) -> P {
+        self.replace(None, value)
+    }
+
+    /// Stores `new` if the current pointer is `expected` (any pointer for `None`), and returns
+    /// the value found: the old one on success. Never waits for readers.
+    fn replace(&self, expected: Option<usize>, new: P) -> P {
+        P::from_option(self.core.replace(expected, new.into_option()))
+    }
+
+    /// `rcu` with an `update` that gives a `P` already: retries while another writer got in
+    /// between, and returns the value replaced.
+    fn rcu_with(&self, mut update: impl FnMut(&P) -> P) -> P {
+        let mut current = self.load_full();
+        loop {
+            let expected = current.address();
+            let previous = self.replace(Some(expected), update(&current));
+            if previous.address() == expected {
+                return previous;
+            }
+            current = previous;
+        }
+    }
+
+    /// Drops the replaced values whose readers have all unpinned, without waiting for any
+    /// (at most two `membarrier` calls), and returns how many the cell still keeps. Stores
+    /// do this themselves; call it to let go of old values sooner where stores are rare.
+    ///
+    /// ```
+    /// let cell = thiscpu::EpochCell::new(String::from("old"));
+    /// let pinned = cell.load();
+    /// cell.store(String::from("new"));
+    /// assert_eq!(cell.retired(), 1); // `pinned` may still read "old"
+    /// drop(pinned);
+    /// assert_eq!(cell.reclaim(), 0);
+    /// ```
+    pub fn reclaim(&self) -> usize {
+        self.core.reclaim()
+    }
+
+    /// Replaced values the cell still keeps for readers that may see them.
+    pub fn retired(&self) -> usize {
+        self.core.lock_writers().len()
+    }
+
+    /// Whether readers pin with restartable sequences and writers fence with `membarrier`
+    /// (else with `SeqCst` atomics and fences).
+    pub fn uses_rseq(&self) -> bool {
+        self.core.readers.by_sections()
+    }
+}
+
 impl<T> EpochCell<T> {
     /// A cell holding `value`.
     pub fn new(value: T) -> Self {
@@ -367,46 +533,14 @@ impl<T> EpochCell<T> {
 
     /// A cell holding `value`.
     pub fn from_arc(value: Arc<T>) -> Self {
-        EpochCell {
-            core: Core::new(Some(value)),
-        }
+        EpochCell::with(value)
     }
 
     /// Pins this reader and borrows the current value until the guard is dropped. Never
     /// waits.
     #[inline]
     pub fn load(&self) -> EpochGuard<'_, T> {
-        let (phase, value) = self.core.pin();
-        EpochGuard {
-            core: &self.core,
-            phase,
-            value: value as *const T,
-        }
-    }
-
-    /// The current value, as an `Arc` of its own (one reference count added).
-    pub fn load_full(&self) -> Arc<T> {
-        self.core
-            .load_full()
-            .expect("an EpochCell always holds a value")
-    }
-
-    /// Replaces the value and returns the old one, without waiting for its readers: the cell
-    /// keeps a count of the old value until they have unpinned, so `Arc::try_unwrap` on it
-    /// may fail until then (as with `arc_swap`). Works while this thread holds a guard of
-    /// this cell.
-    ///
-    /// ```
-    /// use std::sync::Arc;
-    /// let cell = thiscpu::EpochCell::new(1);
-    /// let pinned = cell.load();
-    /// let old = cell.swap(Arc::new(2));
-    /// assert_eq!((*old, *pinned, *cell.load()), (1, 1, 2));
-    /// ```
-    pub fn swap(&self, value: Arc<T>) -> Arc<T> {
-        self.core
-            .replace(None, Some(value))
-            .expect("an EpochCell always holds a value")
+        self.core.guard()
     }
 
     /// Replaces the value; the old one is dropped once its readers have unpinned (by this
@@ -443,10 +577,7 @@ impl<T> EpochCell<T> {
         C: AsRawPtr<T>,
         N: Into<Arc<T>>,
     {
-        let expected = current.as_raw_ptr() as usize;
-        self.core
-            .replace(Some(expected), Some(new.into()))
-            .expect("an EpochCell always holds a value")
+        self.replace(Some(current.as_raw_ptr() as usize), new.into())
     }
 
     /// Read, copy, update: calls `update` with the current value and stores what it returns,
@@ -468,41 +599,7 @@ impl<T> EpochCell<T> {
         F: FnMut(&Arc<T>) -> R,
         R: Into<Arc<T>>,
     {
-        let mut current = self.load_full();
-        loop {
-            let previous = self.compare_and_swap(&current, update(&current));
-            if Arc::ptr_eq(&previous, &current) {
-                return previous;
-            }
-            current = previous;
-        }
-    }
-
-    /// Drops the replaced values whose readers have all unpinned, without waiting for any
-    /// (at most two `membarrier` calls), and returns how many the cell still keeps. Stores
-    /// do this themselves; call it to let go of old values sooner where stores are rare.
-    ///
-    /// ```
-    /// let cell = thiscpu::EpochCell::new(String::from("old"));
-    /// let pinned = cell.load();
-    /// cell.store(String::from("new"));
-    /// assert_eq!(cell.retired(), 1); // `pinned` may still read "old"
-    /// drop(pinned);
-    /// assert_eq!(cell.reclaim(), 0);
-    /// ```
-    pub fn reclaim(&self) -> usize {
-        self.core.reclaim()
-    }
-
-    /// Replaced values the cell still keeps for readers that may see them.
-    pub fn retired(&self) -> usize {
-        self.core.lock_writers().len()
-    }
-
-    /// Whether readers pin with restartable sequences and writers fence with `membarrier`
-    /// (else with `SeqCst` atomics and fences).
-    pub fn uses_rseq(&self) -> bool {
-        self.core.readers.by_sections()
+        self.rcu_with(|current| update(current).into())
     }
 
     /// Bytes of per-CPU reader counts this cell holds (besides itself and the value).
@@ -517,55 +614,10 @@ impl<T> EpochCell<T> {
     }
 }
 
-impl<T: Default> Default for EpochCell<T> {
-    fn default() -> Self {
-        EpochCell::new(T::default())
-    }
-}
-
-impl<T> From<Arc<T>> for EpochCell<T> {
-    fn from(value: Arc<T>) -> Self {
-        EpochCell::from_arc(value)
-    }
-}
-
-impl<T> From<T> for EpochCell<T> {
-    fn from(value: T) -> Self {
-        EpochCell::new(value)
-    }
-}
-
-impl<T: core::fmt::Debug> core::fmt::Debug for EpochCell<T> {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("EpochCell")
-            .field("mode", &self.core.mode())
-            .field("value", &&*self.load())
-            .finish()
-    }
-}
-
-/// An [`EpochCell`] that may hold no value, as `arc_swap::ArcSwapOption`: the same readers and
-/// writers, with `None` for an empty cell.
-///
-/// ```
-/// use std::sync::Arc;
-/// let cache = thiscpu::EpochCellOption::<String>::empty();
-/// assert!(cache.load().is_none());
-/// cache.store(Some(Arc::new(String::from("warm"))));
-/// assert_eq!(cache.load().as_deref().map(String::as_str), Some("warm"));
-/// let old = cache.swap(None);
-/// assert_eq!(old.as_deref().map(String::as_str), Some("warm"));
-/// ```
-pub struct EpochCellOption<T> {
-    core: Core<T>,
-}
-
 impl<T> EpochCellOption<T> {
     /// A cell holding `value`, or nothing.
     pub fn new(value: Option<Arc<T>>) -> Self {
-        EpochCellOption {
-            core: Core::new(value),
-        }
+        EpochCellOption::with(value)
     }
 
     /// A cell holding nothing.
@@ -582,27 +634,8 @@ impl<T> EpochCellOption<T> {
     /// (unpinned at once) when the cell is empty. Never waits.
     #[inline]
     pub fn load(&self) -> Option<EpochGuard<'_, T>> {
-        let (phase, value) = self.core.pin();
-        if value == 0 {
-            self.core.unpin(phase);
-            return None;
-        }
-        Some(EpochGuard {
-            core: &self.core,
-            phase,
-            value: value as *const T,
-        })
-    }
-
-    /// The current value, as an `Arc` of its own, or `None`.
-    pub fn load_full(&self) -> Option<Arc<T>> {
-        self.core.load_full()
-    }
-
-    /// Replaces the value (or its absence) and returns the old one, without waiting for
-    /// readers, as [`EpochCell::swap`].
-    pub fn swap(&self, value: Option<Arc<T>>) -> Option<Arc<T>> {
-        self.core.replace(None, value)
+        // Dropping the guard of an empty cell unpins it.
+        Some(self.core.guard()).filter(|guard| !guard.value.is_null())
     }
 
     /// Replaces the value (or its absence), as [`EpochCell::store`].
@@ -617,56 +650,34 @@ impl<T> EpochCellOption<T> {
         current: Option<&Arc<T>>,
         new: Option<Arc<T>>,
     ) -> Option<Arc<T>> {
-        let expected = current.map_or(0, |current| Arc::as_ptr(current) as usize);
-        self.core.replace(Some(expected), new)
+        self.replace(Some(current.map_or(0, sealed::Pointer::address)), new)
     }
 
     /// Read, copy, update, as [`EpochCell::rcu`]; returns the value replaced.
-    pub fn rcu<F>(&self, mut update: F) -> Option<Arc<T>>
+    pub fn rcu<F>(&self, update: F) -> Option<Arc<T>>
     where
         F: FnMut(&Option<Arc<T>>) -> Option<Arc<T>>,
     {
-        let mut current = self.load_full();
-        loop {
-            let previous = self.compare_and_swap(current.as_ref(), update(&current));
-            let same = match (&previous, &current) {
-                (Some(previous), Some(current)) => Arc::ptr_eq(previous, current),
-                (None, None) => true,
-                _ => false,
-            };
-            if same {
-                return previous;
-            }
-            current = previous;
-        }
-    }
-
-    /// As [`EpochCell::reclaim`].
-    pub fn reclaim(&self) -> usize {
-        self.core.reclaim()
-    }
-
-    /// As [`EpochCell::retired`].
-    pub fn retired(&self) -> usize {
-        self.core.lock_writers().len()
-    }
-
-    /// As [`EpochCell::uses_rseq`].
-    pub fn uses_rseq(&self) -> bool {
-        self.core.readers.by_sections()
+        self.rcu_with(update)
     }
 }
 
-impl<T> Default for EpochCellOption<T> {
-    /// An empty cell.
+/// `T::default()` in an [`EpochCell`]; an [`EpochCellOption`] starts empty.
+impl<P: EpochPointer + Default> Default for EpochCellAny<P> {
     fn default() -> Self {
-        EpochCellOption::empty()
+        EpochCellAny::with(P::default())
     }
 }
 
-impl<T> From<Option<Arc<T>>> for EpochCellOption<T> {
-    fn from(value: Option<Arc<T>>) -> Self {
-        EpochCellOption::new(value)
+impl<P: EpochPointer> From<P> for EpochCellAny<P> {
+    fn from(value: P) -> Self {
+        EpochCellAny::with(value)
+    }
+}
+
+impl<T> From<T> for EpochCell<T> {
+    fn from(value: T) -> Self {
+        EpochCell::new(value)
     }
 }
 
@@ -676,11 +687,11 @@ impl<T> From<Arc<T>> for EpochCellOption<T> {
     }
 }
 
-impl<T: core::fmt::Debug> core::fmt::Debug for EpochCellOption<T> {
+impl<P: EpochPointer + core::fmt::Debug> core::fmt::Debug for EpochCellAny<P> {
     fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        f.debug_struct("EpochCellOption")
+        f.debug_struct(P::NAME)
             .field("mode", &self.core.mode())
-            .field("value", &self.load().as_deref())
+            .field("value", &self.load_full())
             .finish()
     }
 }

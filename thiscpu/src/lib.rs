@@ -216,7 +216,7 @@ pub use arch::model;
 pub use allocator::PerCpuAlloc;
 pub use counter::{Adder, Counter};
 pub use cpu::{Source, current_cpu, current_node, getcpu, mm_cid, source};
-pub use epoch::{AsRawPtr, EpochCell, EpochCellOption, EpochGuard};
+pub use epoch::{AsRawPtr, EpochCell, EpochCellAny, EpochCellOption, EpochGuard, EpochPointer};
 pub use histogram::Histogram;
 pub use mask::CpuMask;
 pub use ops::{ByCpu, ByMmCid, Spread};

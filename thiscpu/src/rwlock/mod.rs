@@ -379,6 +379,21 @@ impl Raw {
         self.readers.enter(PHASE);
         self.release_to(0);
     }
+
+    /// With `UPGRADABLE` held by this thread: trades it for `WRITER`, which stops new readers;
+    /// the caller then drains them as a writer does. No writer-class holder can take either
+    /// bit in between, since the state never has neither.
+    fn upgrade(&self) {
+        // Sleepers may set `PARKED` meanwhile: flip the two bits in one atomic step.
+        let old = self.state.fetch_xor(UPGRADABLE | WRITER, Ordering::SeqCst);
+        debug_assert_eq!(old & (UPGRADABLE | WRITER), UPGRADABLE);
+    }
+
+    /// `try_write`'s single drain check: fence, then one look at the sums.
+    fn fence_and_check(&self) -> bool {
+        self.readers.fence();
+        self.readers.drained(PHASE)
+    }
 }
 
 /// Sleeps on `word` while it holds `expected`, until `deadline` if there is one; false if it
@@ -602,23 +617,6 @@ impl<T: ?Sized> RwLock<T> {
     /// while readers come and go).
     pub fn readers_inside(&self) -> u64 {
         self.raw.readers.inside(PHASE)
-    }
-}
-
-impl Raw {
-    /// With `UPGRADABLE` held by this thread: trades it for `WRITER`, which stops new readers;
-    /// the caller then drains them as a writer does. No writer-class holder can take either
-    /// bit in between, since the state never has neither.
-    fn upgrade(&self) {
-        // Sleepers may set `PARKED` meanwhile: flip the two bits in one atomic step.
-        let old = self.state.fetch_xor(UPGRADABLE | WRITER, Ordering::SeqCst);
-        debug_assert_eq!(old & (UPGRADABLE | WRITER), UPGRADABLE);
-    }
-
-    /// `try_write`'s single drain check: fence, then one look at the sums.
-    fn fence_and_check(&self) -> bool {
-        self.readers.fence();
-        self.readers.drained(PHASE)
     }
 }
 

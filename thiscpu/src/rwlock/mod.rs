@@ -5,24 +5,19 @@
 //! The data is reached through an `UnsafeCell`: shared by readers while the writer flag is
 //! clear and they are counted, exclusive to the writer once it has seen the counts drained.
 
-use crate::park::{self, AtomicU32};
-use crate::reader_counts::ReaderCounts;
+mod guards;
+// The protocol never touches the data: unsafe code stays with the lock and its guards.
+#[deny(unsafe_code)]
+mod raw;
+
+pub use guards::{
+    MappedRwLockReadGuard, MappedRwLockWriteGuard, RwLockReadGuard, RwLockUpgradableReadGuard,
+    RwLockWriteGuard,
+};
+
 use core::cell::UnsafeCell;
-use core::marker::PhantomData;
-use core::ptr::NonNull;
-use core::sync::atomic::Ordering;
+use raw::{Raw, UPGRADABLE, WRITER};
 use std::time::{Duration, Instant};
-
-/// `state`: a writer holds the lock or is waiting for the readers to leave.
-const WRITER: u32 = 1;
-/// `state`: some thread sleeps on `state` until the writer is gone.
-const PARKED: u32 = 2;
-/// `state`: an upgradable reader holds the lock. Writers and upgradable readers take this bit
-/// or `WRITER` only while both are clear; readers ignore it.
-const UPGRADABLE: u32 = 4;
-
-/// The only reader-writer lock phase: readers are stopped by the flag, not by phases.
-const PHASE: usize = 0;
 
 /// A reader-writer lock for data that is read all the time and written rarely (configuration,
 /// routing tables, certificate sets): a read lock and unlock are each one restartable
@@ -176,17 +171,6 @@ pub struct RwLock<T: ?Sized> {
     data: UnsafeCell<T>,
 }
 
-/// The lock without its data: what a guard needs to release it, whatever the data's type (a
-/// mapped guard no longer names `T`).
-struct Raw {
-    readers: ReaderCounts<1>,
-    /// `WRITER | UPGRADABLE | PARKED`; written only by writer-class holders (writers and
-    /// upgradable readers) and by threads that go to sleep.
-    state: AtomicU32,
-    /// Bumped by a reader that leaves while a writer waits, to wake it.
-    leaves: AtomicU32,
-}
-
 // SAFETY: the lock owns its `T`; sending the lock sends the `T`.
 unsafe impl<T: ?Sized + Send> Send for RwLock<T> {}
 // SAFETY: readers on several threads share `&T` (needs `Sync`), a writer gets `&mut T` from
@@ -199,11 +183,7 @@ impl<T> RwLock<T> {
     /// [Statics and const](RwLock#statics-and-const) for a `static` lock).
     pub fn new(value: T) -> Self {
         RwLock {
-            raw: Raw {
-                readers: ReaderCounts::new(),
-                state: AtomicU32::new(0),
-                leaves: AtomicU32::new(0),
-            },
+            raw: Raw::new(),
             data: UnsafeCell::new(value),
         }
     }
@@ -221,7 +201,7 @@ impl<T> RwLock<T> {
     #[doc(hidden)]
     pub fn new_in_atomic_mode(value: T) -> Self {
         let mut lock = RwLock::new(value);
-        lock.raw.readers = ReaderCounts::in_mode(false);
+        lock.raw.use_atomic_mode();
         lock
     }
 }
@@ -230,186 +210,6 @@ impl<T: Default> Default for RwLock<T> {
     fn default() -> Self {
         RwLock::new(T::default())
     }
-}
-
-impl Raw {
-    /// Counts this thread in as a reader unless a writer holds the lock or waits for it.
-    #[inline]
-    fn try_read(&self) -> bool {
-        // A reader that sees the flag set stays out of the counts: counting in and out while a
-        // writer drains would make every drain check of that writer see sums that moved, and
-        // a thread polling `try_read` could keep the writer fencing for ever.
-        if self.state.load(Ordering::Relaxed) & WRITER != 0 {
-            return false;
-        }
-        self.readers.enter(PHASE);
-        // The writer's fence orders this load after the entry (see the type's documentation);
-        // acquire: a clear flag stored by a writer's release publishes its data.
-        if self.state.load(Ordering::SeqCst) & WRITER == 0 {
-            return true;
-        }
-        self.leave();
-        false
-    }
-
-    /// As `try_read`, sleeping while a writer is in the way, until `deadline` if there is one;
-    /// false if it passed first.
-    #[inline]
-    fn read_until(&self, deadline: Option<Instant>) -> bool {
-        loop {
-            if self.try_read() {
-                return true;
-            }
-            if !self.wait_while(WRITER, deadline) {
-                return false;
-            }
-        }
-    }
-
-    /// A reader's exit: counted, then a waiting writer woken.
-    #[inline]
-    fn leave(&self) {
-        self.readers.exit(PHASE);
-        if self.state.load(Ordering::SeqCst) & WRITER != 0 {
-            self.wake_writer();
-        }
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn wake_writer(&self) {
-        // The exit is ordered before this bump, which the writer reads before its sums: either
-        // the writer counts the exit, or it sees the bump change and does not sleep.
-        self.leaves.fetch_add(1, Ordering::SeqCst);
-        park::wake(&self.leaves, 1);
-    }
-
-    /// Sleeps until none of `bits` is set in `state`; false if `deadline` passed first (its
-    /// `PARKED` may stay set: the next release then wakes nobody, harmlessly).
-    #[cold]
-    #[inline(never)]
-    fn wait_while(&self, bits: u32, deadline: Option<Instant>) -> bool {
-        loop {
-            let state = self.state.load(Ordering::Relaxed);
-            if state & bits == 0 {
-                return true;
-            }
-            if state & PARKED == 0
-                && self
-                    .state
-                    .compare_exchange(state, state | PARKED, Ordering::Relaxed, Ordering::Relaxed)
-                    .is_err()
-            {
-                continue;
-            }
-            if !sleep(&self.state, state | PARKED, deadline) {
-                return false;
-            }
-        }
-    }
-
-    /// Takes `bit` (`WRITER` or `UPGRADABLE`) if no writer-class holder has the lock: the two
-    /// exclude each other, readers only look at `WRITER`.
-    fn try_take(&self, bit: u32) -> bool {
-        loop {
-            let state = self.state.load(Ordering::Relaxed);
-            if state & (WRITER | UPGRADABLE) != 0 {
-                return false;
-            }
-            // Acquire: the last writer's release publishes its data to this holder. A failure
-            // is a sleeper setting `PARKED`: look again.
-            if self
-                .state
-                .compare_exchange(state, state | bit, Ordering::SeqCst, Ordering::Relaxed)
-                .is_ok()
-            {
-                return true;
-            }
-        }
-    }
-
-    /// As `try_take`, sleeping while another writer-class holder has the lock, until
-    /// `deadline` if there is one; false if it passed first.
-    fn take(&self, bit: u32, deadline: Option<Instant>) -> bool {
-        loop {
-            if self.try_take(bit) {
-                return true;
-            }
-            if !self.wait_while(WRITER | UPGRADABLE, deadline) {
-                return false;
-            }
-        }
-    }
-
-    /// With `WRITER` set by this thread: fences, then waits for the readers inside to leave,
-    /// until `deadline` if there is one; false if it passed first (the flag stays set: the
-    /// caller releases it).
-    fn drain(&self, deadline: Option<Instant>) -> bool {
-        // Readers that leave from now on see the flag and wake this writer (the fence orders
-        // the flag before their exits' loads of it).
-        self.readers.fence();
-        loop {
-            let leaves = self.leaves.load(Ordering::SeqCst);
-            if self.readers.drained(PHASE) {
-                return true;
-            }
-            if !sleep(&self.leaves, leaves, deadline) {
-                return false;
-            }
-        }
-    }
-
-    /// With `WRITER` or `UPGRADABLE` held by this thread: leaves `state` at `keep` and wakes
-    /// every sleeper (readers waiting for `WRITER` to clear, writer-class holders waiting for
-    /// both bits to clear: one wake serves all, and those still blocked sleep again).
-    fn release_to(&self, keep: u32) {
-        // Release: readers that load the flag clear, and the next writer, see this writer's
-        // data.
-        if self.state.swap(keep, Ordering::SeqCst) & PARKED != 0 {
-            park::wake(&self.state, i32::MAX);
-        }
-    }
-
-    /// With `WRITER` (and the readers drained) or `UPGRADABLE` held by this thread: counts
-    /// this thread in as a reader, then lets the others in.
-    fn downgrade_to_reader(&self) {
-        // No other writer can drain while this thread holds its bit, so entering with the flag
-        // set is safe; the entry is ordered before the release, which the next writer's
-        // acquire of the flag follows, so that writer's sums see this reader.
-        self.readers.enter(PHASE);
-        self.release_to(0);
-    }
-
-    /// With `UPGRADABLE` held by this thread: trades it for `WRITER`, which stops new readers;
-    /// the caller then drains them as a writer does. No writer-class holder can take either
-    /// bit in between, since the state never has neither.
-    fn upgrade(&self) {
-        // Sleepers may set `PARKED` meanwhile: flip the two bits in one atomic step.
-        let old = self.state.fetch_xor(UPGRADABLE | WRITER, Ordering::SeqCst);
-        debug_assert_eq!(old & (UPGRADABLE | WRITER), UPGRADABLE);
-    }
-
-    /// `try_write`'s single drain check: fence, then one look at the sums.
-    fn fence_and_check(&self) -> bool {
-        self.readers.fence();
-        self.readers.drained(PHASE)
-    }
-}
-
-/// Sleeps on `word` while it holds `expected`, until `deadline` if there is one; false if it
-/// has passed (spurious returns happen: callers look again).
-fn sleep(word: &AtomicU32, expected: u32, deadline: Option<Instant>) -> bool {
-    match deadline {
-        None => park::wait(word, expected),
-        Some(deadline) => {
-            let now = Instant::now();
-            if now >= deadline {
-                return false;
-            }
-            park::wait_timeout(word, expected, deadline - now);
-        }
-    }
-    true
 }
 
 impl<T: ?Sized> RwLock<T> {
@@ -600,23 +400,23 @@ impl<T: ?Sized> RwLock<T> {
     /// }
     /// ```
     pub fn uses_rseq(&self) -> bool {
-        self.raw.readers.by_sections()
+        self.raw.uses_rseq()
     }
 
     /// Bytes of per-CPU reader counts this lock holds (besides itself and `T`).
     pub fn counts_bytes(&self) -> usize {
-        self.raw.readers.bytes()
+        self.raw.counts_bytes()
     }
 
     /// Whether a writer holds the lock or waits for it now.
     pub fn is_write_locked(&self) -> bool {
-        self.raw.state.load(Ordering::Relaxed) & WRITER != 0
+        self.raw.is_write_locked()
     }
 
     /// Readers inside now, from one unfenced look at the counts (a diagnostic; may be off
     /// while readers come and go).
     pub fn readers_inside(&self) -> u64 {
-        self.raw.readers.inside(PHASE)
+        self.raw.readers_inside()
     }
 }
 
@@ -632,524 +432,9 @@ impl<T: ?Sized + core::fmt::Debug> core::fmt::Debug for RwLock<T> {
     }
 }
 
-/// A read lock on an [`RwLock`]: shared access to the data until dropped. It may be dropped on
-/// another CPU or thread than the one that locked.
-#[must_use = "the lock is released when the guard is dropped"]
-pub struct RwLockReadGuard<'a, T: ?Sized> {
-    lock: &'a RwLock<T>,
-}
-
-impl<'a, T: ?Sized> RwLockReadGuard<'a, T> {
-    /// A guard of a part of the data (a field, an element), which keeps the whole lock read
-    /// locked until dropped. An associated function, as `parking_lot`'s: `guard.map(..)` would
-    /// be a method of `T`.
-    ///
-    /// ```
-    /// use thiscpu::{RwLock, RwLockReadGuard};
-    /// let lock = RwLock::new((String::from("name"), 7));
-    /// let name = RwLockReadGuard::map(lock.read(), |pair| pair.0.as_str());
-    /// assert_eq!(&*name, "name");
-    /// assert!(lock.try_write().is_none(), "still read locked");
-    /// drop(name);
-    /// assert!(lock.try_write().is_some());
-    /// ```
-    pub fn map<U: ?Sized, F>(guard: Self, f: F) -> MappedRwLockReadGuard<'a, U>
-    where
-        F: FnOnce(&T) -> &U,
-    {
-        // A panic in `f` drops `guard`, which releases the lock.
-        let data = NonNull::from(f(&*guard));
-        let raw = &guard.lock.raw;
-        core::mem::forget(guard);
-        MappedRwLockReadGuard {
-            raw,
-            data,
-            _borrow: PhantomData,
-        }
-    }
-
-    /// As [`map`](Self::map) where `f` may find no part: the original guard comes back then.
-    ///
-    /// ```
-    /// use thiscpu::{RwLock, RwLockReadGuard};
-    /// let lock = RwLock::new(vec![1, 2]);
-    /// let guard = RwLockReadGuard::try_map(lock.read(), |v| v.get(5)).unwrap_err();
-    /// let second = RwLockReadGuard::try_map(guard, |v| v.get(1)).unwrap();
-    /// assert_eq!(*second, 2);
-    /// ```
-    pub fn try_map<U: ?Sized, F>(guard: Self, f: F) -> Result<MappedRwLockReadGuard<'a, U>, Self>
-    where
-        F: FnOnce(&T) -> Option<&U>,
-    {
-        let Some(data) = f(&*guard).map(NonNull::from) else {
-            return Err(guard);
-        };
-        let raw = &guard.lock.raw;
-        core::mem::forget(guard);
-        Ok(MappedRwLockReadGuard {
-            raw,
-            data,
-            _borrow: PhantomData,
-        })
-    }
-}
-
-impl<T: ?Sized> core::ops::Deref for RwLockReadGuard<'_, T> {
-    type Target = T;
-    #[inline]
-    fn deref(&self) -> &T {
-        // SAFETY: this reader is counted and saw no writer, so no writer gets the data until it
-        // leaves (see the type's documentation).
-        unsafe { &*self.lock.data.get() }
-    }
-}
-
-impl<T: ?Sized> Drop for RwLockReadGuard<'_, T> {
-    #[inline]
-    fn drop(&mut self) {
-        self.lock.raw.leave();
-    }
-}
-
-impl<T: ?Sized + core::fmt::Debug> core::fmt::Debug for RwLockReadGuard<'_, T> {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        (**self).fmt(f)
-    }
-}
-
-/// A write lock on an [`RwLock`]: exclusive access to the data until dropped.
-#[must_use = "the lock is released when the guard is dropped"]
-pub struct RwLockWriteGuard<'a, T: ?Sized> {
-    lock: &'a RwLock<T>,
-}
-
-impl<'a, T: ?Sized> RwLockWriteGuard<'a, T> {
-    /// Turns the write lock into a read lock, atomically: no other writer gets the lock in
-    /// between, so the reader sees exactly what this writer left. Readers waiting for this
-    /// writer are let in. The writer counts itself as a reader before it releases the flag:
-    /// a writer that takes the flag next waits for it as for any reader.
-    ///
-    /// ```
-    /// use thiscpu::{RwLock, RwLockWriteGuard};
-    /// let lock = RwLock::new(1);
-    /// let mut writing = lock.write();
-    /// *writing = 2;
-    /// let reading = RwLockWriteGuard::downgrade(writing);
-    /// assert_eq!(*reading, 2);
-    /// assert!(lock.try_read().is_some(), "other readers get in");
-    /// assert!(lock.try_write().is_none(), "writers wait for the downgraded reader");
-    /// drop(reading);
-    /// assert!(lock.try_write().is_some());
-    /// ```
-    pub fn downgrade(guard: Self) -> RwLockReadGuard<'a, T> {
-        let lock = guard.lock;
-        core::mem::forget(guard);
-        lock.raw.downgrade_to_reader();
-        RwLockReadGuard { lock }
-    }
-
-    /// Turns the write lock into an upgradable read lock, atomically: no writer gets in
-    /// between, readers are let in, and the guard may be upgraded again later.
-    ///
-    /// ```
-    /// use thiscpu::{RwLock, RwLockWriteGuard};
-    /// let lock = RwLock::new(1);
-    /// let mut writing = lock.write();
-    /// *writing = 2;
-    /// let reading = RwLockWriteGuard::downgrade_to_upgradable(writing);
-    /// assert_eq!(*lock.try_read().unwrap(), 2, "readers get in");
-    /// assert!(lock.try_write().is_none(), "writers do not");
-    /// drop(reading);
-    /// assert!(lock.try_write().is_some());
-    /// ```
-    pub fn downgrade_to_upgradable(guard: Self) -> RwLockUpgradableReadGuard<'a, T> {
-        let lock = guard.lock;
-        core::mem::forget(guard);
-        // The upgradable reader is not counted: its bit keeps writers out, and readers ignore
-        // it. Release: readers that now load the flag clear see this writer's data.
-        lock.raw.release_to(UPGRADABLE);
-        RwLockUpgradableReadGuard { lock }
-    }
-
-    /// A guard of a part of the data, which keeps the whole lock write locked until dropped.
-    ///
-    /// ```
-    /// use thiscpu::{RwLock, RwLockWriteGuard};
-    /// let lock = RwLock::new((String::from("name"), 7));
-    /// let mut count = RwLockWriteGuard::map(lock.write(), |pair| &mut pair.1);
-    /// *count += 1;
-    /// drop(count);
-    /// assert_eq!(lock.read().1, 8);
-    /// ```
-    pub fn map<U: ?Sized, F>(guard: Self, f: F) -> MappedRwLockWriteGuard<'a, U>
-    where
-        F: FnOnce(&mut T) -> &mut U,
-    {
-        let mut guard = guard;
-        // A panic in `f` drops `guard`, which releases the lock.
-        let data = NonNull::from(f(&mut *guard));
-        let raw = &guard.lock.raw;
-        core::mem::forget(guard);
-        MappedRwLockWriteGuard {
-            raw,
-            data,
-            _borrow: PhantomData,
-        }
-    }
-
-    /// As [`map`](Self::map) where `f` may find no part: the original guard comes back then.
-    ///
-    /// ```
-    /// use thiscpu::{RwLock, RwLockWriteGuard};
-    /// let lock = RwLock::new(vec![1, 2]);
-    /// let guard = RwLockWriteGuard::try_map(lock.write(), |v| v.get_mut(5)).unwrap_err();
-    /// *RwLockWriteGuard::try_map(guard, |v| v.get_mut(0)).unwrap() = 3;
-    /// assert_eq!(*lock.read(), [3, 2]);
-    /// ```
-    pub fn try_map<U: ?Sized, F>(guard: Self, f: F) -> Result<MappedRwLockWriteGuard<'a, U>, Self>
-    where
-        F: FnOnce(&mut T) -> Option<&mut U>,
-    {
-        let mut guard = guard;
-        let Some(data) = f(&mut *guard).map(NonNull::from) else {
-            return Err(guard);
-        };
-        let raw = &guard.lock.raw;
-        core::mem::forget(guard);
-        Ok(MappedRwLockWriteGuard {
-            raw,
-            data,
-            _borrow: PhantomData,
-        })
-    }
-}
-
-impl<T: ?Sized> core::ops::Deref for RwLockWriteGuard<'_, T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        // SAFETY: the writer saw every reader gone with the flag set: the data is its alone.
-        unsafe { &*self.lock.data.get() }
-    }
-}
-
-impl<T: ?Sized> core::ops::DerefMut for RwLockWriteGuard<'_, T> {
-    fn deref_mut(&mut self) -> &mut T {
-        // SAFETY: as in `deref`; `&mut self` makes this borrow the only one.
-        unsafe { &mut *self.lock.data.get() }
-    }
-}
-
-impl<T: ?Sized> Drop for RwLockWriteGuard<'_, T> {
-    fn drop(&mut self) {
-        self.lock.raw.release_to(0);
-    }
-}
-
-impl<T: ?Sized + core::fmt::Debug> core::fmt::Debug for RwLockWriteGuard<'_, T> {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        (**self).fmt(f)
-    }
-}
-
-/// An upgradable read lock on an [`RwLock`], made by [`RwLock::upgradable_read`]: shared
-/// access to the data, beside readers, with no writer and no other upgradable reader until it
-/// is dropped, upgraded or downgraded. It may be dropped on another CPU or thread than the one
-/// that locked.
-#[must_use = "the lock is released when the guard is dropped"]
-pub struct RwLockUpgradableReadGuard<'a, T: ?Sized> {
-    lock: &'a RwLock<T>,
-}
-
-impl<'a, T: ?Sized> RwLockUpgradableReadGuard<'a, T> {
-    /// Turns the upgradable read lock into a write lock: stops new readers, and waits for the
-    /// readers inside to leave, as [`RwLock::write`] does. No writer gets in between, so what
-    /// this guard read still holds when the write guard is handed out. Deadlocks if this
-    /// thread also holds a read lock of the lock.
-    pub fn upgrade(guard: Self) -> RwLockWriteGuard<'a, T> {
-        let lock = guard.lock;
-        core::mem::forget(guard);
-        lock.raw.upgrade();
-        // As in `write`: a panic in the fences drops the write guard, which releases the lock.
-        let writing = RwLockWriteGuard { lock };
-        lock.raw.drain(None);
-        writing
-    }
-
-    /// As [`upgrade`](Self::upgrade), giving up after `timeout`: the upgradable guard comes
-    /// back then, and the readers the attempt stopped are let in again.
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use thiscpu::{RwLock, RwLockUpgradableReadGuard};
-    /// let lock = RwLock::new(1);
-    /// let upgradable = lock.upgradable_read();
-    /// let reading = lock.read();
-    /// let wait = Duration::from_millis(10);
-    /// let upgradable = RwLockUpgradableReadGuard::try_upgrade_for(upgradable, wait).unwrap_err();
-    /// drop(reading);
-    /// *RwLockUpgradableReadGuard::try_upgrade_for(upgradable, wait).unwrap() = 2;
-    /// ```
-    pub fn try_upgrade_for(
-        guard: Self,
-        timeout: Duration,
-    ) -> Result<RwLockWriteGuard<'a, T>, Self> {
-        match Instant::now().checked_add(timeout) {
-            Some(deadline) => Self::try_upgrade_until(guard, deadline),
-            None => Ok(Self::upgrade(guard)),
-        }
-    }
-
-    /// As [`upgrade`](Self::upgrade), giving up at `deadline` (see
-    /// [`try_upgrade_for`](Self::try_upgrade_for)).
-    pub fn try_upgrade_until(
-        guard: Self,
-        deadline: Instant,
-    ) -> Result<RwLockWriteGuard<'a, T>, Self> {
-        Self::upgrade_unless(guard, |raw| raw.drain(Some(deadline)))
-    }
-
-    /// Upgrades, fences and keeps the write lock if `drained` says the readers left; flips back
-    /// to the upgradable read otherwise.
-    fn upgrade_unless(
-        guard: Self,
-        drained: impl FnOnce(&Raw) -> bool,
-    ) -> Result<RwLockWriteGuard<'a, T>, Self> {
-        let lock = guard.lock;
-        core::mem::forget(guard);
-        lock.raw.upgrade();
-        // As in `try_write`: a panic in the fences drops the write guard, which releases the
-        // lock.
-        let writing = RwLockWriteGuard { lock };
-        if drained(&lock.raw) {
-            return Ok(writing);
-        }
-        core::mem::forget(writing);
-        // Back to `UPGRADABLE`, waking the readers that saw `WRITER` and went to sleep.
-        lock.raw.release_to(UPGRADABLE);
-        Err(RwLockUpgradableReadGuard { lock })
-    }
-
-    /// Upgrades if no reader is inside; never sleeps, but fences (two `membarrier` calls with
-    /// rseq). The upgradable guard comes back otherwise, and the readers this attempt stopped
-    /// are let in again.
-    ///
-    /// ```
-    /// use thiscpu::{RwLock, RwLockUpgradableReadGuard};
-    /// let lock = RwLock::new(1);
-    /// let upgradable = lock.upgradable_read();
-    /// let reading = lock.read();
-    /// let upgradable = RwLockUpgradableReadGuard::try_upgrade(upgradable).unwrap_err();
-    /// drop(reading);
-    /// *RwLockUpgradableReadGuard::try_upgrade(upgradable).unwrap() = 2;
-    /// assert_eq!(*lock.read(), 2);
-    /// ```
-    pub fn try_upgrade(guard: Self) -> Result<RwLockWriteGuard<'a, T>, Self> {
-        Self::upgrade_unless(guard, Raw::fence_and_check)
-    }
-
-    /// Turns the upgradable read lock into a read lock, letting writers and upgradable readers
-    /// in (once this reader leaves, for writers).
-    ///
-    /// ```
-    /// use thiscpu::{RwLock, RwLockUpgradableReadGuard};
-    /// let lock = RwLock::new(1);
-    /// let reading = RwLockUpgradableReadGuard::downgrade(lock.upgradable_read());
-    /// assert!(lock.try_upgradable_read().is_some());
-    /// assert!(lock.try_write().is_none(), "a writer waits for the reader");
-    /// drop(reading);
-    /// assert!(lock.try_write().is_some());
-    /// ```
-    pub fn downgrade(guard: Self) -> RwLockReadGuard<'a, T> {
-        let lock = guard.lock;
-        core::mem::forget(guard);
-        lock.raw.downgrade_to_reader();
-        RwLockReadGuard { lock }
-    }
-}
-
-impl<T: ?Sized> core::ops::Deref for RwLockUpgradableReadGuard<'_, T> {
-    type Target = T;
-    fn deref(&self) -> &T {
-        // SAFETY: this holder's bit keeps every writer out (writers and upgrades take the lock
-        // only while neither bit is set), and the acquire that took it saw the last writer's
-        // release; readers beside it only read.
-        unsafe { &*self.lock.data.get() }
-    }
-}
-
-impl<T: ?Sized> Drop for RwLockUpgradableReadGuard<'_, T> {
-    fn drop(&mut self) {
-        self.lock.raw.release_to(0);
-    }
-}
-
-impl<T: ?Sized + core::fmt::Debug> core::fmt::Debug for RwLockUpgradableReadGuard<'_, T> {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        (**self).fmt(f)
-    }
-}
-
-/// A read lock on an [`RwLock`] that reaches a part of its data, made by
-/// [`RwLockReadGuard::map`]: the whole lock stays read locked until it is dropped.
-#[must_use = "the lock is released when the guard is dropped"]
-pub struct MappedRwLockReadGuard<'a, U: ?Sized> {
-    raw: &'a Raw,
-    /// Points into the lock's data, which stays read locked while this guard lives.
-    data: NonNull<U>,
-    /// Shared access to a `U` for `'a`: covariant in `U`, as `&'a U` is (nothing is written
-    /// through it).
-    _borrow: PhantomData<&'a U>,
-}
-
-// SAFETY: the guard hands out `&U` on whichever thread holds it (needs `U: Sync`), and may
-// release the lock from another thread than the one that locked (the counts are per CPU, not
-// per thread).
-unsafe impl<U: ?Sized + Sync> Send for MappedRwLockReadGuard<'_, U> {}
-// SAFETY: a shared guard hands out `&U` to every thread that shares it.
-unsafe impl<U: ?Sized + Sync> Sync for MappedRwLockReadGuard<'_, U> {}
-
-impl<'a, U: ?Sized> MappedRwLockReadGuard<'a, U> {
-    /// A guard of a part of this part.
-    pub fn map<V: ?Sized, F>(guard: Self, f: F) -> MappedRwLockReadGuard<'a, V>
-    where
-        F: FnOnce(&U) -> &V,
-    {
-        let data = NonNull::from(f(&*guard));
-        let raw = guard.raw;
-        core::mem::forget(guard);
-        MappedRwLockReadGuard {
-            raw,
-            data,
-            _borrow: PhantomData,
-        }
-    }
-
-    /// As [`map`](Self::map) where `f` may find no part: the original guard comes back then.
-    pub fn try_map<V: ?Sized, F>(guard: Self, f: F) -> Result<MappedRwLockReadGuard<'a, V>, Self>
-    where
-        F: FnOnce(&U) -> Option<&V>,
-    {
-        let Some(data) = f(&*guard).map(NonNull::from) else {
-            return Err(guard);
-        };
-        let raw = guard.raw;
-        core::mem::forget(guard);
-        Ok(MappedRwLockReadGuard {
-            raw,
-            data,
-            _borrow: PhantomData,
-        })
-    }
-}
-
-impl<U: ?Sized> core::ops::Deref for MappedRwLockReadGuard<'_, U> {
-    type Target = U;
-    #[inline]
-    fn deref(&self) -> &U {
-        // SAFETY: `data` came from a `&U` into the lock's data under a read lock that this
-        // guard still holds (it releases only when dropped), so no writer changes it.
-        unsafe { self.data.as_ref() }
-    }
-}
-
-impl<U: ?Sized> Drop for MappedRwLockReadGuard<'_, U> {
-    #[inline]
-    fn drop(&mut self) {
-        self.raw.leave();
-    }
-}
-
-impl<U: ?Sized + core::fmt::Debug> core::fmt::Debug for MappedRwLockReadGuard<'_, U> {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        (**self).fmt(f)
-    }
-}
-
-/// A write lock on an [`RwLock`] that reaches a part of its data, made by
-/// [`RwLockWriteGuard::map`]: the whole lock stays write locked until it is dropped.
-#[must_use = "the lock is released when the guard is dropped"]
-pub struct MappedRwLockWriteGuard<'a, U: ?Sized> {
-    raw: &'a Raw,
-    /// Points into the lock's data, which this guard holds exclusively.
-    data: NonNull<U>,
-    /// Exclusive access to a `U` for `'a`: invariant in `U`, as `&'a mut U` is, since a `U`
-    /// is written through it (see `variance_checks`).
-    _borrow: PhantomData<&'a mut U>,
-}
-
-// SAFETY: the guard hands out `&mut U` on whichever thread holds it (needs `U: Send`), and
-// may release the lock from another thread than the one that locked.
-unsafe impl<U: ?Sized + Send> Send for MappedRwLockWriteGuard<'_, U> {}
-// SAFETY: a shared guard hands out only `&U`, to every thread that shares it.
-unsafe impl<U: ?Sized + Sync> Sync for MappedRwLockWriteGuard<'_, U> {}
-
-impl<'a, U: ?Sized> MappedRwLockWriteGuard<'a, U> {
-    /// A guard of a part of this part.
-    pub fn map<V: ?Sized, F>(guard: Self, f: F) -> MappedRwLockWriteGuard<'a, V>
-    where
-        F: FnOnce(&mut U) -> &mut V,
-    {
-        let mut guard = guard;
-        let data = NonNull::from(f(&mut *guard));
-        let raw = guard.raw;
-        core::mem::forget(guard);
-        MappedRwLockWriteGuard {
-            raw,
-            data,
-            _borrow: PhantomData,
-        }
-    }
-
-    /// As [`map`](Self::map) where `f` may find no part: the original guard comes back then.
-    pub fn try_map<V: ?Sized, F>(guard: Self, f: F) -> Result<MappedRwLockWriteGuard<'a, V>, Self>
-    where
-        F: FnOnce(&mut U) -> Option<&mut V>,
-    {
-        let mut guard = guard;
-        let Some(data) = f(&mut *guard).map(NonNull::from) else {
-            return Err(guard);
-        };
-        let raw = guard.raw;
-        core::mem::forget(guard);
-        Ok(MappedRwLockWriteGuard {
-            raw,
-            data,
-            _borrow: PhantomData,
-        })
-    }
-}
-
-impl<U: ?Sized> core::ops::Deref for MappedRwLockWriteGuard<'_, U> {
-    type Target = U;
-    fn deref(&self) -> &U {
-        // SAFETY: `data` came from a `&mut U` into the lock's data under the write lock that
-        // this guard still holds, and `&self` borrows the guard, so nothing writes meanwhile.
-        unsafe { self.data.as_ref() }
-    }
-}
-
-impl<U: ?Sized> core::ops::DerefMut for MappedRwLockWriteGuard<'_, U> {
-    fn deref_mut(&mut self) -> &mut U {
-        // SAFETY: as in `deref`; `&mut self` makes this borrow the only one.
-        unsafe { self.data.as_mut() }
-    }
-}
-
-impl<U: ?Sized> Drop for MappedRwLockWriteGuard<'_, U> {
-    fn drop(&mut self) {
-        self.raw.release_to(0);
-    }
-}
-
-impl<U: ?Sized + core::fmt::Debug> core::fmt::Debug for MappedRwLockWriteGuard<'_, U> {
-    fn fmt(&self, f: &mut core::fmt::Formatter<'_>) -> core::fmt::Result {
-        (**self).fmt(f)
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use super::{PHASE, RwLock};
+    use super::RwLock;
 
     #[test]
     fn a_reader_turned_away_by_a_writer_leaves_the_counts_alone() {
@@ -1157,18 +442,14 @@ mod tests {
         // thread polling `try_read` (or `Debug`) could keep it fencing for ever.
         let lock = RwLock::new(1);
         let writing = lock.write();
-        let before = lock.raw.readers.entries(PHASE);
+        let before = lock.raw.entries();
         for _ in 0..100 {
             assert!(lock.try_read().is_none());
         }
         assert!(format!("{lock:?}").contains("<write-locked>"));
-        assert_eq!(
-            lock.raw.readers.entries(PHASE),
-            before,
-            "turned-away readers counted"
-        );
+        assert_eq!(lock.raw.entries(), before, "turned-away readers counted");
         drop(writing);
         assert_eq!(*lock.try_read().unwrap(), 1);
-        assert_eq!(lock.raw.readers.entries(PHASE), before + 1);
+        assert_eq!(lock.raw.entries(), before + 1);
     }
 }

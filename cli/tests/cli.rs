@@ -22,6 +22,8 @@ const GETCPU_CASES: &[&str] = &[
     "current_cpu-noinline",
     "getcpu",
     "mm_cid",
+    "c-cpu_id",
+    "c-cpu-node",
     "empty-loop",
 ];
 

@@ -11,6 +11,7 @@
 //! `Counter::inc` (which returns nothing) does not pay.
 
 use super::model::{Case, Family, Measured, Stats, Unit, Workload};
+use super::reference;
 use super::rseq_off;
 use crate::report::table::{
     Targets, align_right, fmt_num, fmt_ratio, new_table, threads_phrase, titled,
@@ -32,6 +33,7 @@ const CASES: &[&str] = &[
     "thiscpu-adder",
     "thiscpu-counter-mm_cid",
     "thiscpu-adder-mm_cid",
+    "c-rseq-add",
     "thiscpu-counter-rseq-off",
     "thiscpu-adder-rseq-off",
 ];
@@ -215,6 +217,21 @@ impl Shape for TlsPlain {
 
 /// `thiscpu::Counter::inc`: one restartable sequence, a plain `add` to the word of this CPU
 /// (or, by `mm_cid`, of the thread's concurrency id).
+/// The C reference section (`reference.c`): what thiscpu's is measured against.
+struct CRseqAdd(reference::Slots);
+
+impl Shape for CRseqAdd {
+    #[inline(never)]
+    fn increments(&self, ops: u64) {
+        // A loop that could not run adds nothing, and the round's count check then fails.
+        let _ = self.0.add_loop(ops);
+    }
+
+    fn total(&self) -> u64 {
+        self.0.sum()
+    }
+}
+
 struct ThiscpuCounter<S: Spread>(Counter<S>);
 
 impl<S: Spread> Shape for ThiscpuCounter<S> {
@@ -317,6 +334,17 @@ fn cases() -> Vec<Case> {
             ns,
             Exact::new(ThiscpuAdder(Counter::by_mm_cid())),
         ),
+        match reference::unavailable() {
+            None => Case::new(
+                "c-rseq-add",
+                "C: the same restartable load, add and store on the CPU's slot (floor)",
+                ns,
+                Exact::new(CRseqAdd(reference::Slots::new(
+                    thiscpu::topology::possible_cpus(),
+                ))),
+            ),
+            Some(why) => Case::skipped("c-rseq-add", ns, why),
+        },
     ];
     let mirrors = rseq_off::mirrors("counter", CASES, &cases);
     cases.extend(mirrors);
@@ -405,6 +433,18 @@ fn fewest_threads_targets(targets: &mut Targets, results: &[Measured], one: usiz
             fmt_num(adder),
             fmt_ratio(adder / inc)
         ));
+    }
+    if let (Some(ours), Some(c)) = (inc, ns_per_op(results, "c-rseq-add", one)) {
+        targets.check(
+            format!(
+                "Counter::inc vs the C rseq add section, {threads}: {} ({} vs {} ns/op)",
+                fmt_ratio(ours / c),
+                fmt_num(ours),
+                fmt_num(c)
+            ),
+            "≤ 1.15×",
+            ours <= 1.15 * c,
+        );
     }
     if let (Some(ours), Some(theirs)) = (inc, ns_per_op(results, "percpu-atomic", one)) {
         let ratio = theirs / ours;

@@ -9,8 +9,9 @@
 //! `get_cpu_id()`.
 
 use super::model::{Case, Family, Loop, Measured, Stats, Unit};
+use super::reference::{self, CLoop};
 use crate::machine::cpu_has_flag;
-use crate::report::table::{self, fmt_ns, fmt_num, fmt_ratio};
+use crate::report::table::{self, Targets, fmt_ns, fmt_num, fmt_ratio};
 use thiscpu::{CpuNode, CpuSource};
 
 /// The family.
@@ -27,6 +28,8 @@ pub static FAMILY: Family = Family {
         "current_cpu-noinline",
         "getcpu",
         "mm_cid",
+        "c-cpu_id",
+        "c-cpu-node",
         "empty-loop",
     ],
     default_threads: &[1],
@@ -229,8 +232,58 @@ fn cases() -> Vec<Case> {
             "the kernel does not provide mm_cid (Linux 6.3+)",
         )
     });
+    cases.extend(c_reference_cases());
     cases.push(Case::new("empty-loop", "loop + a constant kept in a register", ns, Loop(empty_loop)));
     cases
+}
+
+/// The C floor of `current_cpu` and `getcpu`: the same reads of the same area, in C.
+fn c_reference_cases() -> Vec<Case> {
+    let ns = Unit::NsPerOp;
+    if let Some(why) = reference::unavailable() {
+        return vec![
+            Case::skipped("c-cpu_id", ns, why.clone()),
+            Case::skipped("c-cpu-node", ns, why),
+        ];
+    }
+    let pair = if thiscpu::source().node_id {
+        Case::new(
+            "c-cpu-node",
+            "C: cpu_id and node_id in one rseq section",
+            ns,
+            CLoop::new(reference::cpu_node_loop),
+        )
+    } else {
+        Case::skipped("c-cpu-node", ns, "the kernel does not keep node_id (Linux 6.3+)")
+    };
+    vec![
+        Case::new(
+            "c-cpu_id",
+            "C: one load of the area's cpu_id",
+            ns,
+            CLoop::new(reference::cpu_id_loop),
+        ),
+        pair,
+    ]
+}
+
+/// thiscpu's reads against the same reads in C, in this run: the floor a Rust library over the
+/// same area can reach.
+fn c_reference_targets(results: &[Measured]) -> Targets {
+    let mut targets = Targets::new("targets (ratios of medians to the C reference)");
+    for (ours, c, what) in [
+        ("current_cpu", "c-cpu_id", "current_cpu() vs a C load of cpu_id"),
+        ("getcpu", "c-cpu-node", "getcpu() vs a C rseq section reading cpu_id and node_id"),
+    ] {
+        if let (Some(ours), Some(c)) = (median(results, ours), median(results, c)) {
+            targets.check(
+                format!("{what}: {} ({} vs {})", fmt_ratio(ours / c), fmt_ns(ours), fmt_ns(c)),
+                "≤ 1.15×",
+                ours <= 1.15 * c,
+            );
+        }
+    }
+    targets
 }
 
 /// Statistics of `case` at the smallest thread count measured.
@@ -303,6 +356,11 @@ fn report(results: &[Measured]) -> String {
     if !lines.is_empty() {
         out.push_str("\nspeed-up, ratio of medians (× faster):\n");
         out.push_str(&lines.join("\n"));
+        out.push('\n');
+    }
+    let targets = c_reference_targets(results);
+    if !targets.is_empty() {
+        out.push_str(&targets.joined());
         out.push('\n');
     }
     if let (Some(inline), Some(empty)) = (stats(results, "current_cpu"), stats(results, "empty-loop"))

@@ -41,6 +41,7 @@
 
 pub mod command;
 pub mod model;
+pub mod reference;
 pub mod rseq_off;
 pub mod runner;
 

@@ -118,9 +118,14 @@ echo "guests: $(cat "$tools/guest/kernel-package" 2>/dev/null || echo '?')," \
 # compiler is at hand; the guest has none, so they are cross-compiled here and the runner
 # copies THISCPU_TEST_C_DIR into the guest.
 export THISCPU_TEST_C_DIR=$CARGO_TARGET_DIR/c-tests
+# What the build step built: the library's runs pick their test executables from it.
+source .ci/built-tests.sh
+workspace_listing=$CARGO_TARGET_DIR/workspace-tests.json
 build() {
     # The command's tests need the command: this builds it too.
-    run cargo test --workspace --target "$triple" --no-run
+    mkdir -p "$CARGO_TARGET_DIR"
+    run cargo test --workspace --target "$triple" --no-run \
+        --message-format=json-render-diagnostics >"$workspace_listing"
     run cargo build --release -p thiscpu --example fast_path_probe --target "$triple"
     run mkdir -p "$THISCPU_TEST_C_DIR"
     run aarch64-linux-gnu-gcc -O1 -pthread -o "$THISCPU_TEST_C_DIR/unload_host" \
@@ -152,10 +157,20 @@ vm_test() {
     run bash "$runner" --batch "$manifest"
 }
 
+# vm_built SELECTOR...: as vm_test, for the build step's test executables that the selectors
+# name (see .ci/built-tests.sh), which no other selection of packages compiles again.
+vm_built() {
+    local manifest=$CARGO_TARGET_DIR/vm-test.manifest
+    built_tests "$workspace_listing" "$@" >"$manifest" || return 1
+    cat "$manifest"
+    run bash "$runner" --batch "$manifest"
+}
+
 # The doctests: rustdoc builds them and hands them to the runner through cargo, merged into one
-# executable per crate (edition 2024), so this is one more boot.
+# executable per crate (edition 2024), so this is one more boot. Of the whole workspace, whose
+# libraries the build step built with these features (the command has no doctests).
 vm_doctests() {
-    run cargo test "$@" --target "$triple" --doc
+    run cargo test --workspace --target "$triple" --doc
 }
 
 # The command's own tests (cli/tests) took 194 s of a 314 s test-glibc here (a quick bench of
@@ -167,33 +182,33 @@ library_packages=(-p thiscpu -p thiscpu-stress)
 # The runs of the library's tests take every optional feature (the metrics backends' and
 # serde's tests), which is also the library as the build step built it for the command: no
 # step builds the library again.
-guest_packages=("${library_packages[@]}" --all-features)
+library_tests=(thiscpu thiscpu-stress)
 test_glibc() (
     export THISCPU_EXPECT_REGISTRAR=glibc
-    vm_test "${guest_packages[@]}" -p thiscpu-opentelemetry
-    vm_doctests "${guest_packages[@]}" -p thiscpu-opentelemetry
+    vm_built "${library_tests[@]}" thiscpu-opentelemetry
+    vm_doctests
 )
 step test-glibc test_glibc
 # On sid's kernel: the library's tests alone.
 sid_test_glibc() (
     export THISCPU_EXPECT_REGISTRAR=glibc
-    vm_test "${guest_packages[@]}"
+    vm_built "${library_tests[@]}"
 )
 
 # thiscpu's own registration. On 6.1 it is a legacy-mode area like glibc's, which differs only in
 # where it lies: the tests of the registration and of what it reports run under it (the rest of
 # the suite ran under glibc's above). On sid's kernel it is an optimized-mode area, and every
 # test runs under it.
-registration_tests=(-p thiscpu --all-features --lib --test identity --test registration
-    --test fallback --test topology --test mm_cid --test counter --test shared_library)
+registration_tests=(thiscpu:lib thiscpu:identity thiscpu:registration thiscpu:fallback
+    thiscpu:topology thiscpu:mm_cid thiscpu:counter thiscpu:shared_library)
 test_own() (
     export GLIBC_TUNABLES=glibc.pthread.rseq=0 THISCPU_EXPECT_REGISTRAR=thiscpu
-    vm_test "${registration_tests[@]}"
+    vm_built "${registration_tests[@]}"
 )
 step test-own test_own
 sid_test_own() (
     export GLIBC_TUNABLES=glibc.pthread.rseq=0 THISCPU_EXPECT_REGISTRAR=thiscpu
-    vm_test "${guest_packages[@]}"
+    vm_built "${library_tests[@]}"
 )
 
 # The library's unit tests and the optimiser's test, optimised, as .ci/run does on x86_64: the
@@ -208,7 +223,7 @@ step test-release test_release
 # getcpu nor an instruction for it), counters add atomically and pools lock.
 test_off() (
     export THISCPU_RSEQ=off THISCPU_EXPECT_REGISTRAR=none
-    vm_test "${guest_packages[@]}"
+    vm_built "${library_tests[@]}"
 )
 step test-off test_off
 

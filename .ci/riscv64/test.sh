@@ -115,18 +115,19 @@ echo "guests: $(cat "$lts_kernel/package"), $(cat "$new_kernel/package")"
 # compiler, so they are cross-compiled here and the runner copies THISCPU_TEST_C_DIR in.
 export THISCPU_TEST_C_DIR=$CARGO_TARGET_DIR/c-tests
 library_packages=(-p thiscpu -p thiscpu-stress)
-# The guests' runs of the library's tests take every optional feature: the library as the build
-# step built it for the command (see .ci/aarch64/test.sh).
-guest_packages=("${library_packages[@]}" --all-features)
 static_tests=(--test registration --test identity --test counter --test pool
     --test counter_stress --test pool_stress)
 static_env=(RUSTFLAGS="-C target-feature=+crt-static" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/static")
 
 cli_bin=$CARGO_TARGET_DIR/$triple/debug/thiscpu
+# What the build step built: the guests' runs pick their test executables from it.
+source "$repo/.ci/built-tests.sh"
+workspace_listing=$CARGO_TARGET_DIR/workspace-tests.json
 build() {
     # This also builds the command, which the command's own tests run: no `cargo build --bins`
     # (whose different feature set would build the dependencies a second time).
-    run cargo test --workspace --target "$triple" --no-run
+    run cargo test --workspace --target "$triple" --no-run \
+        --message-format=json-render-diagnostics >"$workspace_listing"
     [ -x "$cli_bin" ] || { echo "cargo test --no-run built no $cli_bin"; return 1; }
     run cargo build --release -p thiscpu --example fast_path_probe --target "$triple"
     # A statically linked program cannot be a cdylib: the core tests only, in a directory of
@@ -186,6 +187,28 @@ add_tests() {
     rm -f "$listing"
 }
 
+# add_built MANIFEST VAR=VALUE... -- SELECTOR...: as add_tests, for the test executables of
+# the build step that the selectors name (see .ci/built-tests.sh).
+add_built() {
+    local manifest=$1 vars=() lines dir exe
+    shift
+    while [ "$1" != -- ]; do
+        vars+=("$1")
+        shift
+    done
+    shift
+    lines=$(built_tests "$workspace_listing" "$@") || return 1
+    while IFS=$'\t' read -r dir exe; do
+        manifest_line "$dir" "${vars[@]}" "$exe" >>"$manifest"
+    done <<<"$lines"
+}
+
+# Every test executable of the library (every optional feature: the build step's build) and
+# of the stress driver; the registration's tests.
+library_tests=(thiscpu thiscpu-stress)
+registration_tests=(thiscpu:lib thiscpu:identity thiscpu:registration thiscpu:fallback
+    thiscpu:topology thiscpu:mm_cid thiscpu:counter thiscpu:shared_library)
+
 own=(GLIBC_TUNABLES=glibc.pthread.rseq=0 THISCPU_EXPECT_REGISTRAR=thiscpu)
 
 # Boots $1 once for the manifest $2 (written by the caller), after listing it.
@@ -198,15 +221,13 @@ boot() {
 lts() {
     local manifest=$CARGO_TARGET_DIR/vm-lts.manifest
     : >"$manifest"
-    add_tests "$manifest" THISCPU_EXPECT_REGISTRAR=glibc -- "${guest_packages[@]}" \
-        -p thiscpu-opentelemetry
+    add_built "$manifest" THISCPU_EXPECT_REGISTRAR=glibc -- "${library_tests[@]}" \
+        thiscpu-opentelemetry
     # thiscpu's own area is a legacy-mode area on 6.12, like glibc's: the tests of the
     # registration and of what it reports (on 7.x, in `new`, every test).
-    add_tests "$manifest" "${own[@]}" -- -p thiscpu --all-features --lib --test identity \
-        --test registration --test fallback --test topology --test mm_cid --test counter \
-        --test shared_library
-    add_tests "$manifest" THISCPU_RSEQ=off THISCPU_EXPECT_REGISTRAR=none -- \
-        "${guest_packages[@]}"
+    add_built "$manifest" "${own[@]}" -- "${registration_tests[@]}"
+    add_built "$manifest" THISCPU_RSEQ=off THISCPU_EXPECT_REGISTRAR=none -- \
+        "${library_tests[@]}"
     (export "${static_env[@]}" && add_tests "$manifest" THISCPU_EXPECT_REGISTRAR=thiscpu -- \
         "${library_packages[@]}" "${static_tests[@]}")
     {
@@ -225,8 +246,8 @@ step lts lts
 new() {
     local manifest=$CARGO_TARGET_DIR/vm-new.manifest
     : >"$manifest"
-    add_tests "$manifest" THISCPU_EXPECT_REGISTRAR=glibc -- "${guest_packages[@]}"
-    add_tests "$manifest" "${own[@]}" -- "${guest_packages[@]}"
+    add_built "$manifest" THISCPU_EXPECT_REGISTRAR=glibc -- "${library_tests[@]}"
+    add_built "$manifest" "${own[@]}" -- "${library_tests[@]}"
     {
         manifest_line / "$cli_bin" info
         manifest_line / "${own[0]}" "$cli_bin" info

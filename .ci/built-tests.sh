@@ -1,0 +1,37 @@
+# Sourced by the guest jobs (.ci/aarch64/test.sh, .ci/riscv64/test.sh): picks test executables
+# out of one build's listing instead of asking cargo again.
+#
+# Why: `cargo test -p thiscpu -p thiscpu-stress --all-features --no-run` unifies the
+# dependencies' features otherwise than the build step's `cargo test --workspace --no-run`
+# (the command's dependencies take part there), so each other selection compiled the library
+# and part of its dependencies once more (76 s of riscv64's 6.12 step, on the AMD host). The
+# workspace build already holds every test executable of the library with every optional
+# feature: the command asks for all of them.
+
+# built_tests LISTING SELECTOR...: one line "PACKAGE-ROOT<TAB>EXECUTABLE" per test executable
+# in LISTING (cargo's JSON messages of a `--no-run` build) that a SELECTOR names: `PACKAGE`
+# (all of that package's test executables), `PACKAGE:lib` (its unit tests) or `PACKAGE:TEST`
+# (one integration test). Fails when a selector names nothing, so that a renamed test cannot
+# drop out of a run unseen.
+built_tests() {
+    local listing=$1 selectors lines selector
+    shift
+    selectors=$(printf '%s\n' "$@" | jq -R . | jq -s .)
+    lines=$(jq -rR --argjson selectors "$selectors" '
+        fromjson? | select(.reason == "compiler-artifact" and .profile.test
+            and .executable != null)
+        | ((.package_id | capture("#(?<name>[^@]+)@") | .name)
+            // (.manifest_path | rtrimstr("/Cargo.toml") | split("/") | last)) as $package
+        | (if (.target.kind | index("lib")) then "lib" else .target.name end) as $target
+        | select($selectors | index($package) or index($package + ":" + $target))
+        | [$package + ":" + $target, (.manifest_path | rtrimstr("/Cargo.toml")), .executable]
+        | @tsv' "$listing" | awk '!seen[$0]++') || return 1
+    for selector in "$@"; do
+        if ! awk -F '\t' -v s="$selector" \
+            '$1 == s || index($1, s ":") == 1 { found = 1 } END { exit !found }' <<<"$lines"; then
+            echo "built_tests: $selector names no test executable of $listing" >&2
+            return 1
+        fi
+    done
+    cut -f 2- <<<"$lines"
+}

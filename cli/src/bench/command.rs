@@ -6,6 +6,7 @@ use super::runner::{self, Plan};
 use crate::error::{Error, Result};
 use crate::machine::Machine;
 use crate::report;
+use crate::report::output::Output;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -57,15 +58,7 @@ pub fn run(options: Options) -> Result<()> {
     });
 
     let plans = plan(&options)?;
-    let measurements: usize = plans
-        .iter()
-        .flat_map(|plan| {
-            plan.cases
-                .iter()
-                .map(|(_, workload)| runner::threads_of(plan, workload.as_ref()).len())
-        })
-        .sum::<usize>()
-        * rounds as usize;
+    let measurements = measurement_count(&plans) * rounds as usize;
     // Families whose every case this machine leaves out (rseq-mode on a kernel without the
     // optimized mode) still print why; only a run with nothing at all to report fails.
     if plans.is_empty() {
@@ -74,52 +67,9 @@ pub fn run(options: Options) -> Result<()> {
 
     // Open every output before measuring, so that a bad path fails in a moment, not after a
     // minute of benchmarks.
-    let json_output = options
-        .json
-        .as_deref()
-        .map(report::output::Output::open)
-        .transpose()?;
-    let markdown_output = options
-        .markdown
-        .as_deref()
-        .map(report::output::Output::open)
-        .transpose()?;
-    if json_output
-        .as_ref()
-        .is_some_and(report::output::Output::is_stdout)
-        && markdown_output
-            .as_ref()
-            .is_some_and(report::output::Output::is_stdout)
-    {
-        return Err(Error::input(
-            "--json - and --export-markdown - cannot both use standard output",
-        ));
-    }
-    // With the JSON or the Markdown on standard output, the text goes to standard error.
-    let to_stderr = json_output
-        .iter()
-        .chain(&markdown_output)
-        .any(report::output::Output::is_stdout);
-    let say = |text: &str| {
-        let text = report::table::fit(text);
-        if to_stderr {
-            eprintln!("{text}");
-        } else {
-            println!("{text}");
-        }
-    };
-    let svg_files = match &options.svg {
-        Some(dir) => {
-            std::fs::create_dir_all(dir).map_err(|e| Error::write(dir, e))?;
-            let mut files = Vec::new();
-            for plan in plans.iter().filter(|plan| !plan.cases.is_empty()) {
-                let path = dir.join(format!("{}.svg", plan.family.name));
-                let file = std::fs::File::create(&path).map_err(|e| Error::write(&path, e))?;
-                files.push((path, file));
-            }
-            files
-        }
-        None => Vec::new(),
+    let outputs = Outputs::open(&options, &plans)?;
+    let console = Console {
+        to_stderr: outputs.text_on_stderr(),
     };
 
     let round = Duration::from_secs_f64(budget / measurements.max(1) as f64).max(MIN_ROUND);
@@ -131,7 +81,46 @@ pub fn run(options: Options) -> Result<()> {
         cpus: runner::worker_cpus(),
     };
     let machine = Machine::describe();
-    say(&report::table::run_header(&machine, &info));
+    console.say(&report::table::run_header(&machine, &info));
+    if let Some(note) = shared_cpus_note(&plans, &info) {
+        console.say(&note);
+    }
+
+    let results = measure_families(&plans, &machine, &info, options.targets, &console)?;
+    outputs.write(&results, &plans, &machine, &info, &console)
+}
+
+/// Where the printed text goes.
+struct Console {
+    /// With the JSON or the Markdown on standard output, the text goes to standard error.
+    to_stderr: bool,
+}
+
+impl Console {
+    fn say(&self, text: &str) {
+        let text = report::table::fit(text);
+        if self.to_stderr {
+            eprintln!("{text}");
+        } else {
+            println!("{text}");
+        }
+    }
+}
+
+/// How many (case, thread count) pairs the plans measure, each for every round.
+fn measurement_count(plans: &[Plan]) -> usize {
+    plans
+        .iter()
+        .flat_map(|plan| {
+            plan.cases
+                .iter()
+                .map(|(_, workload)| runner::threads_of(plan, workload.as_ref()).len())
+        })
+        .sum()
+}
+
+/// The warning printed when some case runs more threads than there are CPUs to pin them to.
+fn shared_cpus_note(plans: &[Plan], info: &RunInfo) -> Option<String> {
     let most_threads = plans
         .iter()
         .flat_map(|plan| {
@@ -139,17 +128,31 @@ pub fn run(options: Options) -> Result<()> {
                 .iter()
                 .flat_map(|(_, workload)| runner::threads_of(plan, workload.as_ref()))
         })
-        .max();
-    if let Some(threads) = most_threads
-        && threads > info.cpus.len()
-    {
-        say(&format!(
-            "note: up to {threads} threads on {} CPU{}: some workers share a CPU",
+        .max()?;
+    (most_threads > info.cpus.len()).then(|| {
+        format!(
+            "note: up to {most_threads} threads on {} CPU{}: some workers share a CPU",
             info.cpus.len(),
             if info.cpus.len() == 1 { "" } else { "s" }
-        ));
-    }
+        )
+    })
+}
 
+/// Everything a run measured, for the files written after it.
+struct RunResults {
+    measured: Vec<Measured>,
+    skipped: Vec<Skipped>,
+    markdown: String,
+}
+
+/// Measures each family in turn and prints its table as soon as it is done.
+fn measure_families(
+    plans: &[Plan],
+    machine: &Machine,
+    info: &RunInfo,
+    targets: bool,
+    console: &Console,
+) -> Result<RunResults> {
     let mut measured = Vec::new();
     let mut skipped = Vec::new();
     let mut markdown = format!(
@@ -159,16 +162,16 @@ pub fn run(options: Options) -> Result<()> {
         info.round.as_secs_f64(),
         if info.quick { " (--quick)" } else { "" }
     );
-    for plan in &plans {
-        let results = runner::run_family(plan, &info)?;
-        say("");
-        say(&report::table::family(plan.family, &results, &plan.skipped));
+    for plan in plans {
+        let results = runner::run_family(plan, info)?;
+        console.say("");
+        console.say(&report::table::family(plan.family, &results, &plan.skipped));
         let mut extra = (plan.family.report)(&results);
-        if !options.targets {
+        if !targets {
             extra = report::table::without_targets(&extra);
         }
         if !extra.is_empty() {
-            say(&extra);
+            console.say(&extra);
         }
         markdown.push('\n');
         markdown.push_str(&report::table::family_markdown(
@@ -179,32 +182,95 @@ pub fn run(options: Options) -> Result<()> {
         measured.extend(results);
         skipped.extend(plan.skipped.iter().cloned());
     }
+    Ok(RunResults {
+        measured,
+        skipped,
+        markdown,
+    })
+}
 
-    let document = report::json::Report::build(&machine, &info, &measured, &skipped);
-    if let Some(output) = markdown_output {
-        let path = output.path().map(|path| path.display().to_string());
-        output.commit(markdown.as_bytes())?;
-        if let Some(path) = path {
-            say(&format!("wrote {path}"));
+/// The files asked for, opened before the run.
+struct Outputs {
+    json: Option<Output>,
+    markdown: Option<Output>,
+    /// One chart per family with cases to measure, in the order of the plans.
+    svg: Vec<(PathBuf, std::fs::File)>,
+}
+
+impl Outputs {
+    fn open(options: &Options, plans: &[Plan]) -> Result<Outputs> {
+        let json = options.json.as_deref().map(Output::open).transpose()?;
+        let markdown = options.markdown.as_deref().map(Output::open).transpose()?;
+        if json.as_ref().is_some_and(Output::is_stdout)
+            && markdown.as_ref().is_some_and(Output::is_stdout)
+        {
+            return Err(Error::input(
+                "--json - and --export-markdown - cannot both use standard output",
+            ));
         }
+        let svg = match &options.svg {
+            Some(dir) => {
+                std::fs::create_dir_all(dir).map_err(|e| Error::write(dir, e))?;
+                let mut files = Vec::new();
+                for plan in plans.iter().filter(|plan| !plan.cases.is_empty()) {
+                    let path = dir.join(format!("{}.svg", plan.family.name));
+                    let file = std::fs::File::create(&path).map_err(|e| Error::write(&path, e))?;
+                    files.push((path, file));
+                }
+                files
+            }
+            None => Vec::new(),
+        };
+        Ok(Outputs {
+            json,
+            markdown,
+            svg,
+        })
     }
-    if let Some(output) = json_output {
-        let path = output.path().map(|path| path.display().to_string());
-        output.commit_json(&document)?;
-        if let Some(path) = path {
-            say(&format!("\nwrote {path}"));
-        }
-    }
-    let charted = plans.iter().filter(|plan| !plan.cases.is_empty());
-    for ((path, file), plan) in svg_files.into_iter().zip(charted) {
-        let results: Vec<&Measured> = measured
+
+    fn text_on_stderr(&self) -> bool {
+        self.json
             .iter()
-            .filter(|m| m.bench == plan.family.name)
-            .collect();
-        report::svg::write(&path, file, plan.family, &results, &machine, &info)?;
-        say(&format!("wrote {}", path.display()));
+            .chain(&self.markdown)
+            .any(Output::is_stdout)
     }
-    Ok(())
+
+    fn write(
+        self,
+        results: &RunResults,
+        plans: &[Plan],
+        machine: &Machine,
+        info: &RunInfo,
+        console: &Console,
+    ) -> Result<()> {
+        let document =
+            report::json::Report::build(machine, info, &results.measured, &results.skipped);
+        if let Some(output) = self.markdown {
+            let path = output.path().map(|path| path.display().to_string());
+            output.commit(results.markdown.as_bytes())?;
+            if let Some(path) = path {
+                console.say(&format!("wrote {path}"));
+            }
+        }
+        if let Some(output) = self.json {
+            let path = output.path().map(|path| path.display().to_string());
+            output.commit_json(&document)?;
+            if let Some(path) = path {
+                console.say(&format!("\nwrote {path}"));
+            }
+        }
+        let charted = plans.iter().filter(|plan| !plan.cases.is_empty());
+        for ((path, file), plan) in self.svg.into_iter().zip(charted) {
+            let family_results: Vec<&Measured> = results
+                .measured
+                .iter()
+                .filter(|m| m.bench == plan.family.name)
+                .collect();
+            report::svg::write(&path, file, plan.family, &family_results, machine, info)?;
+            console.say(&format!("wrote {}", path.display()));
+        }
+        Ok(())
+    }
 }
 
 /// Builds each family's cases and applies `--cases` and `--threads`.

@@ -239,9 +239,26 @@ fn case_name(prefix: &str, kind: Kind) -> &'static str {
 }
 
 fn cases() -> Vec<Case> {
-    let mut cases = Vec::new();
     let in_child = tcmalloc_in_child();
-    let place = |kind: Kind| if kind == Kind::Tcmalloc { tcmalloc_where(in_child) } else { "" };
+    let mut cases = pair_cases(in_child);
+    cases.extend(remote_cases(in_child));
+    cases.extend(child_cases());
+    mark_unbuilt_peers(&mut cases);
+    cases
+}
+
+/// Where tcmalloc's cases run, for their descriptions (the others run in this process).
+fn place(kind: Kind, in_child: bool) -> &'static str {
+    if kind == Kind::Tcmalloc {
+        tcmalloc_where(in_child)
+    } else {
+        ""
+    }
+}
+
+/// One alloc + dealloc pair per operation, for each size and allocator.
+fn pair_cases(in_child: bool) -> Vec<Case> {
+    let mut cases = Vec::new();
     for (prefix, size) in PREFIXES.iter().zip(SIZES) {
         for kind in Kind::ALL {
             let name = case_name(prefix, kind);
@@ -250,7 +267,7 @@ fn cases() -> Vec<Case> {
                 how: format!(
                     "{}: alloc + write a word + dealloc, {size} B{}",
                     kind.what(),
-                    place(kind)
+                    place(kind, in_child)
                 ),
                 unit: Unit::NsPerOp,
                 workload: Ok(if kind == Kind::Tcmalloc && in_child {
@@ -261,7 +278,13 @@ fn cases() -> Vec<Case> {
             });
         }
     }
+    cases
+}
+
+/// Objects allocated here and freed by a thread on another CPU, for each allocator.
+fn remote_cases(in_child: bool) -> Vec<Case> {
     let consumer = pairs::consumer_cpu();
+    let mut cases = Vec::new();
     for kind in Kind::ALL {
         let name = case_name("remote", kind);
         cases.push(match consumer {
@@ -271,7 +294,7 @@ fn cases() -> Vec<Case> {
                     "{}: {REMOTE_SIZE} B objects allocated here, freed by a thread on CPU {cpu}; \
                      producer's CPU time per object{}",
                     kind.what(),
-                    place(kind)
+                    place(kind, in_child)
                 ),
                 unit: Unit::NsPerOp,
                 workload: Ok(if kind == Kind::Tcmalloc && in_child {
@@ -286,8 +309,14 @@ fn cases() -> Vec<Case> {
             None => Case::skipped(name, Unit::NsPerOp, "a remote free needs two CPUs"),
         });
     }
+    cases
+}
+
+/// The whole-program cases, each run in a child process with one allocator as its global one.
+fn child_cases() -> Vec<Case> {
     let unread = Unread::default();
     let children = std::env::current_exe().is_ok();
+    let mut cases = Vec::new();
     let mut child_case = |prefix: &str, task: Task, figure: Figure, how: String| {
         for kind in Kind::ALL {
             let name = case_name(prefix, kind);
@@ -354,8 +383,12 @@ fn cases() -> Vec<Case> {
         Figure::Peak,
         "peak RSS growth of the strings child".to_owned(),
     );
-    // The peers where they are not built.
-    for case in &mut cases {
+    cases
+}
+
+/// Turns the cases of the peers this build leaves out into skipped ones that say why.
+fn mark_unbuilt_peers(cases: &mut [Case]) {
+    for case in cases {
         let kind = case.name.split_once('/').and_then(|(_, kind)| Kind::from_name(kind));
         if let Some(kind) = kind.filter(|kind| !kind.built()) {
             let why = if kind == Kind::Tcmalloc && PEERS_BUILT {
@@ -367,7 +400,6 @@ fn cases() -> Vec<Case> {
             *case = Case::skipped(case.name, case.unit, why);
         }
     }
-    cases
 }
 
 /// Mebibytes, three significant digits.

@@ -146,51 +146,7 @@ pub struct Now {
 /// Gathers everything.
 pub fn gather() -> Info {
     let source = thiscpu::source();
-    let rseq_in_use = matches!(
-        source.this_thread,
-        CpuSource::RseqGlibc | CpuSource::RseqThiscpu
-    );
-    let instruction = |name: &'static str, works: bool| SourceState {
-        name,
-        available: works,
-        reason: (!works).then(|| {
-            if !cfg!(target_arch = "x86_64") {
-                "an x86_64 instruction".to_owned()
-            } else if !machine::cpu_has_flag(name) {
-                format!("CPU lacks {}", name.to_uppercase())
-            } else {
-                "listed by the CPU, but unusable here (its answer disagrees with the kernel's, \
-                 or an emulator hides it)"
-                    .to_owned()
-            }
-        }),
-    };
-    let vdso = thiscpu::via::vdso().is_some();
-    let sources = vec![
-        SourceState {
-            name: "rseq",
-            available: rseq_in_use,
-            reason: (!rseq_in_use).then(|| {
-                source
-                    .unavailable
-                    .map_or("not registered in this thread".to_owned(), |why| {
-                        why.to_string()
-                    })
-            }),
-        },
-        instruction("rdpid", thiscpu::via::rdpid().is_some()),
-        instruction("rdtscp", thiscpu::via::rdtscp().is_some()),
-        SourceState {
-            name: "vdso",
-            available: vdso,
-            reason: (!vdso).then(|| "the vDSO has no getcpu".to_owned()),
-        },
-        SourceState {
-            name: "syscall",
-            available: true,
-            reason: None,
-        },
-    ];
+    let sources = source_states(&source);
     let here = thiscpu::getcpu();
     let machine = Machine::describe();
     Info {
@@ -201,24 +157,7 @@ pub fn gather() -> Info {
             kernel: machine.kernel,
             glibc: machine.glibc,
         },
-        rseq: RseqDetail {
-            registered_by: source.registrar.name().to_owned(),
-            unavailable: source.unavailable.map(|why| Named {
-                id: why,
-                name: why.to_string(),
-            }),
-            glibc_rseq_size: source.glibc_rseq_size,
-            glibc_rseq_offset: source.glibc_rseq_offset,
-            kernel_feature_size: source.kernel_feature_size,
-            kernel_align: source.kernel_align,
-            registered_size: source.registered_size,
-            mode: source.mode.map(RseqMode::name),
-            optimized_size: source.optimized_size,
-            mode_advice: mode_advice(&source),
-            usable_size: source.usable_size,
-            node_id: source.node_id,
-            mm_cid: source.mm_cid,
-        },
+        rseq: rseq_detail(&source),
         sources,
         chosen: Named::of(source.this_thread),
         fallback: Named::of(source.fallback),
@@ -241,6 +180,82 @@ pub fn gather() -> Info {
                 counts_bytes: lock.counts_bytes(),
             }
         },
+    }
+}
+
+/// Each way of asking for the CPU, whether it works here, and why not.
+fn source_states(source: &Source) -> Vec<SourceState> {
+    let rseq_in_use = matches!(
+        source.this_thread,
+        CpuSource::RseqGlibc | CpuSource::RseqThiscpu
+    );
+    let vdso = thiscpu::via::vdso().is_some();
+    vec![
+        SourceState {
+            name: "rseq",
+            available: rseq_in_use,
+            reason: (!rseq_in_use).then(|| {
+                source
+                    .unavailable
+                    .map_or("not registered in this thread".to_owned(), |why| {
+                        why.to_string()
+                    })
+            }),
+        },
+        instruction_state("rdpid", thiscpu::via::rdpid().is_some()),
+        instruction_state("rdtscp", thiscpu::via::rdtscp().is_some()),
+        SourceState {
+            name: "vdso",
+            available: vdso,
+            reason: (!vdso).then(|| "the vDSO has no getcpu".to_owned()),
+        },
+        SourceState {
+            name: "syscall",
+            available: true,
+            reason: None,
+        },
+    ]
+}
+
+/// An x86_64 instruction as a source: an instruction the CPU lists can still fail the check
+/// against the kernel's answer.
+fn instruction_state(name: &'static str, works: bool) -> SourceState {
+    SourceState {
+        name,
+        available: works,
+        reason: (!works).then(|| {
+            if !cfg!(target_arch = "x86_64") {
+                "an x86_64 instruction".to_owned()
+            } else if !machine::cpu_has_flag(name) {
+                format!("CPU lacks {}", name.to_uppercase())
+            } else {
+                "listed by the CPU, but unusable here (its answer disagrees with the kernel's, \
+                 or an emulator hides it)"
+                    .to_owned()
+            }
+        }),
+    }
+}
+
+/// rseq as this process registered it.
+fn rseq_detail(source: &Source) -> RseqDetail {
+    RseqDetail {
+        registered_by: source.registrar.name().to_owned(),
+        unavailable: source.unavailable.map(|why| Named {
+            id: why,
+            name: why.to_string(),
+        }),
+        glibc_rseq_size: source.glibc_rseq_size,
+        glibc_rseq_offset: source.glibc_rseq_offset,
+        kernel_feature_size: source.kernel_feature_size,
+        kernel_align: source.kernel_align,
+        registered_size: source.registered_size,
+        mode: source.mode.map(RseqMode::name),
+        optimized_size: source.optimized_size,
+        mode_advice: mode_advice(source),
+        usable_size: source.usable_size,
+        node_id: source.node_id,
+        mm_cid: source.mm_cid,
     }
 }
 
@@ -337,7 +352,6 @@ fn yes_no(flag: bool) -> &'static str {
 /// The human-readable form.
 pub fn render(info: &Info) -> String {
     let m = &info.machine;
-    let r = &info.rseq;
     let mut lines: Vec<(&str, String)> = Vec::new();
     lines.push((
         "machine",
@@ -351,60 +365,8 @@ pub fn render(info: &Info) -> String {
                 .map_or("no glibc".to_owned(), |v| format!("glibc {v}"))
         ),
     ));
-    let registrar = match &r.unavailable {
-        Some(why) => format!("not in use: {}", why.name),
-        None => format!(
-            "registered by {}: a {}-byte area per thread, of which the kernel fills {} (its \
-             feature size)",
-            r.registered_by,
-            r.registered_size,
-            r.kernel_feature_size.min(r.registered_size)
-        ),
-    };
-    lines.push(("rseq", registrar));
-    lines.push((
-        "",
-        format!(
-            "usable {} bytes · node_id {} · mm_cid {}",
-            r.usable_size,
-            yes_no(r.node_id),
-            yes_no(r.mm_cid)
-        ),
-    ));
-    lines.push(("", glibc_symbols(r)));
-    if let Some(line) = mode_line(r) {
-        lines.push(("mode", line));
-    }
-    if let Some(advice) = &r.mode_advice {
-        lines.push(("", advice.clone()));
-    }
-    let chosen_kind = info.chosen.name.split(' ').next().unwrap_or_default();
-    let sources: Vec<String> = info
-        .sources
-        .iter()
-        .map(|s| {
-            let mut text = format!("{} {}", s.name, if s.available { "✓" } else { "✗" });
-            if s.name == chosen_kind {
-                text.push_str(" (answers)");
-            } else if s.name == info.fallback.name {
-                text.push_str(" (fallback)");
-            }
-            text
-        })
-        .collect();
-    lines.push(("sources", sources.join(" · ")));
-    for s in info.sources.iter().filter(|s| !s.available) {
-        if let Some(reason) = &s.reason {
-            lines.push(("", format!("{}: {reason}", s.name)));
-        }
-    }
-    lines.push((
-        "answers",
-        format!(
-            "current_cpu() from {}; without rseq: {}",
-            info.chosen.name, info.fallback.name
-        ),
-    ));
+    push_rseq_lines(&mut lines, &info.rseq);
+    push_source_lines(&mut lines, info);
     lines.push((
         "RwLock",
         format!(
@@ -437,13 +399,79 @@ pub fn render(info: &Info) -> String {
                 .map_or("unavailable".to_owned(), |c| c.to_string())
         ),
     ));
-    // Each text wrapped to the terminal width, its continuation lines under its first.
+    labelled_table(&lines)
+}
+
+/// The registration, glibc's symbols and the mode.
+fn push_rseq_lines(lines: &mut Vec<(&str, String)>, r: &RseqDetail) {
+    let registrar = match &r.unavailable {
+        Some(why) => format!("not in use: {}", why.name),
+        None => format!(
+            "registered by {}: a {}-byte area per thread, of which the kernel fills {} (its \
+             feature size)",
+            r.registered_by,
+            r.registered_size,
+            r.kernel_feature_size.min(r.registered_size)
+        ),
+    };
+    lines.push(("rseq", registrar));
+    lines.push((
+        "",
+        format!(
+            "usable {} bytes · node_id {} · mm_cid {}",
+            r.usable_size,
+            yes_no(r.node_id),
+            yes_no(r.mm_cid)
+        ),
+    ));
+    lines.push(("", glibc_symbols(r)));
+    if let Some(line) = mode_line(r) {
+        lines.push(("mode", line));
+    }
+    if let Some(advice) = &r.mode_advice {
+        lines.push(("", advice.clone()));
+    }
+}
+
+/// Every source with a tick or a cross, why the crossed ones fail, and which one answers.
+fn push_source_lines(lines: &mut Vec<(&str, String)>, info: &Info) {
+    let chosen_kind = info.chosen.name.split(' ').next().unwrap_or_default();
+    let sources: Vec<String> = info
+        .sources
+        .iter()
+        .map(|s| {
+            let mut text = format!("{} {}", s.name, if s.available { "✓" } else { "✗" });
+            if s.name == chosen_kind {
+                text.push_str(" (answers)");
+            } else if s.name == info.fallback.name {
+                text.push_str(" (fallback)");
+            }
+            text
+        })
+        .collect();
+    lines.push(("sources", sources.join(" · ")));
+    for s in info.sources.iter().filter(|s| !s.available) {
+        if let Some(reason) = &s.reason {
+            lines.push(("", format!("{}: {reason}", s.name)));
+        }
+    }
+    lines.push((
+        "answers",
+        format!(
+            "current_cpu() from {}; without rseq: {}",
+            info.chosen.name, info.fallback.name
+        ),
+    ));
+}
+
+/// Each text wrapped to the terminal width, its continuation lines under its first.
+fn labelled_table(lines: &[(&str, String)]) -> String {
     let mut table = comfy_table::Table::new();
     table
         .load_preset(comfy_table::presets::NOTHING)
         .set_content_arrangement(comfy_table::ContentArrangement::Dynamic)
         .set_width(crate::report::table::WIDTH);
-    for (label, text) in &lines {
+    for (label, text) in lines {
         table.add_row(vec![format!("{label:<8}"), text.clone()]);
     }
     for (index, padding) in [(0, (0, 0)), (1, (1, 0))] {

@@ -233,37 +233,7 @@ fn measure(
             let (gate, stop) = (&gate, &stop);
             let cpu = cpus[worker % cpus.len()];
             let spawned = std::thread::Builder::new().spawn_scoped(scope, move || {
-                let pinned = topology::pin_to(cpu);
-                // Warm up: first-use work (rseq registration, page faults) stays out of
-                // the timed part. A panic here still reaches the gate (or the other
-                // threads would wait there forever) and is raised after it.
-                let warm_up = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    workload.run(worker, chunk)
-                }));
-                let opened = gate.arrive();
-                if let Err(panic) = warm_up {
-                    std::panic::resume_unwind(panic);
-                }
-                let opened = opened?;
-                // Each worker stops by its own clock: with many more workers than CPUs, the
-                // thread that sets `stop` may wait long for a CPU.
-                let deadline = opened + duration;
-                let begin = Instant::now();
-                let begin_cpu = thread_cpu_time();
-                let mut ops = 0u64;
-                loop {
-                    workload.run(worker, chunk);
-                    ops += chunk;
-                    if stop.load(Ordering::Relaxed) || Instant::now() >= deadline {
-                        break;
-                    }
-                }
-                let run = WorkerRun {
-                    ops,
-                    wall: begin.elapsed(),
-                    cpu: thread_cpu_time().saturating_sub(begin_cpu),
-                };
-                Some((chunk, run, pinned.is_ok()))
+                run_worker(workload, worker, cpu, chunk, duration, gate, stop)
             });
             match spawned {
                 Ok(handle) => workers.push(handle),
@@ -293,8 +263,66 @@ fn measure(
         Ok(workers
             .into_iter()
             .map(|w| w.join().ok().flatten())
-            .collect::<Vec<Option<(u64, WorkerRun, bool)>>>())
+            .collect::<Vec<Option<WorkerOutcome>>>())
     })?;
+    sample_of(workload, outcomes, cpus)
+}
+
+/// What one worker did: the operations of its warm-up, its timed run, and whether it was
+/// pinned.
+type WorkerOutcome = (u64, WorkerRun, bool);
+
+/// One worker of [`measure`]: pinned to `cpu`, it warms up, waits at the gate, then runs
+/// until `stop` or its own deadline. `None` when the gate was cancelled.
+fn run_worker(
+    workload: &dyn Workload,
+    worker: usize,
+    cpu: u32,
+    chunk: u64,
+    duration: Duration,
+    gate: &StartGate,
+    stop: &AtomicBool,
+) -> Option<WorkerOutcome> {
+    let pinned = topology::pin_to(cpu);
+    // Warm up: first-use work (rseq registration, page faults) stays out of the timed part. A
+    // panic here still reaches the gate (or the other threads would wait there forever) and is
+    // raised after it.
+    let warm_up =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| workload.run(worker, chunk)));
+    let opened = gate.arrive();
+    if let Err(panic) = warm_up {
+        std::panic::resume_unwind(panic);
+    }
+    let opened = opened?;
+    // Each worker stops by its own clock: with many more workers than CPUs, the thread that sets
+    // `stop` may wait long for a CPU.
+    let deadline = opened + duration;
+    let begin = Instant::now();
+    let begin_cpu = thread_cpu_time();
+    let mut ops = 0u64;
+    loop {
+        workload.run(worker, chunk);
+        ops += chunk;
+        if stop.load(Ordering::Relaxed) || Instant::now() >= deadline {
+            break;
+        }
+    }
+    let run = WorkerRun {
+        ops,
+        wall: begin.elapsed(),
+        cpu: thread_cpu_time().saturating_sub(begin_cpu),
+    };
+    Some((chunk, run, pinned.is_ok()))
+}
+
+/// The workers' outcomes as one sample, once the workload agrees that every operation was
+/// done.
+fn sample_of(
+    workload: &dyn Workload,
+    outcomes: Vec<Option<WorkerOutcome>>,
+    cpus: &[u32],
+) -> std::result::Result<Sample, String> {
+    let threads = outcomes.len();
     let mut sample = Sample {
         workers: Vec::with_capacity(threads),
         ops: 0,

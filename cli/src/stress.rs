@@ -22,7 +22,7 @@ use thiscpu_stress::{
     StressReport, run_alloc, run_counter, run_pool,
 };
 
-/// Runs both stresses and reports; an inexact result is an error with exit status 1.
+/// Runs the stresses and reports; an inexact result is an error with exit status 1.
 pub fn run(args: StressArgs) -> Result<()> {
     let output = args.json.as_deref().map(Output::open).transpose()?;
     let mut config = StressConfig {
@@ -32,17 +32,44 @@ pub fn run(args: StressArgs) -> Result<()> {
     if let Some(threads) = args.threads {
         config.threads = threads as usize;
     }
+    let reports = run_all(&config, args.seconds)?;
+
+    let source = thiscpu::source();
+    let json_to_stdout = output.as_ref().is_some_and(Output::is_stdout);
+    if let Some(output) = output {
+        output.commit_json(&reports.json(&source, args.seconds))?;
+    }
+    if !json_to_stdout {
+        reports.print(&source);
+    }
+    if reports.exact() {
+        Ok(())
+    } else {
+        Err(reports.inexact_error())
+    }
+}
+
+/// What the three stresses reported.
+struct Reports {
+    counter: StressReport,
+    pool: PoolStressReport,
+    alloc: AllocStressReport,
+}
+
+/// Runs the counter, pool and allocator stresses one after the other, each under the
+/// spinner.
+fn run_all(config: &StressConfig, seconds: f64) -> Result<Reports> {
     let failed =
         |what: &str, e: std::io::Error| Error::failed(format!("{what} stress: {}", plain(&e)));
     let progress = spinner();
     let phase = |what: &str| {
         progress.set_message(format!(
-            "{what} stress: {} workers for {} s",
-            config.threads, args.seconds
+            "{what} stress: {} workers for {seconds} s",
+            config.threads
         ));
     };
     phase("counter");
-    let counter = run_counter(&config).map_err(|e| failed("counter", e))?;
+    let counter = run_counter(config).map_err(|e| failed("counter", e))?;
     phase("pool");
     let pool = run_pool(&PoolStressConfig {
         stress: config.clone(),
@@ -56,30 +83,38 @@ pub fn run(args: StressArgs) -> Result<()> {
     })
     .map_err(|e| failed("allocator", e))?;
     progress.finish_and_clear();
+    Ok(Reports {
+        counter,
+        pool,
+        alloc,
+    })
+}
 
-    let source = thiscpu::source();
-    let lost = counter.lost.unsigned_abs() + pool.lost.unsigned_abs();
-    let exact = counter.exact() && pool.exact() && alloc.exact();
-    let json_to_stdout = output.as_ref().is_some_and(Output::is_stdout);
-    if let Some(output) = output {
-        let report = json!({
+impl Reports {
+    fn exact(&self) -> bool {
+        self.counter.exact() && self.pool.exact() && self.alloc.exact()
+    }
+
+    fn json(&self, source: &thiscpu::Source, seconds: f64) -> Value {
+        let lost = self.counter.lost.unsigned_abs() + self.pool.lost.unsigned_abs();
+        json!({
             "schema_version": SCHEMA_VERSION,
-            "exact": exact,
+            "exact": self.exact(),
             "lost": lost,
-            "seconds": args.seconds,
+            "seconds": seconds,
             "source": {
                 "registrar": source.registrar.name(),
                 "this_thread": source.this_thread.name(),
                 "fallback": source.fallback.name(),
                 "mm_cid": source.mm_cid,
             },
-            "counter": counter_json(&counter),
-            "pool": pool_json(&pool),
-            "allocator": alloc_json(&alloc),
-        });
-        output.commit_json(&report)?;
+            "counter": counter_json(&self.counter),
+            "pool": pool_json(&self.pool),
+            "allocator": alloc_json(&self.alloc),
+        })
     }
-    if !json_to_stdout {
+
+    fn print(&self, source: &thiscpu::Source) {
         println!(
             "thiscpu stress · rseq registered by {}; this thread answers from {}, fallback {}; \
              mm_cid {}",
@@ -92,22 +127,22 @@ pub fn run(args: StressArgs) -> Result<()> {
                 "not usable"
             },
         );
-        println!("\n{}", counter_text(&counter));
-        println!("\n{}", pool_text(&pool));
-        println!("\n{}", alloc_text(&alloc));
+        println!("\n{}", counter_text(&self.counter));
+        println!("\n{}", pool_text(&self.pool));
+        println!("\n{}", alloc_text(&self.alloc));
         println!(
             "\n{}",
-            if exact {
+            if self.exact() {
                 "exact: nothing lost, nothing doubled"
             } else {
                 "NOT exact: see above"
             }
         );
     }
-    if exact {
-        Ok(())
-    } else {
-        Err(Error::failed(format!(
+
+    fn inexact_error(&self) -> Error {
+        let (counter, pool, alloc) = (&self.counter, &self.pool, &self.alloc);
+        Error::failed(format!(
             "the stress lost updates: counter {} (of {}), pool {} objects, {} double hand-outs, \
              {} duplicates; allocator {} objects corrupted, {} allocations lost, {} bytes left \
              cached",
@@ -119,7 +154,7 @@ pub fn run(args: StressArgs) -> Result<()> {
             alloc.corrupted,
             alloc.lost,
             alloc.cached_after_release
-        )))
+        ))
     }
 }
 

@@ -65,6 +65,14 @@ pub static FAMILY: Family = Family {
 };
 
 fn cases() -> Vec<Case> {
+    let mut cases = facade_cases();
+    cases.extend(prometheus_client_cases());
+    cases
+}
+
+/// A counter through the `metrics` facade, into the exporter alone, behind `PerCpuLayer`, and
+/// into `PerCpuRecorder`.
+fn facade_cases() -> Vec<Case> {
     let ns = Unit::NsPerOp;
     let exporter = PrometheusBuilder::new().build_recorder();
     let exporter_handle = exporter.handle();
@@ -106,6 +114,13 @@ fn cases() -> Vec<Case> {
                 Facade::new(recorder.clone(), Scrape::Snapshot(recorder))
             },
         ),
+    ]
+}
+
+/// prometheus-client's Counter and Histogram beside thiscpu's, each in a registry.
+fn prometheus_client_cases() -> Vec<Case> {
+    let ns = Unit::NsPerOp;
+    vec![
         Case::new(
             "pclient-counter",
             "prometheus-client Counter::inc (AtomicU64)",

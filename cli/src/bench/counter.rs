@@ -267,14 +267,20 @@ impl<S: Spread> Shape for ThiscpuAdder<S> {
 }
 
 fn cases() -> Vec<Case> {
+    let mm_cid = thiscpu::source().mm_cid;
+    let mut cases = rival_cases();
+    cases.extend(thiscpu_cases(mm_cid));
+    cases.push(c_reference_case());
+    let mirrors = rseq_off::mirrors("counter", CASES, &cases);
+    cases.extend(mirrors);
+    cases
+}
+
+/// The other ways to count from many threads: one atomic, atomics by CPU or by thread, and
+/// thread-locals.
+fn rival_cases() -> Vec<Case> {
     let ns = Unit::NsPerOp;
-    let source = thiscpu::source();
-    let mm_cid_how = if source.mm_cid {
-        "thiscpu Counter::by_mm_cid().inc()"
-    } else {
-        "Counter::by_mm_cid().inc(); no mm_cid here: spreads by CPU"
-    };
-    let mut cases = vec![
+    vec![
         Case::new(
             "atomic-global",
             "one AtomicU64, fetch_add",
@@ -310,6 +316,18 @@ fn cases() -> Vec<Case> {
                 flushed: AtomicU64::new(0),
             }),
         ),
+    ]
+}
+
+/// thiscpu's `Counter`, by CPU and by mm_cid, each through `inc()` and through an adder.
+fn thiscpu_cases(mm_cid: bool) -> Vec<Case> {
+    let ns = Unit::NsPerOp;
+    let mm_cid_how = if mm_cid {
+        "thiscpu Counter::by_mm_cid().inc()"
+    } else {
+        "Counter::by_mm_cid().inc(); no mm_cid here: spreads by CPU"
+    };
+    vec![
         Case::new(
             "thiscpu-counter",
             "thiscpu Counter::inc(), by CPU",
@@ -334,21 +352,23 @@ fn cases() -> Vec<Case> {
             ns,
             Exact::new(ThiscpuAdder(Counter::by_mm_cid())),
         ),
-        match reference::unavailable() {
-            None => Case::new(
-                "c-rseq-add",
-                "C: the same restartable load, add and store on the CPU's slot (floor)",
-                ns,
-                Exact::new(CRseqAdd(reference::Slots::new(
-                    thiscpu::topology::possible_cpus(),
-                ))),
-            ),
-            Some(why) => Case::skipped("c-rseq-add", ns, why),
-        },
-    ];
-    let mirrors = rseq_off::mirrors("counter", CASES, &cases);
-    cases.extend(mirrors);
-    cases
+    ]
+}
+
+/// The same increment as a C rseq section, the floor thiscpu's counter is measured against.
+fn c_reference_case() -> Case {
+    let ns = Unit::NsPerOp;
+    match reference::unavailable() {
+        None => Case::new(
+            "c-rseq-add",
+            "C: the same restartable load, add and store on the CPU's slot (floor)",
+            ns,
+            Exact::new(CRseqAdd(reference::Slots::new(
+                thiscpu::topology::possible_cpus(),
+            ))),
+        ),
+        Some(why) => Case::skipped("c-rseq-add", ns, why),
+    }
 }
 
 /// Per-round values of one (case, threads) result, mapped through `f`.

@@ -126,6 +126,7 @@ workspace_listing=$CARGO_TARGET_DIR/workspace-tests.json
 build() {
     # This also builds the command, which the command's own tests run: no `cargo build --bins`
     # (whose different feature set would build the dependencies a second time).
+    mkdir -p "$CARGO_TARGET_DIR"
     run cargo test --workspace --target "$triple" --no-run \
         --message-format=json-render-diagnostics >"$workspace_listing"
     [ -x "$cli_bin" ] || { echo "cargo test --no-run built no $cli_bin"; return 1; }

@@ -1,12 +1,12 @@
 //! `getcpu`: how long it takes to ask "which CPU am I on", by every way Linux offers.
 //!
 //! Each case is a loop of calls whose every result is kept in a register (`Kept`), never
-//! stored: a store of each answer to the stack made the figure depend on where the stack and
-//! the thread's rseq area fell relative to each other (their addresses' low 12 bits), which
-//! the size of the program's thread-local data decides. The probe is inlined into the loop, as
-//! a caller of the library would have it, except in `current_cpu-noinline`, which calls an
-//! `#[inline(never)]` function the way the arm64 `thread_info->cpu` patch (seed 000) timed its
-//! `get_cpu_id()`.
+//! stored, so that the loop holds the probe and nothing else. (A build whose `current_cpu`
+//! loop measured twice the empty loop's time turned out to owe it to the loop straddling a
+//! 64-byte boundary, not to the store: `.cargo/config.toml` aligns the loops.) The probe is
+//! inlined into the loop, as a caller of the library would have it, except in
+//! `current_cpu-noinline`, which calls an `#[inline(never)]` function the way the arm64
+//! `thread_info->cpu` patch (seed 000) timed its `get_cpu_id()`.
 
 use super::model::{Case, Family, Loop, Measured, Stats, Unit};
 use super::reference::{self, CLoop};

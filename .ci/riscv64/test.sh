@@ -117,12 +117,15 @@ export THISCPU_TEST_C_DIR=$CARGO_TARGET_DIR/c-tests
 library_packages=(-p thiscpu -p thiscpu-stress)
 static_tests=(--test registration --test identity --test counter --test pool
     --test counter_stress --test pool_stress)
+static_selectors=(thiscpu:registration thiscpu:identity thiscpu:counter thiscpu:pool
+    thiscpu-stress:counter_stress thiscpu-stress:pool_stress)
 static_env=(RUSTFLAGS="-C target-feature=+crt-static" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/static")
 
 cli_bin=$CARGO_TARGET_DIR/$triple/debug/thiscpu
 # What the build step built: the guests' runs pick their test executables from it.
 source "$repo/.ci/built-tests.sh"
 workspace_listing=$CARGO_TARGET_DIR/workspace-tests.json
+static_listing=$CARGO_TARGET_DIR/static-tests.json
 build() {
     # This also builds the command, which the command's own tests run: no `cargo build --bins`
     # (whose different feature set would build the dependencies a second time).
@@ -134,7 +137,7 @@ build() {
     # A statically linked program cannot be a cdylib: the core tests only, in a directory of
     # their own so that the dynamic build stays.
     run env "${static_env[@]}" cargo test "${library_packages[@]}" "${static_tests[@]}" \
-        --target "$triple" --no-run
+        --target "$triple" --no-run --message-format=json-render-diagnostics >"$static_listing"
     run mkdir -p "$THISCPU_TEST_C_DIR"
     run riscv64-linux-gnu-gcc -O1 -pthread -o "$THISCPU_TEST_C_DIR/unload_host" \
         thiscpu/tests/c/unload_host.c
@@ -164,41 +167,18 @@ manifest_line() {
     printf '%s\n' "$*"
 }
 
-# add_tests MANIFEST VAR=VALUE... -- CARGO-TEST-ARGS: appends to MANIFEST one run per test
-# executable that `cargo test CARGO-TEST-ARGS` would run (all built already), from its
-# package's root as cargo runs it, with the variables given.
-add_tests() {
-    local manifest=$1 vars=() listing
-    shift
-    while [ "$1" != -- ]; do
-        vars+=("$1")
-        shift
-    done
-    shift
-    listing=$(mktemp)
-    run cargo test "$@" --target "$triple" --no-run --message-format=json-render-diagnostics \
-        >"$listing"
-    local dir exe
-    while IFS=$'\t' read -r dir exe; do
-        manifest_line "$dir" "${vars[@]}" "$exe" >>"$manifest"
-    done < <(jq -rR 'fromjson? | select(.reason == "compiler-artifact" and .profile.test
-        and .executable != null)
-        | (.manifest_path | rtrimstr("/Cargo.toml")) + "\t" + .executable' "$listing" |
-        awk '!seen[$0]++')
-    rm -f "$listing"
-}
-
-# add_built MANIFEST VAR=VALUE... -- SELECTOR...: as add_tests, for the test executables of
-# the build step that the selectors name (see .ci/built-tests.sh).
+# add_built MANIFEST LISTING VAR=VALUE... -- SELECTOR...: appends to MANIFEST one run per test
+# executable of LISTING (a build's JSON messages) that the selectors name (see
+# .ci/built-tests.sh), from its package's root as cargo runs it, with the variables given.
 add_built() {
-    local manifest=$1 vars=() lines dir exe
-    shift
+    local manifest=$1 listing=$2 vars=() lines dir exe
+    shift 2
     while [ "$1" != -- ]; do
         vars+=("$1")
         shift
     done
     shift
-    lines=$(built_tests "$workspace_listing" "$@") || return 1
+    lines=$(built_tests "$listing" "$@") || return 1
     while IFS=$'\t' read -r dir exe; do
         manifest_line "$dir" "${vars[@]}" "$exe" >>"$manifest"
     done <<<"$lines"
@@ -222,15 +202,15 @@ boot() {
 lts() {
     local manifest=$CARGO_TARGET_DIR/vm-lts.manifest
     : >"$manifest"
-    add_built "$manifest" THISCPU_EXPECT_REGISTRAR=glibc -- "${library_tests[@]}" \
-        thiscpu-opentelemetry
+    add_built "$manifest" "$workspace_listing" THISCPU_EXPECT_REGISTRAR=glibc -- \
+        "${library_tests[@]}" thiscpu-opentelemetry
     # thiscpu's own area is a legacy-mode area on 6.12, like glibc's: the tests of the
     # registration and of what it reports (on 7.x, in `new`, every test).
-    add_built "$manifest" "${own[@]}" -- "${registration_tests[@]}"
-    add_built "$manifest" THISCPU_RSEQ=off THISCPU_EXPECT_REGISTRAR=none -- \
+    add_built "$manifest" "$workspace_listing" "${own[@]}" -- "${registration_tests[@]}"
+    add_built "$manifest" "$workspace_listing" THISCPU_RSEQ=off THISCPU_EXPECT_REGISTRAR=none -- \
         "${library_tests[@]}"
-    (export "${static_env[@]}" && add_tests "$manifest" THISCPU_EXPECT_REGISTRAR=thiscpu -- \
-        "${library_packages[@]}" "${static_tests[@]}")
+    add_built "$manifest" "$static_listing" THISCPU_EXPECT_REGISTRAR=thiscpu -- \
+        "${static_selectors[@]}"
     {
         manifest_line / "$cli_bin" --help
         manifest_line / "$cli_bin" info
@@ -247,8 +227,9 @@ step lts lts
 new() {
     local manifest=$CARGO_TARGET_DIR/vm-new.manifest
     : >"$manifest"
-    add_built "$manifest" THISCPU_EXPECT_REGISTRAR=glibc -- "${library_tests[@]}"
-    add_built "$manifest" "${own[@]}" -- "${library_tests[@]}"
+    add_built "$manifest" "$workspace_listing" THISCPU_EXPECT_REGISTRAR=glibc -- \
+        "${library_tests[@]}"
+    add_built "$manifest" "$workspace_listing" "${own[@]}" -- "${library_tests[@]}"
     {
         manifest_line / "$cli_bin" info
         manifest_line / "${own[0]}" "$cli_bin" info

@@ -54,6 +54,19 @@ pub struct Rseq {
     pub mm_cid: u32,
 }
 
+impl Rseq {
+    /// An area as the kernel requires it before registration, and as it reads unregistered:
+    /// `cpu_id` [`CPU_ID_UNINITIALIZED`], everything else 0.
+    pub const UNREGISTERED: Rseq = Rseq {
+        cpu_id_start: 0,
+        cpu_id: CPU_ID_UNINITIALIZED,
+        rseq_cs: 0,
+        flags: 0,
+        node_id: 0,
+        mm_cid: 0,
+    };
+}
+
 /// `struct rseq_cs`: describes one critical section to the kernel.
 #[repr(C, align(32))]
 #[derive(Debug)]

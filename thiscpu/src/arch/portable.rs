@@ -33,16 +33,7 @@ static __thiscpu_0_1_hot_words: [AtomicU32; hot::WORDS] = [const { AtomicU32::ne
 
 thread_local! {
     /// The calling thread's only area: the unregistered image, never written.
-    static BLANK: Rseq = const {
-        Rseq {
-            cpu_id_start: 0,
-            cpu_id: abi::CPU_ID_UNINITIALIZED,
-            rseq_cs: 0,
-            flags: 0,
-            node_id: 0,
-            mm_cid: 0,
-        }
-    };
+    static BLANK: Rseq = const { Rseq::UNREGISTERED };
 }
 
 /// The address of the calling thread's blank area, which stands for the thread pointer: the
@@ -51,14 +42,7 @@ thread_local! {
 pub(crate) fn thread_pointer() -> usize {
     // A thread that is being torn down (a destructor of another thread-local asking for the
     // CPU) no longer has its area; a static blank image answers the same there.
-    static LAST_WORDS: Rseq = Rseq {
-        cpu_id_start: 0,
-        cpu_id: abi::CPU_ID_UNINITIALIZED,
-        rseq_cs: 0,
-        flags: 0,
-        node_id: 0,
-        mm_cid: 0,
-    };
+    static LAST_WORDS: Rseq = Rseq::UNREGISTERED;
     BLANK
         .try_with(|area| core::ptr::from_ref(area) as usize)
         .unwrap_or(core::ptr::from_ref(&LAST_WORDS) as usize)

@@ -293,14 +293,7 @@ pub(super) fn register_own_area(size: u32) -> Result<u32, NotRegistered> {
     // TLS, freed only after the kernel has seen the thread exit, so it may stay registered
     // until then.
     let ret = unsafe {
-        own.write_volatile(Rseq {
-            cpu_id_start: 0,
-            cpu_id: abi::CPU_ID_UNINITIALIZED,
-            rseq_cs: 0,
-            flags: 0,
-            node_id: 0,
-            mm_cid: 0,
-        });
+        own.write_volatile(Rseq::UNREGISTERED);
         own.cast::<u8>()
             .add(abi::ORIGINAL_AREA_SIZE as usize)
             .write_bytes(

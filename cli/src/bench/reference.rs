@@ -106,9 +106,11 @@ impl Slots {
             // SAFETY: the area is the calling thread's, registered (checked above); the slots
             // are `count` slots of `SLOT_BYTES` each, live for the call. The C side writes a
             // slot only inside a restartable sequence on that slot's CPU, which no other write
-            // to it can interleave with, and checks each CPU number against `count`. The
-            // words are atomics, so other threads that read them (only `sum`, after the loops
-            // returned) read through shared references soundly.
+            // to it can interleave with, and checks each CPU number against `count`. Its
+            // commit is one aligned 8-byte `mov` inside an `asm` block, which on x86_64 (the
+            // only target the C side is built for) is a relaxed atomic store: `sum`, which
+            // loads the same words atomically, may run on any thread at any time and races
+            // with nothing.
             let aborts = unsafe {
                 c::thiscpu_c_add_loop(ops, offset, self.words.as_ptr() as *mut u64, count)
             };

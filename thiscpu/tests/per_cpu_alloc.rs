@@ -1032,6 +1032,16 @@ fn a_hundred_thousand_short_threads() {
 /// How many objects each child of `fork_while_other_threads_allocate` makes.
 const FORK_CHILD_OBJECTS: u64 = 120;
 
+/// How many children `fork_while_other_threads_allocate` forks: `THISCPU_TEST_ALLOC_FORKS`,
+/// else 40 (fewer in emulated guests, where each fork of the busy process took about a third of
+/// a second of the test executable's time under qemu).
+fn forks() -> u64 {
+    std::env::var("THISCPU_TEST_ALLOC_FORKS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(40)
+}
+
 /// `fork` while other threads allocate and free and another releases one CPU's cache after
 /// another: each child allocates, checks and frees through the global allocator, finds its
 /// caches serving it on every CPU (not every call passed through), releases its caches,
@@ -1064,7 +1074,7 @@ fn fork_while_other_threads_allocate() {
                 let _ = GLOBAL.release_cpu(cpus[n % cpus.len()]);
             }
         });
-        for fork in 0..40 {
+        for fork in 0..forks() {
             std::thread::sleep(Duration::from_millis(5));
             // SAFETY: the child only allocates and frees through the global allocator (whose
             // inner allocator, glibc's malloc, is fork-safe), and leaves with `_exit`.

@@ -1,7 +1,8 @@
 #!/bin/sh
 # The checks of one guest of the kernel matrix, run by /init (busybox sh) inside the VM that
 # .ci/kernels/matrix.sh boots. The kernel command line passes:
-#   KM_TOPOLOGY   smp2 | numa | up2of4 (what the host configured; decides the extra checks)
+#   KM_TOPOLOGY   smp2 | numa-hotplug | numa | up2of4 | many (what the host configured;
+#                 decides the extra checks: numa-hotplug runs those of up2of4, then numa's)
 #   KM_STRESS     seconds of each part of `thiscpu stress` (counter, then pool)
 #   KM_BENCH      bench families for `thiscpu bench --quick`, comma-separated
 #   KM_TIMEOUT    seconds one check may take before it counts as hung
@@ -13,7 +14,7 @@
 #                 legacy mode too
 #   KM_OFFLINE, KM_ONLINE  (topology many) CPUs taken offline and brought online before the
 #                 checks, so that the online CPUs are numbered with gaps
-#   KM_HOTPLUG    (topologies up2of4 and many) the CPUs toggled during `stress` (default: every
+#   KM_HOTPLUG    (topologies with hot-plug) the CPUs toggled during `stress` (default: every
 #                 hot-pluggable present CPU)
 # Every check prints `=== NAME` and ends with `@@CHECK NAME ok SECONDS` or
 # `@@CHECK NAME FAIL rc=N SECONDS`; the last line is `@@END checks=N failed=M`. The host fails
@@ -176,11 +177,11 @@ node_after_online() {
 test_program() {
     exe=$1
     shift
-    # The allocator's storms and short threads (tests/per_cpu_alloc.rs), scaled to an emulated
-    # machine as in the arm64 and riscv64 guests: 2,000 threads rather than 100,000, storms of
-    # 0.5 s rather than 2.5.
-    env THISCPU_TEST_ALLOC_THREADS=2000 THISCPU_TEST_ALLOC_STORM_MS=500 "$@" "$exe" \
-        --test-threads=2 -q >/tmp/test.out 2>&1
+    # The allocator's storms, short threads and forks (tests/per_cpu_alloc.rs), scaled to an
+    # emulated machine as in the arm64 and riscv64 guests: 2,000 threads rather than 100,000,
+    # storms of 0.5 s rather than 2.5, 10 forks of a busy process rather than 40.
+    env THISCPU_TEST_ALLOC_THREADS=2000 THISCPU_TEST_ALLOC_STORM_MS=500 \
+        THISCPU_TEST_ALLOC_FORKS=10 "$@" "$exe" --test-threads=2 -q >/tmp/test.out 2>&1
     rc=$?
     cat /tmp/test.out
     # The last result line is the executable's own; tests that run a copy of the executable
@@ -364,7 +365,7 @@ many)
     check topology-after-hotplug probe topology
     check pinned-after-hotplug-glibc $FN pinned glibc $GLIBC
     ;;
-up2of4)
+up2of4 | numa-hotplug)
     check stress-glibc-hotplug $FN stress_while_hotplug $GLIBC
     check stress-own-hotplug $FN stress_while_hotplug $OWN
     # Every present CPU online (whatever the hot-plug loop left), then what a process
@@ -395,7 +396,7 @@ if [ "$KM_TOPOLOGY" = smp2 ]; then
     check bench-rseq-mode thiscpu bench rseq-mode --rounds 11 --seconds 10
 fi
 
-if [ "$KM_TOPOLOGY" = numa ]; then
+if [ "$KM_TOPOLOGY" = numa ] || [ "$KM_TOPOLOGY" = numa-hotplug ]; then
     # The last CPU of the last node, offline while a process starts.
     last=$(cpus_in online | tail -n 1)
     echo 0 >"$CPU_SYS/cpu$last/online"

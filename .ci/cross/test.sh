@@ -11,6 +11,7 @@
 #            thiscpu-opentelemetry, then their docs (rustdoc, warnings as errors). Debian ships
 #            no standard library for these: -Zbuild-std checks one from rust-src, once per
 #            target (cached like the rest)
+#   build    the tests of thiscpu and thiscpu-opentelemetry for the two targets below
 #   s390x    the tests of thiscpu and thiscpu-opentelemetry built for s390x-unknown-linux-gnu
 #            (64-bit, big-endian) and each test executable run under qemu-s390x
 #   armv7    the same for armv7-unknown-linux-gnueabihf (32-bit) under qemu-arm
@@ -89,19 +90,17 @@ echo "cargo:  $(cargo --version)"
 echo "qemu:   $(qemu-s390x --version | sed -n 1p)"
 echo "wine:   $(wine --version)"
 
-# Check, lint and document one target whose standard library comes from rust-src.
-check_target() {
-    local triple=$1
-    run cargo check -Zbuild-std --target "$triple" "${packages[@]}" --all-features
-    run cargo doc -Zbuild-std --target "$triple" --no-deps "${packages[@]}" --all-features
-}
-
+# Check, lint and document the targets whose standard library comes from rust-src, all in one
+# invocation of each command: one target's standard library is mostly a chain of crates that
+# wait for each other (core, alloc, std), so two targets build side by side on two CPUs.
 check() {
-    local triple
+    local targets=() triple
     for triple in aarch64-apple-darwin x86_64-apple-darwin x86_64-unknown-freebsd \
         wasm32-wasip1; do
-        check_target "$triple"
+        targets+=(--target "$triple")
     done
+    run cargo check -Zbuild-std "${targets[@]}" "${packages[@]}" --all-features
+    run cargo doc -Zbuild-std "${targets[@]}" --no-deps "${packages[@]}" --all-features
 }
 step check check
 
@@ -153,12 +152,21 @@ linux_tests() {
     (
         export QEMU_LD_PREFIX=/usr/$gnu THISCPU_TEST_RUNNER=$emulator
         export THISCPU_EXPECT_REGISTRAR=none
-        # The allocator's storms and short threads (tests/per_cpu_alloc.rs), scaled to
-        # emulation: every thread qemu-user starts is slow.
+        # The allocator's storms, short threads and forks (tests/per_cpu_alloc.rs), scaled to
+        # emulation: every thread qemu-user starts, and every fork, is slow.
         export THISCPU_TEST_ALLOC_THREADS=1000 THISCPU_TEST_ALLOC_STORM_MS=500
+        export THISCPU_TEST_ALLOC_FORKS=10
         run_tests "$triple" "$emulator" --
     )
 }
+# The s390x and armv7 test executables in one invocation, two targets side by side on two CPUs
+# (a single target's build leaves one idle while its last crates link); their steps then find
+# them built.
+build_linux_tests() {
+    run cargo test --target s390x-unknown-linux-gnu --target armv7-unknown-linux-gnueabihf \
+        "${packages[@]}" --no-run
+}
+step build build_linux_tests
 step s390x linux_tests s390x-unknown-linux-gnu qemu-s390x s390x-linux-gnu
 step armv7 linux_tests armv7-unknown-linux-gnueabihf qemu-arm arm-linux-gnueabihf
 

@@ -1,5 +1,6 @@
-//! The per-CPU caches of a [`super::PerCpuAlloc`]: one allocation from the inner allocator
-//! that holds a header and, for every possible CPU, a region of its own.
+//! The per-CPU caches of a [`super::PerCpuAlloc`]: one range of fresh zeroed address space
+//! (`os::reserve_zeroed`, not the inner allocator) that holds a header and, for every possible
+//! CPU, a region of its own. The inner allocator holds only the cached objects.
 //!
 //! A CPU's region holds, each part starting on a line of its own:
 //! - a stack head (`count`, `stopped`) per size class, as tcmalloc's slab keeps one per class;
@@ -23,10 +24,12 @@
 //! refused, the releaser runs on the CPU and pops its stacks there with the same sections.
 //!
 //! # Memory
-//! Pages are touched only where a CPU pushes: the region is allocated zeroed (zero is an empty
-//! stack, an unset flag and a zero counter), so a CPU that never caches costs address space
-//! only. Each class holds at most `per_cpu_bytes / CLASSES` bytes, so a CPU never caches more
-//! than `per_cpu_bytes`.
+//! Pages are touched only where a CPU pushes: the region is fresh address space, which reads
+//! as zero until written (zero is an empty stack, an unset flag and a zero counter), so a CPU
+//! that never caches costs address space only. Not from the inner allocator: `alloc_zeroed`
+//! may zero what it returns by writing it (`System` does for an alignment above 16), which
+//! makes every page of every CPU resident at the first allocation. Each class holds at most
+//! `per_cpu_bytes / CLASSES` bytes, so a CPU never caches more than `per_cpu_bytes`.
 //!
 //! # Safety
 //! The sections index the slots without bounds checks, from addresses computed here; the
@@ -38,7 +41,7 @@ use crate::fence::{self, FenceUnavailable};
 use crate::ops::{self, ByCpu, Position, StackHead, StackOutcome};
 use crate::sync::atomic::{AtomicU64 as SectionWord, AtomicUsize as Slot};
 use crate::topology;
-use core::alloc::{GlobalAlloc, Layout};
+use core::alloc::GlobalAlloc;
 use core::mem::size_of;
 use core::sync::atomic::{AtomicI32, AtomicU64, Ordering};
 
@@ -74,13 +77,12 @@ pub(super) struct SlowCounters {
     seen: AtomicU64,
 }
 
-/// The header of the caches' allocation, and the map of a CPU's region.
+/// The header of the caches' range, and the map of a CPU's region.
 pub(super) struct Caches {
     /// Start of CPU 0's region.
     base: *mut u8,
     /// Regions: possible CPUs when the caches were made.
     pub(super) cpus: usize,
-    /// Bytes from one CPU's region to the next.
     /// log2 of the bytes from one CPU's region to the next (a power of two: a shift, not a
     /// multiplication, on the fast path).
     stride_shift: u32,
@@ -88,11 +90,15 @@ pub(super) struct Caches {
     tallies_offset: usize,
     slot_offsets: [usize; CLASSES],
     capacities: [u64; CLASSES],
-    /// The layout the whole allocation was made with.
-    layout: Layout,
+    /// The length of the whole range, header included, as `os::reserve_zeroed` was asked.
+    length: usize,
     /// The thread id of the release in progress, 0 if none.
     releasing: AtomicI32,
 }
+
+// The header and every part start on a line of the range, whose start is aligned to
+// `RESERVED_ALIGN`.
+const _: () = assert!(LINE <= crate::os::RESERVED_ALIGN && LINE >= align_of::<Caches>());
 
 /// Rounds `n` up to a multiple of `to`, a power of two.
 const fn round_up(n: usize, to: usize) -> usize {
@@ -100,13 +106,9 @@ const fn round_up(n: usize, to: usize) -> usize {
 }
 
 impl Caches {
-    /// Allocates and initialises the caches of `cpus` CPUs holding at most `per_cpu_bytes`
-    /// each, from `inner`. `None` if the inner allocator refuses, or if nothing would be cached.
-    pub(super) fn allocate<A: GlobalAlloc>(
-        inner: &A,
-        cpus: usize,
-        per_cpu_bytes: usize,
-    ) -> Option<*const Caches> {
+    /// Reserves and initialises the caches of `cpus` CPUs holding at most `per_cpu_bytes`
+    /// each. `None` if the system refuses the address space, or if nothing would be cached.
+    pub(super) fn allocate(cpus: usize, per_cpu_bytes: usize) -> Option<*const Caches> {
         let mut capacities = [0u64; CLASSES];
         for (capacity, size) in capacities.iter_mut().zip(CLASS_SIZES) {
             *capacity = (per_cpu_bytes / CLASSES / size).min(MAX_SLOTS_PER_CLASS) as u64;
@@ -126,18 +128,13 @@ impl Caches {
         let stride = end.next_power_of_two();
         let stride_shift = stride.trailing_zeros();
         let header = round_up(size_of::<Caches>(), LINE);
-        let bytes = stride.checked_mul(cpus)?.checked_add(header)?;
-        let layout = Layout::from_size_align(bytes, 4096).ok()?;
-        // SAFETY: `layout` has a non-zero size (the header alone is not empty).
-        let start = unsafe { inner.alloc_zeroed(layout) };
-        if start.is_null() {
-            return None;
-        }
-        // SAFETY: `header` bytes from `start` lie inside the allocation, aligned to 4096.
+        let length = stride.checked_mul(cpus)?.checked_add(header)?;
+        let start = crate::os::reserve_zeroed(length)?.as_ptr();
+        // SAFETY: `header` bytes from `start` lie inside the range (`length` is larger).
         let base = unsafe { start.add(header) };
         let caches = start.cast::<Caches>();
-        // SAFETY: the allocation starts with room for a `Caches`, suitably aligned, which
-        // nothing else uses.
+        // SAFETY: the range starts with room for a `Caches` (`header` bytes), aligned to
+        // `RESERVED_ALIGN`, which is enough (asserted beside `LINE`), and nothing else uses it.
         unsafe {
             caches.write(Caches {
                 base,
@@ -147,7 +144,7 @@ impl Caches {
                 tallies_offset,
                 slot_offsets,
                 capacities,
-                layout,
+                length,
                 releasing: AtomicI32::new(0),
             })
         };
@@ -178,11 +175,11 @@ impl Caches {
         Some(made)
     }
 
-    /// Gives every cached object and the caches' own allocation back to `inner`.
+    /// Gives every cached object back to `inner`, and the caches' range to the system.
     ///
     /// # Safety
-    /// `caches` came from [`Caches::allocate`] with `inner`, and nothing else uses it any more:
-    /// no section runs on it and no reference to it outlives this call.
+    /// `caches` came from [`Caches::allocate`], its objects from `inner`, and nothing else uses
+    /// it any more: no section runs on it and no reference to it outlives this call.
     pub(super) unsafe fn free<A: GlobalAlloc>(caches: *const Caches, inner: &A) {
         // SAFETY: the caller's contract: the caches are ours alone.
         let this = unsafe { &*caches };
@@ -204,9 +201,13 @@ impl Caches {
                 }
             }
         }
-        let layout = this.layout;
-        // SAFETY: allocated by `inner` with `layout`; nothing refers to it after this.
-        unsafe { inner.dealloc(caches.cast_mut().cast(), layout) };
+        let length = this.length;
+        // SAFETY: `allocate` returned the start of the range it reserved, never null.
+        let start = unsafe { core::ptr::NonNull::new_unchecked(caches.cast_mut().cast::<u8>()) };
+        // SAFETY: the range `allocate` reserved, which starts with the header, with the length
+        // it was reserved with; `this` is not used after this, and nothing else refers to the
+        // range (the caller's contract). The header needs no drop (atomics and numbers).
+        unsafe { crate::os::unreserve(start, length) };
     }
 
     /// CPU `cpu`'s head for `class` (`cpu` below `self.cpus`).
@@ -584,6 +585,12 @@ impl Caches {
         (0..self.cpus).any(|cpu| {
             (0..CLASSES).any(|class| self.head_ref(cpu, class).stopped.load(Ordering::SeqCst) != 0)
         })
+    }
+
+    /// The start and length of the caches' region (header included), to ask the kernel which
+    /// of its pages are resident.
+    pub(super) fn region(&self) -> (*const u8, usize) {
+        (core::ptr::from_ref(self).cast(), self.length)
     }
 }
 

@@ -139,7 +139,7 @@ pub(crate) fn membarrier(cmd: i32, flags: u32, cpu: i32) -> Result<(), i32> {
 }
 
 /// `length` bytes of zeroed address space, reserved and not committed (`MAP_NORESERVE`):
-/// pages are backed on first write. `None` if the kernel refused.
+/// pages are backed on first write. `None` if the kernel refused. [`unreserve`] gives it back.
 pub(crate) fn reserve_zeroed(length: usize) -> Option<NonNull<u8>> {
     // SAFETY: an anonymous private mapping at an address of the kernel's choice; MAP_NORESERVE
     // commits nothing, pages are backed on first write (and read as zero before).
@@ -163,6 +163,21 @@ pub(crate) fn reserve_zeroed(length: usize) -> Option<NonNull<u8>> {
         libc::madvise(address, length, libc::MADV_NOHUGEPAGE);
     }
     NonNull::new(address.cast())
+}
+
+/// Gives back a range that [`reserve_zeroed`] returned: its pages and its address space.
+///
+/// # Safety
+/// `start` and `length` are a range from [`reserve_zeroed`] and its length, given back once;
+/// nothing reads or writes the range after this call.
+pub(crate) unsafe fn unreserve(start: NonNull<u8>, length: usize) {
+    // SAFETY: the range is a whole mapping made by `reserve_zeroed` (the caller's contract),
+    // which nothing uses any more, so unmapping it pulls no memory from under anyone. munmap
+    // fails only for a range that is not page-aligned or has no length, neither of which
+    // `reserve_zeroed` returns.
+    unsafe {
+        libc::munmap(start.as_ptr().cast(), length);
+    }
 }
 
 /// Registers `before` to run before every `fork` and `after` after it, in parent and child.

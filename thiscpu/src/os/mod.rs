@@ -2,11 +2,12 @@
 //!
 //! Two backends export the same items (the list at the end of this file spells out their
 //! types, so a build for any target fails if one strays): `linux.rs` (`futex`, `membarrier`,
-//! `getcpu` and the vDSO, `mmap`, `sched_{get,set}affinity`, `/proc`, `pthread_atfork`) and
-//! `portable.rs` for every other system (a `Mutex` and `Condvar` per address, no fences, a
-//! zeroed allocation, no pinning). The build script decides between them (`thiscpu_linux`).
-//! `cpu_number.rs` holds the CPU numbers that other systems' libraries give, each where it
-//! exists. The rseq system call is the registration's (`registration/rseq.rs`).
+//! `getcpu` and the vDSO, `mmap` and `munmap`, `sched_{get,set}affinity`, `/proc`,
+//! `pthread_atfork`) and `portable.rs` for every other system (a `Mutex` and `Condvar` per
+//! address, no fences, `mmap` on Unix and a zeroed allocation elsewhere, no pinning). The
+//! build script decides between them (`thiscpu_linux`). `cpu_number.rs` holds the CPU
+//! numbers that other systems' libraries give, each where it exists. The rseq system call is
+//! the registration's (`registration/rseq.rs`).
 //!
 //! Under `--cfg thiscpu_portable` a Linux build takes `portable.rs`, the path of every other
 //! system, with glibc's `sched_getcpu` for the CPU number; `portable.rs` is also
@@ -43,6 +44,7 @@ const _: () = {
     let _: fn(&AtomicU32, i32) = wake;
     let _: fn(i32, u32, i32) -> Result<(), i32> = membarrier;
     let _: fn(usize) -> Option<core::ptr::NonNull<u8>> = reserve_zeroed;
+    let _: unsafe fn(core::ptr::NonNull<u8>, usize) = unreserve;
     let _: fn(extern "C" fn(), extern "C" fn()) = at_fork;
     let _: fn() -> usize = configured_cpus;
     let _: fn(&core::ffi::CStr) -> bool = path_exists;

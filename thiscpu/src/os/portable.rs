@@ -2,15 +2,16 @@
 //!
 //! - Sleeping on a word: a `Mutex` and `Condvar` per bucket of addresses, in place of `futex`.
 //! - No fences (`membarrier` is Linux's), so the types that need them keep their atomic modes.
-//! - The dense arena: `mmap` on Unix (anonymous private pages are backed on first write
-//!   there too), a zeroed heap allocation elsewhere.
+//! - Zeroed address space, for the dense arena and the allocator's caches: `mmap` on Unix
+//!   (anonymous private pages are backed on first write there too), a zeroed heap allocation
+//!   elsewhere.
 //! - No pinning and no affinity masks: `topology::pin_to` and `allowed_cpus` return an error
 //!   of kind `Unsupported`.
 //! - Thread ids for `DecidedOnce` are numbers given in the order threads ask.
 //!
 //! # Safety
-//! `mmap` and `pthread_atfork` on Unix, `alloc_zeroed` elsewhere; each block states why it
-//! holds.
+//! `mmap`, `munmap` and `pthread_atfork` on Unix, `alloc_zeroed` and `dealloc` elsewhere; each
+//! block states why it holds.
 
 use crate::decided_once::Claimants;
 use core::ffi::CStr;
@@ -102,7 +103,8 @@ pub(crate) fn membarrier(_cmd: i32, _flags: u32, _cpu: i32) -> Result<(), i32> {
 /// (`RESERVED_ALIGN`). On Unix an anonymous mapping, whose pages are backed on
 /// first write; elsewhere a zeroed allocation from the global allocator (on Windows,
 /// `HeapAlloc`, which takes large blocks from `VirtualAlloc`: zero pages backed on first
-/// touch, though committed). Never freed: the arena keeps its ranges for the process's life.
+/// touch, though committed). [`unreserve`] gives it back (the arena never does: it keeps its
+/// ranges for the process's life).
 pub(crate) fn reserve_zeroed(length: usize) -> Option<NonNull<u8>> {
     #[cfg(unix)]
     {
@@ -131,6 +133,32 @@ pub(crate) fn reserve_zeroed(length: usize) -> Option<NonNull<u8>> {
         }
         // SAFETY: the layout's size is not zero (checked above).
         NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) })
+    }
+}
+
+/// Gives back a range that [`reserve_zeroed`] returned: unmaps it on Unix, frees it to the
+/// global allocator elsewhere.
+///
+/// # Safety
+/// `start` and `length` are a range from [`reserve_zeroed`] and its length, given back once;
+/// nothing reads or writes the range after this call.
+pub(crate) unsafe fn unreserve(start: NonNull<u8>, length: usize) {
+    #[cfg(unix)]
+    {
+        // SAFETY: the range is a whole mapping made by `reserve_zeroed` (the caller's
+        // contract), which nothing uses any more.
+        unsafe {
+            libc::munmap(start.as_ptr().cast(), length);
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        // `reserve_zeroed` made this layout from the same length without failing.
+        let layout = std::alloc::Layout::from_size_align(length, super::RESERVED_ALIGN)
+            .expect("the layout of a reserved range");
+        // SAFETY: allocated by the global allocator with this very layout (the caller's
+        // contract: a range of `reserve_zeroed` with its length), freed once, unused after.
+        unsafe { std::alloc::dealloc(start.as_ptr(), layout) };
     }
 }
 
@@ -317,6 +345,8 @@ mod tests {
         let bytes = unsafe { core::slice::from_raw_parts_mut(range.as_ptr(), length) };
         assert!(bytes.iter().all(|&byte| byte == 0));
         bytes[length - 1] = 1;
+        // SAFETY: reserved above with this length; `bytes` is not used after this.
+        unsafe { unreserve(range, length) };
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The allocator stress: workers allocate, fill, grow, shrink, trade and free objects of random
 //! sizes and alignments through one [`PerCpuAlloc`] in the storm, while a thread releases CPU
 //! caches; every object carries a pattern of its own over all its bytes, checked before it is
-//! freed, and afterwards the inner allocator must hold nothing but the caches' region.
+//! freed, and afterwards the inner allocator must hold nothing.
 
 use crate::storm::{Random, Shift, StressConfig, Tally, Workload, run_storm};
 use core::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
@@ -52,7 +52,7 @@ pub struct AllocStressReport {
     /// twice, written after it was freed, or moved without its bytes.
     pub corrupted: u64,
     /// Allocations the inner allocator still held after every object was freed and every cache
-    /// released, beyond the caches' own region (must be 0; negative: freed twice).
+    /// released (must be 0; negative: freed twice).
     pub lost: i64,
     /// Bytes still cached after the final release (must be 0).
     pub cached_after_release: u64,
@@ -369,7 +369,7 @@ impl Workload for Shared {
 /// Runs the allocator stress: workers allocate, resize, trade and free objects while being
 /// migrated and signalled, short-lived threads do the same and exit, and a releaser gives CPU
 /// caches back. Afterwards every object must have kept its bytes, and once every cache is
-/// released the inner allocator must hold only the caches' region. Only one run (of any
+/// released the inner allocator must hold nothing. Only one run (of any
 /// stress) at a time in a process.
 ///
 /// ```
@@ -404,7 +404,6 @@ pub fn run_alloc(config: &AllocStressConfig) -> std::io::Result<AllocStressRepor
     // run as inexact, as the pool stress counts an unreachable cache's objects as lost.
     let _ = allocator.release();
     let after = allocator.stats();
-    let region = i64::from(after.caching);
     let live = allocator.inner().live.load(Ordering::Relaxed);
     let still_cached: u64 = after.per_cpu.iter().map(|cpu| cpu.cached_objects).sum();
     let releases = &storm.background;
@@ -413,7 +412,7 @@ pub fn run_alloc(config: &AllocStressConfig) -> std::io::Result<AllocStressRepor
         reallocs: tally.reallocs,
         traded: tally.traded,
         corrupted,
-        lost: live - region - still_cached as i64,
+        lost: live - still_cached as i64,
         cached_after_release: after.cached_bytes(),
         misses: during.misses(),
         spills: during.spills(),

@@ -100,6 +100,33 @@ pub(super) struct Caches {
 // `RESERVED_ALIGN`.
 const _: () = assert!(LINE <= crate::os::RESERVED_ALIGN && LINE >= align_of::<Caches>());
 
+/// LeakSanitizer looks for pointers in the heap, globals, stacks and thread-locals, not in
+/// mapped ranges: the objects a cache holds are reachable only from the caches' range, which
+/// is one, and a process built with it would report every cached object as leaked at exit.
+/// The range is registered as a root while it exists.
+#[cfg(thiscpu_lsan)]
+mod leak_roots {
+    use core::ffi::c_void;
+
+    unsafe extern "C" {
+        fn __lsan_register_root_region(start: *const c_void, size: usize);
+        fn __lsan_unregister_root_region(start: *const c_void, size: usize);
+    }
+
+    pub(super) fn register(start: *const u8, length: usize) {
+        // SAFETY: the sanitizer's runtime, linked in by `-Zsanitizer`, records the range in its
+        // list of roots and reads nothing now; at a leak check it reads the range, a live
+        // mapping of `length` bytes until `unregister`.
+        unsafe { __lsan_register_root_region(start.cast(), length) };
+    }
+
+    pub(super) fn unregister(start: *const u8, length: usize) {
+        // SAFETY: removes the root `register` recorded, with the same start and length, before
+        // the range is unmapped.
+        unsafe { __lsan_unregister_root_region(start.cast(), length) };
+    }
+}
+
 /// Rounds `n` up to a multiple of `to`, a power of two.
 const fn round_up(n: usize, to: usize) -> usize {
     (n + to - 1) & !(to - 1)
@@ -130,6 +157,8 @@ impl Caches {
         let header = round_up(size_of::<Caches>(), LINE);
         let length = stride.checked_mul(cpus)?.checked_add(header)?;
         let start = crate::os::reserve_zeroed(length)?.as_ptr();
+        #[cfg(thiscpu_lsan)]
+        leak_roots::register(start, length);
         // SAFETY: `header` bytes from `start` lie inside the range (`length` is larger).
         let base = unsafe { start.add(header) };
         let caches = start.cast::<Caches>();
@@ -202,6 +231,8 @@ impl Caches {
             }
         }
         let length = this.length;
+        #[cfg(thiscpu_lsan)]
+        leak_roots::unregister(caches.cast(), length);
         // SAFETY: `allocate` returned the start of the range it reserved, never null.
         let start = unsafe { core::ptr::NonNull::new_unchecked(caches.cast_mut().cast::<u8>()) };
         // SAFETY: the range `allocate` reserved, which starts with the header, with the length

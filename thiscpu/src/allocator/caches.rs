@@ -620,6 +620,7 @@ impl Caches {
 
     /// The start and length of the caches' region (header included), to ask the kernel which
     /// of its pages are resident.
+    #[cfg(target_os = "linux")]
     pub(super) fn region(&self) -> (*const u8, usize) {
         (core::ptr::from_ref(self).cast(), self.length)
     }

@@ -35,3 +35,40 @@ built_tests() {
     done
     cut -f 2- <<<"$lines"
 }
+
+# The selections every job names alike.
+# The library's and the stress driver's every test executable (the library with every optional
+# feature: the workspace build's).
+library_tests=(thiscpu thiscpu-stress)
+# The tests of the registration and of what it reports: what differs between glibc's area and
+# thiscpu's own, and between rseq and the portable path (a kernel without the optimized mode
+# makes thiscpu's own area a legacy-mode one like glibc's, which differs only in where it lies).
+registration_tests=(thiscpu:lib thiscpu:identity thiscpu:registration thiscpu:fallback
+    thiscpu:topology thiscpu:mm_cid thiscpu:counter thiscpu:shared_library)
+# What a statically linked build runs: the tests of how glibc's symbols were found (through the
+# link's weak references, not dlsym) and of what rests on them.
+static_tests=(--test registration --test identity --test counter --test pool
+    --test counter_stress --test pool_stress)
+
+# One line of a guest runner's manifest (.ci/aarch64/runner.sh): its fields separated by tabs.
+manifest_line() {
+    local IFS=$'\t'
+    printf '%s\n' "$*"
+}
+
+# add_built MANIFEST LISTING VAR=VALUE... -- SELECTOR...: appends to MANIFEST one run per test
+# executable of LISTING that the selectors name, from its package's root as cargo runs it, with
+# the variables given.
+add_built() {
+    local manifest=$1 listing=$2 vars=() lines dir exe
+    shift 2
+    while [ "$1" != -- ]; do
+        vars+=("$1")
+        shift
+    done
+    shift
+    lines=$(built_tests "$listing" "$@") || return 1
+    while IFS=$'\t' read -r dir exe; do
+        manifest_line "$dir" "${vars[@]}" "$exe" >>"$manifest"
+    done <<<"$lines"
+}

@@ -36,15 +36,17 @@ set -euo pipefail
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
+source .ci/busy.sh
 t_start=$SECONDS
 
 step() {
-    local name=$1 t0=$SECONDS
+    local name=$1 t0=$SECONDS ticks
+    ticks=$(cpu_ticks 2>/dev/null || true)
     shift
     echo
     echo "=== cross $name"
     "$@"
-    echo "--- cross $name: ok in $((SECONDS - t0)) s"
+    echo "--- cross $name: ok in $((SECONDS - t0)) s, $(cpus_busy "$ticks")"
 }
 
 run() {

@@ -57,16 +57,18 @@ export THISCPU_TEST_ALLOC_THREADS=2000 THISCPU_TEST_ALLOC_STORM_MS=500 THISCPU_T
 
 repo=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$repo"
+source .ci/busy.sh
 triple=riscv64gc-unknown-linux-gnu
 t_start=$SECONDS
 
 step() {
-    local name=$1 t0=$SECONDS
+    local name=$1 t0=$SECONDS ticks
+    ticks=$(cpu_ticks 2>/dev/null || true)
     shift
     echo
     echo "=== riscv64 $name"
     "$@"
-    echo "--- riscv64 $name: ok in $((SECONDS - t0)) s"
+    echo "--- riscv64 $name: ok in $((SECONDS - t0)) s, $(cpus_busy "$ticks")"
 }
 
 run() {
@@ -119,8 +121,6 @@ echo "guests: $(cat "$lts_kernel/package"), $(cat "$new_kernel/package")"
 # compiler, so they are cross-compiled here and the runner copies THISCPU_TEST_C_DIR in.
 export THISCPU_TEST_C_DIR=$CARGO_TARGET_DIR/c-tests
 library_packages=(-p thiscpu -p thiscpu-stress)
-static_tests=(--test registration --test identity --test counter --test pool
-    --test counter_stress --test pool_stress)
 static_selectors=(thiscpu:registration thiscpu:identity thiscpu:counter thiscpu:pool
     thiscpu-stress:counter_stress thiscpu-stress:pool_stress)
 static_env=(RUSTFLAGS="-C target-feature=+crt-static" CARGO_TARGET_DIR="$CARGO_TARGET_DIR/static")
@@ -164,35 +164,6 @@ fast_path() {
     rm -rf "$shim"
 }
 step fast-path fast_path
-
-# One line of a runner manifest: its fields separated by tabs.
-manifest_line() {
-    local IFS=$'\t'
-    printf '%s\n' "$*"
-}
-
-# add_built MANIFEST LISTING VAR=VALUE... -- SELECTOR...: appends to MANIFEST one run per test
-# executable of LISTING (a build's JSON messages) that the selectors name (see
-# .ci/built-tests.sh), from its package's root as cargo runs it, with the variables given.
-add_built() {
-    local manifest=$1 listing=$2 vars=() lines dir exe
-    shift 2
-    while [ "$1" != -- ]; do
-        vars+=("$1")
-        shift
-    done
-    shift
-    lines=$(built_tests "$listing" "$@") || return 1
-    while IFS=$'\t' read -r dir exe; do
-        manifest_line "$dir" "${vars[@]}" "$exe" >>"$manifest"
-    done <<<"$lines"
-}
-
-# Every test executable of the library (every optional feature: the build step's build) and
-# of the stress driver; the registration's tests.
-library_tests=(thiscpu thiscpu-stress)
-registration_tests=(thiscpu:lib thiscpu:identity thiscpu:registration thiscpu:fallback
-    thiscpu:topology thiscpu:mm_cid thiscpu:counter thiscpu:shared_library)
 
 own=(GLIBC_TUNABLES=glibc.pthread.rseq=0 THISCPU_EXPECT_REGISTRAR=thiscpu)
 

@@ -338,8 +338,9 @@ guest_verdict() {
 }
 
 # The guests whose vCPUs share one host thread (tcg-single, see accel) use one host CPU each,
-# so they boot two at a time, each on its own host CPU; the others (one host thread per vCPU)
-# boot alone. Guest plans are kept as "DIR TOPO" pairs and set up again for the verdict.
+# so two of them run at a time, each on its own host CPU, and the next boots as soon as one
+# ends (not when both have); the others (one host thread per vCPU) boot alone. Guest plans are
+# kept as "DIR TOPO" pairs and set up again for the verdict.
 single=()
 for dir in "${kernel_dirs[@]}"; do
     for topo in $topologies; do
@@ -355,21 +356,25 @@ for dir in "${kernel_dirs[@]}"; do
     done
 done
 at_once=$(($(nproc) >= 2 ? 2 : 1))
-for ((i = 0; i < ${#single[@]}; i += at_once)); do
-    batch=("${single[@]:i:at_once}")
-    echo
-    for plan in "${batch[@]}"; do
-        read -r plan_dir plan_topo <<<"$plan"
-        guest_plan "$plan_dir" "$plan_topo"
-        echo "=== kernels: $release ($suite), $guest: booting (one host thread)"
-        guest_boot &
-    done
-    wait
-    for plan in "${batch[@]}"; do
-        read -r plan_dir plan_topo <<<"$plan"
-        guest_plan "$plan_dir" "$plan_topo"
-        guest_verdict
-    done
+running=0
+echo
+for plan in "${single[@]}"; do
+    if [ "$running" -ge "$at_once" ]; then
+        wait -n || true
+        running=$((running - 1))
+    fi
+    read -r plan_dir plan_topo <<<"$plan"
+    guest_plan "$plan_dir" "$plan_topo"
+    echo "=== kernels: $release ($suite), $guest: booting (one host thread)"
+    guest_boot &
+    running=$((running + 1))
+done
+wait
+# guest_boot's own status is in its log, which the verdict reads.
+for plan in "${single[@]}"; do
+    read -r plan_dir plan_topo <<<"$plan"
+    guest_plan "$plan_dir" "$plan_topo"
+    guest_verdict
 done
 
 echo

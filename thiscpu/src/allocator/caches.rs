@@ -15,13 +15,30 @@
 //! address in a slot no count covers, an aborted pop changes nothing.
 //!
 //! # Releasing a CPU's cache
-//! Under the release lock, the releaser sets `stopped` on every class of the CPU, fences that
-//! CPU once (`fence::fence_cpu`: a section that read `stopped` clear before the store has
-//! committed or aborted when the fence returns, and every later one sees it set and leaves),
-//! gives every cached object back to the inner allocator, stores 0 into each count and clears
-//! the flags with a release store. Sections never write `stopped`, and releases are
-//! serialised, so no step has to check that it still owns the flags. Where membarrier is
-//! refused, the releaser runs on the CPU and pops its stacks there with the same sections.
+//! Under the release lock, the releaser stores `RELEASING` into `stopped` on every class of
+//! the CPU, fences that CPU once (`fence::fence_cpu`: a section that read `stopped` clear
+//! before the store has committed or aborted when the fence returns, and every later one sees
+//! it set and leaves), gives every cached object back to the inner allocator, stores 0 into
+//! each count and clears the flags with a release store. Sections never write `stopped`, the
+//! watch below never overwrites `RELEASING`, and releases are serialised, so no step has to
+//! check that it still owns the flags. Where membarrier is refused, the releaser runs on the
+//! CPU and pops its stacks there with the same sections.
+//!
+//! # Watching for idle CPUs
+//! `release_idle` releases a CPU only if, since its previous look, the CPU's fingerprint
+//! (`activity`: counts, misses, spills, hits) did not change *and* no section ran on any of
+//! its classes. Calls served from the cache change neither counts nor tallies (hits are
+//! counted only when asked for), so the second test needs a mark: at each look that does not
+//! release a CPU holding objects, the watcher stores `WATCHED` into every class's `stopped`
+//! where it is 0 (a compare-exchange, so never over a releaser's `RELEASING`). Sections read
+//! the word as they always do and leave for the slow path at any non-zero value; the slow path
+//! clears a `WATCHED` (compare-exchange back to 0, so never a `RELEASING` either) and retries
+//! its section, and passes through to the inner allocator only at `RELEASING`. At the next
+//! look a class still marked was not touched since the mark, so a CPU counts as idle when its
+//! fingerprint is unchanged and every class is still marked. A busy CPU pays one trip through
+//! the slow path per class it uses per look; the fast path is unchanged (it already left at a
+//! non-zero `stopped`). A release stores `RELEASING` over any mark and clears every flag to 0
+//! when it ends, so it ends the watch too.
 //!
 //! # Memory
 //! Pages are touched only where a CPU pushes: the region is fresh address space, which reads
@@ -44,6 +61,11 @@ use crate::topology;
 use core::alloc::GlobalAlloc;
 use core::mem::size_of;
 use core::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+
+/// `stopped` while a releaser owns the stack (see the module documentation).
+const RELEASING: u64 = 1;
+/// `stopped` while `release_idle` waits to see whether the CPU uses the class.
+const WATCHED: u64 = 2;
 
 /// The most objects one class caches per CPU.
 const MAX_SLOTS_PER_CLASS: usize = 2048;
@@ -415,6 +437,40 @@ impl Caches {
         fingerprint | 1
     }
 
+    /// Marks every class of CPU `cpu` that is neither marked nor being released as watched:
+    /// the next call that uses the class clears the mark, and `watched` tells.
+    pub(super) fn watch(&self, cpu: usize) {
+        for class in 0..CLASSES {
+            let stopped = &self.head_ref(cpu, class).stopped;
+            // A plain load first: a class still marked needs no locked instruction, and its
+            // line is not taken from the CPU that reads it on every section.
+            if stopped.load(Ordering::Relaxed) == 0 {
+                let _ = stopped.compare_exchange(0, WATCHED, Ordering::Relaxed, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Whether every class of CPU `cpu` still carries the mark of `watch`: no section of the
+    /// CPU found one cleared since, and no release ran on it.
+    pub(super) fn watched(&self, cpu: usize) -> bool {
+        (0..CLASSES)
+            .all(|class| self.head_ref(cpu, class).stopped.load(Ordering::Relaxed) == WATCHED)
+    }
+
+    /// For a call whose section on CPU `cpu` left at `class`'s `stopped`: clears a watch mark
+    /// (the CPU is in use) and says whether to retry the section; `false` while a releaser
+    /// owns the stack, when the call passes through. Never clears `RELEASING`: that would let
+    /// sections commit on a stack the releaser is emptying.
+    pub(super) fn unwatch(&self, cpu: usize, class: usize) -> bool {
+        let stopped = &self.head_ref(cpu, class).stopped;
+        // Relaxed: the mark publishes nothing. The retried section loads the word with acquire
+        // ordering, which is what pairs with a releaser's clearing store.
+        match stopped.compare_exchange(WATCHED, 0, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => true,
+            Err(now) => now != RELEASING,
+        }
+    }
+
     /// Records `activity` as what CPU `cpu` showed; returns what it showed before.
     pub(super) fn swap_seen(&self, cpu: usize, activity: u64) -> u64 {
         self.counters(cpu).seen.swap(activity, Ordering::Relaxed)
@@ -507,7 +563,14 @@ impl Caches {
     ) -> Result<u64, FenceUnavailable> {
         fence::register()?;
         for class in 0..CLASSES {
-            self.head_ref(cpu, class).stopped.store(1, Ordering::SeqCst);
+            // A swap, as the model's sections store (`arch/model.rs`): loom may order a plain
+            // store before another thread's compare-exchange that cleared a watch mark, so that
+            // sections would read that 0 as newer than the stop, which no hardware does. On
+            // x86_64 a sequentially consistent store is this same instruction.
+            let _ = self
+                .head_ref(cpu, class)
+                .stopped
+                .swap(RELEASING, Ordering::SeqCst);
         }
         // Clears the flags however this returns (an inner allocator's `dealloc` may panic).
         let _resume = Resume { caches: self, cpu };
@@ -592,6 +655,9 @@ impl Caches {
                         bytes += size as u64;
                     }
                     (StackOutcome::Aborted, _) => ops::note_abort(),
+                    // A watch mark (this thread holds the release lock, so it is no release's):
+                    // cleared, and the pop retried.
+                    (StackOutcome::Stopped, _) if self.unwatch(cpu, class) => {}
                     _ => break,
                 }
             }

@@ -282,6 +282,9 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
                     }
                     (StackOutcome::Refused, _) => return self.miss(caches, at, class),
                     (StackOutcome::Stopped, _) => {
+                        if caches.unwatch(cpu, class) {
+                            continue;
+                        }
                         caches.pass_through(cpu);
                         break;
                     }
@@ -364,6 +367,9 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
                         return unsafe { self.spill(caches, at, object, class) };
                     }
                     StackOutcome::Stopped => {
+                        if caches.unwatch(cpu, class) {
+                            continue;
+                        }
                         caches.pass_through(cpu);
                         break;
                     }
@@ -467,10 +473,17 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
         self.release_where(|_, _| true)
     }
 
-    /// Gives back the caches of the CPUs whose cache neither missed, spilled, nor changed its
-    /// contents since the previous call (no CPU, the first time): the caches of CPUs the program
-    /// stopped using, found without running anything on them. Call it periodically from any
-    /// thread; returns the bytes given back.
+    /// Gives back the caches of the CPUs that did not use them since the previous call (no CPU,
+    /// the first time): the caches of CPUs the program stopped using, found without running
+    /// anything on them. Call it periodically from any thread; returns the bytes given back.
+    ///
+    /// A CPU is idle when its cache neither missed, spilled, nor changed its contents since the
+    /// previous call, and no allocation or free reached it at all: each call marks the caches
+    /// it keeps, and the first call on the CPU to use a marked size class clears that class's
+    /// mark, on the slow path, before it goes on from the cache as usual. So a CPU whose
+    /// threads allocate and free without pause keeps its cache, at the cost of one slow-path
+    /// trip per size class it uses per call; a CPU left alone is released at the next call
+    /// (or the one after, if another release ran on it in between).
     ///
     /// ```
     /// let allocator = thiscpu::PerCpuAlloc::new();
@@ -481,9 +494,16 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
             return Ok(0);
         };
         self.release_where(|cpu, bytes| {
+            let untouched = caches.watched(cpu);
             let now = caches.activity(cpu);
             let before = caches.swap_seen(cpu, now);
-            bytes > 0 && now == before
+            let idle = bytes > 0 && untouched && now == before;
+            // Only CPUs that hold objects: their heads' page is resident already, where marking
+            // another CPU would make its page resident for nothing to release.
+            if !idle && bytes > 0 {
+                caches.watch(cpu);
+            }
+            idle
         })
     }
 
@@ -643,6 +663,12 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
             }
             (StackOutcome::Refused, _) => {
                 caches.count(at, Tally::Misses);
+                None
+            }
+            // A watch mark is cleared, so that `release_idle` sees the CPU in use; this once the
+            // inner allocator's `realloc` serves the call.
+            (StackOutcome::Stopped, _) => {
+                caches.unwatch(at.index() as usize, class);
                 None
             }
             _ => None,

@@ -583,7 +583,7 @@ impl Caches {
         let held = self.releasing.load(Ordering::Acquire);
         if held != 0
             && (taken_before_fork(held)
-                || (earlier % LIVENESS_EVERY == 0 && self.holder_is_gone(held)))
+                || (earlier.is_multiple_of(LIVENESS_EVERY) && self.holder_is_gone(held)))
         {
             self.take_over_abandoned(held);
         }

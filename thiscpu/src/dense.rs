@@ -147,7 +147,7 @@ fn register_fork_handlers() {
     FORK_HANDLERS.call_once(|| {
         // The handlers take the arena's lock and release it. Where registering fails (ENOMEM),
         // a child forked while another thread holds the lock hangs on it.
-        crate::os::at_fork(before_fork, after_fork);
+        crate::os::at_fork(before_fork, after_fork, after_fork);
     });
 }
 static SLOTS_IN_USE: AtomicUsize = AtomicUsize::new(0);

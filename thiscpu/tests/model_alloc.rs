@@ -1,6 +1,7 @@
 //! Model checks of `PerCpuAlloc`'s caches, over their interleavings, with loom: threads that
 //! pop and push a CPU's cache (allocate and free) while another thread releases that cache
-//! to the inner allocator.
+//! to the inner allocator, or, the cache marked by a first look of `release_idle`, clear the
+//! marks while a release or a second look runs.
 //!
 //! The real allocator runs on the model machine of `thiscpu::model` (see `tests/model.rs`):
 //! each section can be preempted, migrated away from or fenced, and so aborted, at every step
@@ -230,4 +231,85 @@ fn a_release_racing_a_refill_and_a_spill_loses_and_duplicates_nothing() {
         releaser.join().unwrap();
         census(heap, &ledger);
     });
+}
+
+/// A heap as `warm_heap` makes it, whose CPU 0 `release_idle` has looked at once: that look
+/// keeps the cache (there is no earlier look to compare with) and marks every class watched.
+fn watched_heap() -> (Arc<Heap>, std::sync::Arc<Ledger>) {
+    let (heap, ledger) = warm_heap();
+    model::run_on(1);
+    assert_eq!(
+        heap.release_idle(),
+        Ok(0),
+        "the first look releases nothing"
+    );
+    (heap, ledger)
+}
+
+/// A thread on CPU 0 allocates and frees, finding the watch marks and clearing them, while a
+/// thread on CPU 1 releases CPU 0's cache: a cleared mark never lifts the releaser's stop
+/// (the thread passes through while the release runs), and nothing is lost or duplicated.
+#[test]
+fn a_release_racing_a_thread_that_clears_watch_marks_loses_and_duplicates_nothing() {
+    explore("a release while CPU 0 clears watch marks", || {
+        let (heap, ledger) = watched_heap();
+        let user = {
+            let (heap, ledger) = (heap.clone(), ledger.clone());
+            thread::spawn(move || {
+                model::run_on(0);
+                let ptr = take(&heap, &ledger);
+                give(&heap, &ledger, ptr);
+            })
+        };
+        let releaser = {
+            let heap = heap.clone();
+            thread::spawn(move || {
+                model::run_on(1);
+                heap.release_cpu(0).expect("the model fences");
+            })
+        };
+        user.join().unwrap();
+        releaser.join().unwrap();
+        census(heap, &ledger);
+    });
+}
+
+/// A thread on CPU 0 allocates and frees while `release_idle` looks at CPU 0 a second time
+/// from CPU 1: the look releases the cache only if the thread had not touched it since the
+/// mark, and either way nothing is lost or duplicated.
+#[test]
+fn a_second_look_racing_a_thread_of_the_cpu_loses_and_duplicates_nothing() {
+    explore(
+        "release_idle's second look while CPU 0 allocates and frees",
+        || {
+            let (heap, ledger) = watched_heap();
+            let used = Arc::new(loom::sync::atomic::AtomicBool::new(false));
+            let user = {
+                let (heap, ledger, used) = (heap.clone(), ledger.clone(), used.clone());
+                thread::spawn(move || {
+                    model::run_on(0);
+                    let ptr = take(&heap, &ledger);
+                    used.store(true, loom::sync::atomic::Ordering::SeqCst);
+                    give(&heap, &ledger, ptr);
+                })
+            };
+            let watcher = {
+                let (heap, used) = (heap.clone(), used.clone());
+                thread::spawn(move || {
+                    model::run_on(1);
+                    let touched = used.load(loom::sync::atomic::Ordering::SeqCst);
+                    let released = heap.release_idle().expect("the model fences");
+                    // The user's take ended before the look began: it cleared its class's mark (or
+                    // missed), so the look saw CPU 0 in use.
+                    assert!(
+                        !touched || released == 0,
+                        "the second look released {released} bytes of a CPU used since the first"
+                    );
+                })
+            };
+            user.join().unwrap();
+            watcher.join().unwrap();
+            census(heap, &ledger);
+        },
+    );
 }

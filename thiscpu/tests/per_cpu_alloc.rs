@@ -885,6 +885,98 @@ fn release_idle_releases_only_the_caches_of_idle_cpus() {
     assert_eq!(ledger.errors(), Vec::<String>::new());
 }
 
+/// A thread pinned to one CPU runs allocation and free pairs without pause, keeping ten objects
+/// cached there, while a thread on another CPU calls `release_idle` forty times: the busy CPU
+/// never counts as idle, so its cache is never emptied. Pairs served from the cache change
+/// neither the counts nor the tallies (hits are not counted), so only the watch mark tells
+/// that CPU from an idle one.
+#[test]
+fn release_idle_keeps_the_cache_of_a_cpu_serving_pairs() {
+    let _serial = common::serial();
+    let (heap, ledger) = counted(allocator::DEFAULT_CACHE_BYTES);
+    let cpus = common::allowed_cpus();
+    let (cpu, watcher_cpu) = (cpus[0], cpus[cpus.len() - 1]);
+    let layout = Layout::from_size_align(64, 8).unwrap();
+    let warm = AtomicBool::new(false);
+    let stop = AtomicBool::new(false);
+    let pairs = AtomicU64::new(0);
+    let mut emptied = Vec::new();
+    let mut quiet = 0;
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            common::pin(cpu);
+            let objects: Vec<_> = (0..10).map(|_| heap.make(layout, false)).collect();
+            objects.into_iter().for_each(|object| heap.free(object));
+            warm.store(true, Ordering::Release);
+            while !stop.load(Ordering::Relaxed) {
+                heap.free(heap.make(layout, false));
+                pairs.fetch_add(1, Ordering::Relaxed);
+            }
+        });
+        while !warm.load(Ordering::Acquire) {
+            std::thread::yield_now();
+        }
+        common::pin(watcher_cpu);
+        for look in 0..40 {
+            let before = pairs.load(Ordering::Relaxed);
+            std::thread::sleep(Duration::from_millis(2));
+            let released = heap.release_idle().expect("release_idle");
+            // A look across which the busy thread made no pair (the host ran something else on
+            // its CPU) saw an idle CPU: not counted against the watch.
+            let used = pairs.load(Ordering::Relaxed) > before;
+            if !used {
+                quiet += 1;
+            } else if released > 0 {
+                emptied.push((look, released));
+            }
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    let stats = heap.stats();
+    eprintln!(
+        "{} pairs, {quiet} looks without one; {stats:?}",
+        pairs.load(Ordering::Relaxed)
+    );
+    assert!(
+        emptied.is_empty(),
+        "the cache of busy CPU {cpu} was emptied at {} of 40 looks (look, bytes released): \
+         {emptied:?}",
+        emptied.len()
+    );
+    if stats.caching && quiet == 0 {
+        // The ten objects, less the one in the busy thread's hands at the end of a pair.
+        assert!(of_cpu(&stats, cpu).cached_objects >= 9, "{stats:?}");
+    }
+    heap.release().expect("release");
+    assert_nothing_lost(&heap, &ledger);
+}
+
+/// A CPU whose cache is left alone is still found idle: its cache is released by the second
+/// look (the first only notes and marks it), or the third where another release cleared the
+/// marks in between.
+#[test]
+fn release_idle_releases_an_idle_cpu_by_the_third_look() {
+    let (heap, ledger) = counted(allocator::DEFAULT_CACHE_BYTES);
+    let layout = Layout::from_size_align(64, 8).unwrap();
+    let cpu = on_a_pinned_thread(|_| {
+        let objects: Vec<_> = (0..10).map(|_| heap.make(layout, false)).collect();
+        objects.into_iter().for_each(|object| heap.free(object));
+    });
+    if !heap.stats().caching {
+        return;
+    }
+    let cached = |heap: &Counted| of_cpu(&heap.stats(), cpu).cached_bytes;
+    assert!(cached(&heap) > 0);
+    let looks = (1..=3)
+        .find(|_| {
+            heap.release_idle().expect("release_idle");
+            cached(&heap) == 0
+        })
+        .unwrap_or_else(|| panic!("idle CPU {cpu} keeps its cache after three looks"));
+    eprintln!("released at look {looks}");
+    assert_nothing_lost(&heap, &ledger);
+}
+
 /// `release_cpu` of a CPU, over and over from another CPU, while threads pinned to it allocate,
 /// realloc and free there: every object keeps its canary, none is lost, handed out twice or
 /// freed twice.

@@ -15,13 +15,30 @@
 //! address in a slot no count covers, an aborted pop changes nothing.
 //!
 //! # Releasing a CPU's cache
-//! Under the release lock, the releaser sets `stopped` on every class of the CPU, fences that
-//! CPU once (`fence::fence_cpu`: a section that read `stopped` clear before the store has
-//! committed or aborted when the fence returns, and every later one sees it set and leaves),
-//! gives every cached object back to the inner allocator, stores 0 into each count and clears
-//! the flags with a release store. Sections never write `stopped`, and releases are
-//! serialised, so no step has to check that it still owns the flags. Where membarrier is
-//! refused, the releaser runs on the CPU and pops its stacks there with the same sections.
+//! Under the release lock, the releaser stores `RELEASING` into `stopped` on every class of
+//! the CPU, fences that CPU once (`fence::fence_cpu`: a section that read `stopped` clear
+//! before the store has committed or aborted when the fence returns, and every later one sees
+//! it set and leaves), gives every cached object back to the inner allocator, stores 0 into
+//! each count and clears the flags with a release store. Sections never write `stopped`, the
+//! watch below never overwrites `RELEASING`, and releases are serialised, so no step has to
+//! check that it still owns the flags. Where membarrier is refused, the releaser runs on the
+//! CPU and pops its stacks there with the same sections.
+//!
+//! # Watching for idle CPUs
+//! `release_idle` releases a CPU only if, since its previous look, the CPU's fingerprint
+//! (`activity`: counts, misses, spills, hits) did not change *and* no section ran on any of
+//! its classes. Calls served from the cache change neither counts nor tallies (hits are
+//! counted only when asked for), so the second test needs a mark: at each look that does not
+//! release a CPU holding objects, the watcher stores `WATCHED` into every class's `stopped`
+//! where it is 0 (a compare-exchange, so never over a releaser's `RELEASING`). Sections read
+//! the word as they always do and leave for the slow path at any non-zero value; the slow path
+//! clears a `WATCHED` (compare-exchange back to 0, so never a `RELEASING` either) and retries
+//! its section, and passes through to the inner allocator only at `RELEASING`. At the next
+//! look a class still marked was not touched since the mark, so a CPU counts as idle when its
+//! fingerprint is unchanged and every class is still marked. A busy CPU pays one trip through
+//! the slow path per class it uses per look; the fast path is unchanged (it already left at a
+//! non-zero `stopped`). A release stores `RELEASING` over any mark and clears every flag to 0
+//! when it ends, so it ends the watch too.
 //!
 //! # Memory
 //! Pages are touched only where a CPU pushes: the region is fresh address space, which reads
@@ -43,7 +60,34 @@ use crate::sync::atomic::{AtomicU64 as SectionWord, AtomicUsize as Slot};
 use crate::topology;
 use core::alloc::GlobalAlloc;
 use core::mem::size_of;
-use core::sync::atomic::{AtomicI32, AtomicU64, Ordering};
+use core::sync::atomic::{AtomicU64, Ordering};
+
+/// `stopped` while a releaser owns the stack (see the module documentation).
+const RELEASING: u64 = 1;
+/// `stopped` while `release_idle` waits to see whether the CPU uses the class.
+const WATCHED: u64 = 2;
+
+/// One pass-through in this many, per CPU, asks the system whether the release it waits for
+/// still has its holder: a holder that died in this process is rare (a release unwinds
+/// through its guards), and the question costs two system calls.
+const LIVENESS_EVERY: u64 = 1024;
+
+/// The release lock's word for a holder: its thread id in the low half (never 0, so a held
+/// word is never the free one) and the fork generation it took the lock in in the high half.
+fn holder_word(thread: i32, generation: u32) -> u64 {
+    (u64::from(generation) << 32) | u64::from(thread as u32)
+}
+
+/// The thread id in a held lock word.
+fn holder_thread(word: u64) -> i32 {
+    word as u32 as i32
+}
+
+/// Whether a held lock word was written before a `fork` of this process: its holder is in a
+/// parent, whatever thread holds its id here.
+fn taken_before_fork(word: u64) -> bool {
+    (word >> 32) as u32 != crate::os::fork_generation()
+}
 
 /// The most objects one class caches per CPU.
 const MAX_SLOTS_PER_CLASS: usize = 2048;
@@ -92,8 +136,11 @@ pub(super) struct Caches {
     capacities: [u64; CLASSES],
     /// The length of the whole range, header included, as `os::reserve_zeroed` was asked.
     length: usize,
-    /// The thread id of the release in progress, 0 if none.
-    releasing: AtomicI32,
+    /// The holder of the release lock (`holder_word`), 0 if none.
+    releasing: AtomicU64,
+    /// Liveness checks of a holder (system calls) made on this allocator's behalf.
+    #[cfg(test)]
+    liveness_checks: AtomicU64,
 }
 
 // The header and every part start on a line of the range, whose start is aligned to
@@ -157,6 +204,9 @@ impl Caches {
         let header = round_up(size_of::<Caches>(), LINE);
         let length = stride.checked_mul(cpus)?.checked_add(header)?;
         let start = crate::os::reserve_zeroed(length)?.as_ptr();
+        // Before any release lock is taken: a lock word of this process then names the
+        // generation every later fork's child tells apart from its own.
+        crate::os::count_forks();
         #[cfg(thiscpu_lsan)]
         leak_roots::register(start, length);
         // SAFETY: `header` bytes from `start` lie inside the range (`length` is larger).
@@ -174,7 +224,9 @@ impl Caches {
                 slot_offsets,
                 capacities,
                 length,
-                releasing: AtomicI32::new(0),
+                releasing: AtomicU64::new(0),
+                #[cfg(test)]
+                liveness_checks: AtomicU64::new(0),
             })
         };
         // SAFETY: just written.
@@ -415,6 +467,40 @@ impl Caches {
         fingerprint | 1
     }
 
+    /// Marks every class of CPU `cpu` that is neither marked nor being released as watched:
+    /// the next call that uses the class clears the mark, and `watched` tells.
+    pub(super) fn watch(&self, cpu: usize) {
+        for class in 0..CLASSES {
+            let stopped = &self.head_ref(cpu, class).stopped;
+            // A plain load first: a class still marked needs no locked instruction, and its
+            // line is not taken from the CPU that reads it on every section.
+            if stopped.load(Ordering::Relaxed) == 0 {
+                let _ = stopped.compare_exchange(0, WATCHED, Ordering::Relaxed, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Whether every class of CPU `cpu` still carries the mark of `watch`: no section of the
+    /// CPU found one cleared since, and no release ran on it.
+    pub(super) fn watched(&self, cpu: usize) -> bool {
+        (0..CLASSES)
+            .all(|class| self.head_ref(cpu, class).stopped.load(Ordering::Relaxed) == WATCHED)
+    }
+
+    /// For a call whose section on CPU `cpu` left at `class`'s `stopped`: clears a watch mark
+    /// (the CPU is in use) and says whether to retry the section; `false` while a releaser
+    /// owns the stack, when the call passes through. Never clears `RELEASING`: that would let
+    /// sections commit on a stack the releaser is emptying.
+    pub(super) fn unwatch(&self, cpu: usize, class: usize) -> bool {
+        let stopped = &self.head_ref(cpu, class).stopped;
+        // Relaxed: the mark publishes nothing. The retried section loads the word with acquire
+        // ordering, which is what pairs with a releaser's clearing store.
+        match stopped.compare_exchange(WATCHED, 0, Ordering::Relaxed, Ordering::Relaxed) {
+            Ok(_) => true,
+            Err(now) => now != RELEASING,
+        }
+    }
+
     /// Records `activity` as what CPU `cpu` showed; returns what it showed before.
     pub(super) fn swap_seen(&self, cpu: usize, activity: u64) -> u64 {
         self.counters(cpu).seen.swap(activity, Ordering::Relaxed)
@@ -423,32 +509,36 @@ impl Caches {
     /// Takes the release lock until the guard is dropped; `None` if this very thread holds it
     /// (a signal handler that interrupted a release), which would otherwise wait for itself.
     ///
-    /// The lock word holds its holder's thread id, so that a waiter can tell a holder that no
-    /// longer exists in this process (it was in the parent of a `fork`) and take the lock over,
-    /// as the process decision does (`DecidedOnce`). The flags such a holder set protect nothing
-    /// any more, and the new holder clears them; the counts it left are exact, because a
-    /// release takes each object out of its count before giving it back (`empty_owned`).
+    /// The lock word holds its holder's thread id and fork generation (`holder_word`), so that
+    /// a waiter can tell a holder that no longer exists in this process and take the lock
+    /// over, as the process decision does (`DecidedOnce`): a word of an older generation was
+    /// written in the parent of a `fork` (the child's kernel may have given the id to a thread
+    /// of its own, so the id alone cannot tell), and a thread of this generation that the
+    /// system no longer knows died holding it. The flags such a holder set protect nothing any
+    /// more, and the new holder clears them; the counts it left are exact, because a release
+    /// takes each object out of its count before giving it back (`empty_owned`).
     pub(super) fn lock_releases(&self) -> Option<ReleaseLock<'_>> {
-        let threads = crate::os::Threads;
-        let me = threads.me();
+        let me = crate::os::Threads.me();
         loop {
-            let owner =
+            let mine = holder_word(me, crate::os::fork_generation());
+            let held =
                 match self
                     .releasing
-                    .compare_exchange(0, me, Ordering::Acquire, Ordering::Relaxed)
+                    .compare_exchange(0, mine, Ordering::Acquire, Ordering::Relaxed)
                 {
                     Ok(_) => return Some(ReleaseLock(&self.releasing)),
-                    Err(owner) => owner,
+                    Err(held) => held,
                 };
             // Under the model checker every model thread has the one OS thread's id.
-            if owner == me && !cfg!(thiscpu_model) {
+            if held == mine && !cfg!(thiscpu_model) {
                 return None;
             }
-            if owner != me
-                && threads.is_gone(owner)
+            // A waiter asks the system on every round: it waits for a release, which takes
+            // far longer than the question.
+            if (taken_before_fork(held) || self.holder_is_gone(held))
                 && self
                     .releasing
-                    .compare_exchange(owner, me, Ordering::Acquire, Ordering::Relaxed)
+                    .compare_exchange(held, mine, Ordering::Acquire, Ordering::Relaxed)
                     .is_ok()
             {
                 self.resume_every_cpu();
@@ -456,6 +546,14 @@ impl Caches {
             }
             crate::sync::yield_now();
         }
+    }
+
+    /// Whether the thread in the held lock word `held` no longer exists in this process: a
+    /// system call or two (`Threads::is_gone`), so asked rarely.
+    fn holder_is_gone(&self, held: u64) -> bool {
+        #[cfg(test)]
+        self.liveness_checks.fetch_add(1, Ordering::Relaxed);
+        crate::os::Threads.is_gone(holder_thread(held))
     }
 
     /// Clears every CPU's flags: only for the holder of the release lock, which no other
@@ -472,24 +570,35 @@ impl Caches {
 
     /// For a call that found CPU `cpu`'s cache stopped and goes to the inner allocator: counts
     /// it, and resumes the cache if the release that stopped it was abandoned.
+    ///
+    /// A live release is left alone (the call passes through meanwhile) at the cost of one
+    /// more load and no system call: the lock word says whether it was taken before a `fork`
+    /// (the child inherits the flags of a release in another thread, and nobody would ever
+    /// clear them). Only one pass-through in `LIVENESS_EVERY` on the CPU asks the system
+    /// whether the holder still exists, for a holder that died in this process: such a
+    /// release is taken over at the latest that many pass-throughs of a CPU later.
     pub(super) fn pass_through(&self, cpu: usize) {
-        self.counters(cpu).passed.fetch_add(1, Ordering::Relaxed);
-        self.resume_if_abandoned();
+        // The CPU's first pass-through and every `LIVENESS_EVERY`th after it ask.
+        let earlier = self.counters(cpu).passed.fetch_add(1, Ordering::Relaxed);
+        let held = self.releasing.load(Ordering::Acquire);
+        if held != 0
+            && (taken_before_fork(held)
+                || (earlier.is_multiple_of(LIVENESS_EVERY) && self.holder_is_gone(held)))
+        {
+            self.take_over_abandoned(held);
+        }
     }
 
-    /// For a call that found a cache stopped: if the release that stopped it belongs to a
-    /// thread that no longer exists in this process (the child of a `fork` made during a
-    /// release inherits its flags, and nobody would ever clear them), takes that release over
-    /// and clears them. A live release is left alone (the call passes through meanwhile).
-    fn resume_if_abandoned(&self) {
-        let threads = crate::os::Threads;
-        let owner = self.releasing.load(Ordering::Acquire);
-        if owner == 0 || owner == threads.me() || !threads.is_gone(owner) {
-            return;
-        }
+    /// Takes over the release that `held`, an abandoned holder's lock word, names, clears
+    /// every flag it may have left, and frees the lock; another caller that took it first
+    /// does the same.
+    #[cold]
+    #[inline(never)]
+    fn take_over_abandoned(&self, held: u64) {
+        let mine = holder_word(crate::os::Threads.me(), crate::os::fork_generation());
         if self
             .releasing
-            .compare_exchange(owner, threads.me(), Ordering::Acquire, Ordering::Relaxed)
+            .compare_exchange(held, mine, Ordering::Acquire, Ordering::Relaxed)
             .is_ok()
         {
             self.resume_every_cpu();
@@ -507,7 +616,14 @@ impl Caches {
     ) -> Result<u64, FenceUnavailable> {
         fence::register()?;
         for class in 0..CLASSES {
-            self.head_ref(cpu, class).stopped.store(1, Ordering::SeqCst);
+            // A swap, as the model's sections store (`arch/model.rs`): loom may order a plain
+            // store before another thread's compare-exchange that cleared a watch mark, so that
+            // sections would read that 0 as newer than the stop, which no hardware does. On
+            // x86_64 a sequentially consistent store is this same instruction.
+            let _ = self
+                .head_ref(cpu, class)
+                .stopped
+                .swap(RELEASING, Ordering::SeqCst);
         }
         // Clears the flags however this returns (an inner allocator's `dealloc` may panic).
         let _resume = Resume { caches: self, cpu };
@@ -592,6 +708,9 @@ impl Caches {
                         bytes += size as u64;
                     }
                     (StackOutcome::Aborted, _) => ops::note_abort(),
+                    // A watch mark (this thread holds the release lock, so it is no release's):
+                    // cleared, and the pop retried.
+                    (StackOutcome::Stopped, _) if self.unwatch(cpu, class) => {}
                     _ => break,
                 }
             }
@@ -603,12 +722,24 @@ impl Caches {
 #[cfg(all(test, not(thiscpu_model)))]
 impl Caches {
     /// What a releaser that vanished in the middle of its work leaves: the lock held by
-    /// `thread` and CPU `cpu`'s flags set.
-    pub(super) fn abandon_release(&self, thread: i32, cpu: usize) {
-        self.releasing.store(thread, Ordering::SeqCst);
+    /// `thread` in fork generation `generation`, and CPU `cpu`'s flags set.
+    pub(super) fn abandon_release(&self, thread: i32, generation: u32, cpu: usize) {
+        self.releasing
+            .store(holder_word(thread, generation), Ordering::SeqCst);
         for class in 0..CLASSES {
             self.head_ref(cpu, class).stopped.store(1, Ordering::SeqCst);
         }
+    }
+
+    /// Ends what `abandon_release` left: clears every flag and the lock.
+    pub(super) fn end_abandoned_release(&self) {
+        self.resume_every_cpu();
+        self.releasing.store(0, Ordering::SeqCst);
+    }
+
+    /// Liveness checks of a release's holder made so far.
+    pub(super) fn liveness_checks(&self) -> u64 {
+        self.liveness_checks.load(Ordering::Relaxed)
     }
 
     /// Whether any CPU's flags are set.
@@ -627,7 +758,7 @@ impl Caches {
 }
 
 /// The release lock, held until dropped.
-pub(super) struct ReleaseLock<'a>(&'a AtomicI32);
+pub(super) struct ReleaseLock<'a>(&'a AtomicU64);
 
 impl Drop for ReleaseLock<'_> {
     fn drop(&mut self) {

@@ -211,8 +211,9 @@ pub(crate) struct StackHead {
     /// Objects in the stack. Written by committing sections on this CPU (plain stores), or by a
     /// drainer while `stopped` is set and the CPU has been fenced.
     pub(crate) count: AtomicU64,
-    /// Non-zero while a drainer owns the stack. Written only by drainers, atomically; sections
-    /// read it.
+    /// Non-zero while a drainer owns the stack. Written only by drainers, atomically, and (the
+    /// allocator's caches) by a watcher's mark and the slow path that clears it, both by
+    /// compare-exchange from and to 0, never over a drainer's value; sections only read it.
     pub(crate) stopped: AtomicU64,
 }
 

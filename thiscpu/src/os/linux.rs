@@ -180,12 +180,13 @@ pub(crate) unsafe fn unreserve(start: NonNull<u8>, length: usize) {
     }
 }
 
-/// Registers `before` to run before every `fork` and `after` after it, in parent and child.
-pub(crate) fn at_fork(before: extern "C" fn(), after: extern "C" fn()) {
+/// Registers `before` to run before every `fork`, `parent` after it in the parent and `child`
+/// after it in the child.
+pub(crate) fn at_fork(before: extern "C" fn(), parent: extern "C" fn(), child: extern "C" fn()) {
     // SAFETY: the handlers are functions of this library. In a library loaded with `dlopen`,
     // glibc unregisters them when it is unloaded (`pthread_atfork` records the caller's
     // object). A failure (ENOMEM) leaves no handler.
-    unsafe { libc::pthread_atfork(Some(before), Some(after), Some(after)) };
+    unsafe { libc::pthread_atfork(Some(before), Some(parent), Some(child)) };
 }
 
 /// `sysconf(_SC_NPROCESSORS_CONF)`, at least 1.

@@ -28,11 +28,43 @@ mod portable;
 
 pub(crate) use system::*;
 
+use core::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
 /// The alignment of every range `reserve_zeroed` returns: one page, whether it maps pages or
 /// asks an allocator for them.
 pub(crate) const RESERVED_ALIGN: usize = 4096;
 
 pub(crate) mod cpu_number;
+
+/// The forks between the first call of [`count_forks`] and this process: each child's
+/// `pthread_atfork` handler adds one, so a value recorded in a parent differs from its
+/// child's, whatever thread ids the child's kernel hands out.
+static FORK_GENERATION: AtomicU32 = AtomicU32::new(0);
+/// Whether the handler that counts forks is registered (or being registered).
+static COUNTING_FORKS: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn nothing_to_do() {}
+
+extern "C" fn forked() {
+    FORK_GENERATION.fetch_add(1, Ordering::Relaxed);
+}
+
+/// This process's fork generation (see [`count_forks`]): one relaxed load, no system call.
+#[inline]
+pub(crate) fn fork_generation() -> u32 {
+    FORK_GENERATION.load(Ordering::Relaxed)
+}
+
+/// Makes every later `fork` count in [`fork_generation`], in the child (the handler is
+/// inherited, so grandchildren count too). Registers once per process; does not wait for a
+/// registration under way on another thread (it may allocate, and this may run inside an
+/// allocator), so a fork in that instant may go uncounted, as every fork does where
+/// registering fails or the system has no `fork`.
+pub(crate) fn count_forks() {
+    if !COUNTING_FORKS.swap(true, Ordering::Relaxed) {
+        at_fork(nothing_to_do, nothing_to_do, forked);
+    }
+}
 
 // The contract: both backends export these items with these types.
 const _: () = {
@@ -45,7 +77,7 @@ const _: () = {
     let _: fn(i32, u32, i32) -> Result<(), i32> = membarrier;
     let _: fn(usize) -> Option<core::ptr::NonNull<u8>> = reserve_zeroed;
     let _: unsafe fn(core::ptr::NonNull<u8>, usize) = unreserve;
-    let _: fn(extern "C" fn(), extern "C" fn()) = at_fork;
+    let _: fn(extern "C" fn(), extern "C" fn(), extern "C" fn()) = at_fork;
     let _: fn() -> usize = configured_cpus;
     let _: fn(&core::ffi::CStr) -> bool = path_exists;
     let _: fn(i32, &mut [AffinityWord]) -> std::io::Result<()> = get_affinity;

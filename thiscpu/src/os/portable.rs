@@ -162,18 +162,19 @@ pub(crate) unsafe fn unreserve(start: NonNull<u8>, length: usize) {
     }
 }
 
-/// Registers `before` to run before every `fork` and `after` after it, where the system forks
-/// (Unix); elsewhere there is no `fork` to guard against.
-pub(crate) fn at_fork(before: extern "C" fn(), after: extern "C" fn()) {
+/// Registers `before` to run before every `fork`, `parent` after it in the parent and `child`
+/// after it in the child, where the system forks (Unix); elsewhere there is no `fork` to guard
+/// against.
+pub(crate) fn at_fork(before: extern "C" fn(), parent: extern "C" fn(), child: extern "C" fn()) {
     #[cfg(unix)]
     {
-        // SAFETY: the handlers are functions of this library that take a lock and release it.
-        // A failure (ENOMEM) leaves no handler.
-        unsafe { libc::pthread_atfork(Some(before), Some(after), Some(after)) };
+        // SAFETY: the handlers are functions of this library that take a lock and release it,
+        // or count a fork. A failure (ENOMEM) leaves no handler.
+        unsafe { libc::pthread_atfork(Some(before), Some(parent), Some(child)) };
     }
     #[cfg(not(unix))]
     {
-        let _ = (before, after);
+        let _ = (before, parent, child);
     }
 }
 

@@ -897,6 +897,14 @@ fn release_idle_keeps_the_cache_of_a_cpu_serving_pairs() {
     let cpus = common::allowed_cpus();
     let (cpu, watcher_cpu) = (cpus[0], cpus[cpus.len() - 1]);
     let layout = Layout::from_size_align(64, 8).unwrap();
+    heap.free(heap.make(layout, false));
+    if !heap.stats().caching {
+        // Without rseq every call passes through: there is no cache to keep. (Under valgrind,
+        // which runs one thread at a time, the looks would also wait for the busy thread's
+        // time slices: minutes.)
+        assert_nothing_lost(&heap, &ledger);
+        return;
+    }
     let warm = AtomicBool::new(false);
     let stop = AtomicBool::new(false);
     let pairs = AtomicU64::new(0);
@@ -943,7 +951,7 @@ fn release_idle_keeps_the_cache_of_a_cpu_serving_pairs() {
          {emptied:?}",
         emptied.len()
     );
-    if stats.caching && quiet == 0 {
+    if quiet == 0 {
         // The ten objects, less the one in the busy thread's hands at the end of a pair.
         assert!(of_cpu(&stats, cpu).cached_objects >= 9, "{stats:?}");
     }

@@ -38,10 +38,9 @@
 # checks of the area on every return to user space), where the legacy-mode write must be
 # fatal too.
 #
-# Under TCG (qemu's software CPU, `-cpu max`; one host thread per vCPU for smp2, one thread for
-# all vCPUs where CPUs are hot-plugged, see accel() below; those guests boot two at a time,
-# each on a host CPU of its own, after the smp2 guests, which boot alone) unless THISCPU_KERNELS_KVM=1 asks for
-# KVM (`-enable-kvm -cpu host`), which only helps where the host has real hardware
+# Under TCG (qemu's software CPU, `-cpu max`; one host thread for all of a guest's vCPUs, see
+# accel() below; the guests boot two at a time, each on a host CPU of its own, the longest
+# first) unless THISCPU_KERNELS_KVM=1 asks for KVM (`-enable-kvm -cpu host`), which only helps where the host has real hardware
 # virtualization. Builds the `thiscpu` command (release), the library's and the stress driver's
 # test executables (`cargo test -p thiscpu -p thiscpu-stress --all-features --no-run`: the
 # optional features' tests too, the same build as the `features` step of .ci/run) and the probe
@@ -165,18 +164,21 @@ echo "initramfs: $(du -m "$store/initramfs.cpio" | cut -f1) MiB," \
     "$(ls "$root/opt/t/deps" | wc -l) test executables"
 
 # --- Guests -------------------------------------------------------------------------------------
-# accel TOPOLOGY: sets accel (qemu options). Under TCG, guests that take CPUs offline and online
-# run all vCPUs on one host thread: bringing a CPU online patches kernel text (static keys, with
-# an int3 first), and with one thread per vCPU another vCPU can still execute its translation of
-# the old bytes. Seen once in the sid up2of4 guest: "Oops: int3" at a jump-label site in
-# update_sd_lb_stats whose bytes were already the patched nop (the kernel's own int3 handler no
-# longer knew the site), a panic during `stress` with hot-plug. Reproduce with
-# `bash .ci/kernels/matrix.sh --kernels sid --topologies up2of4` and THISCPU_KERNELS_TCG=multi.
+# accel: sets accel (qemu options). Under TCG every guest runs all its vCPUs on one host thread:
+# the kernel patches its own text at run time (static keys, with an int3 first), and with one
+# host thread per vCPU another vCPU can still execute its translation of the old bytes. Seen
+# twice: in the sid up2of4 guest, "Oops: int3" at a jump-label site in update_sd_lb_stats whose
+# bytes were already the patched nop (the kernel's own int3 handler no longer knew the site), a
+# panic during `stress` with hot-plug; and in the sid smp2 guest (one thread per vCPU then),
+# "Oops: int3" in ktime_get_update_offsets_now, whose bytes were already the patched jump, a
+# panic during `bench --quick counter`. Reproduce with `bash .ci/kernels/matrix.sh --kernels sid
+# --topologies up2of4` and THISCPU_KERNELS_TCG=multi (the smp2 panic was seen once). Two
+# guests run at a time instead, each on a host CPU of its own.
 accel() {
     if [ "${THISCPU_KERNELS_KVM:-0}" = 1 ]; then
         accel=(-enable-kvm -cpu host)
         accel_label=kvm
-    elif [ "$1" = smp2 ] || [ "${THISCPU_KERNELS_TCG:-}" = multi ]; then
+    elif [ "${THISCPU_KERNELS_TCG:-}" = multi ]; then
         accel=(-accel tcg,thread=multi -cpu max)
         accel_label=tcg-multi
     else
@@ -268,7 +270,7 @@ guest_plan() {
     if [ "$topo" != smp2 ] && [ "$dir" != "${kernel_dirs[0]}" ] &&
         [ "$dir" != "${kernel_dirs[-1]}" ]; then return 1; fi
     topology "$topo"
-    accel "$topo"
+    accel
     stress=$stress_s
     case $topo in up2of4 | numa-hotplug) stress=$((stress_s > 5 ? stress_s : 5)) ;; esac
     guest=$topo
@@ -339,21 +341,32 @@ guest_verdict() {
 
 # The guests whose vCPUs share one host thread (tcg-single, see accel) use one host CPU each,
 # so two of them run at a time, each on its own host CPU, and the next boots as soon as one
-# ends (not when both have); the others (one host thread per vCPU) boot alone. Guest plans are
-# kept as "DIR TOPO" pairs and set up again for the verdict.
+# ends (not when both have); the others (KVM, or one host thread per vCPU) boot alone. Guest
+# plans are kept as "DIR TOPO" pairs and set up again for the verdict. The longest first: the smp2 guests (the whole suite; on the newest kernel under both
+# registrations), newest kernel first, then the others.
 single=()
+plans=()
+for ((k = ${#kernel_dirs[@]} - 1; k >= 0; k--)); do
+    for topo in $topologies; do
+        if [ "$topo" = smp2 ]; then plans+=("${kernel_dirs[k]} $topo"); fi
+    done
+done
 for dir in "${kernel_dirs[@]}"; do
     for topo in $topologies; do
-        guest_plan "$dir" "$topo" || continue
-        if [ "$accel_label" = tcg-single ]; then
-            single+=("$dir $topo")
-            continue
-        fi
-        echo
-        echo "=== kernels: $release ($suite), $guest: booting"
-        guest_boot
-        guest_verdict
+        if [ "$topo" != smp2 ]; then plans+=("$dir $topo"); fi
     done
+done
+for plan in "${plans[@]}"; do
+    read -r dir topo <<<"$plan"
+    guest_plan "$dir" "$topo" || continue
+    if [ "$accel_label" = tcg-single ]; then
+        single+=("$dir $topo")
+        continue
+    fi
+    echo
+    echo "=== kernels: $release ($suite), $guest: booting"
+    guest_boot
+    guest_verdict
 done
 at_once=$(($(nproc) >= 2 ? 2 : 1))
 running=0

@@ -206,31 +206,39 @@ fn a_release_racing_two_threads_of_the_cpu_loses_and_duplicates_nothing() {
 fn a_release_racing_a_refill_and_a_spill_loses_and_duplicates_nothing() {
     explore("a release while CPU 0 misses and spills", || {
         let (heap, ledger) = warm_heap();
-        let user = {
-            let (heap, ledger) = (heap.clone(), ledger.clone());
-            thread::spawn(move || {
-                model::run_on(0);
-                let objects = [
-                    take(&heap, &ledger),
-                    take(&heap, &ledger),
-                    take(&heap, &ledger),
-                ];
-                for ptr in objects {
-                    give(&heap, &ledger, ptr);
-                }
-            })
-        };
-        let releaser = {
-            let heap = heap.clone();
-            thread::spawn(move || {
-                model::run_on(1);
-                heap.release_cpu(0).expect("the model fences");
-            })
-        };
-        user.join().unwrap();
-        releaser.join().unwrap();
-        census(heap, &ledger);
+        race_a_release_of_cpu_0(heap, ledger, |heap, ledger| {
+            let objects = [take(heap, ledger), take(heap, ledger), take(heap, ledger)];
+            for ptr in objects {
+                give(heap, ledger, ptr);
+            }
+        });
     });
+}
+
+/// Runs `user` on a thread of CPU 0 while a thread on CPU 1 releases CPU 0's cache, then takes
+/// the census.
+fn race_a_release_of_cpu_0(
+    heap: Arc<Heap>,
+    ledger: std::sync::Arc<Ledger>,
+    user: impl FnOnce(&Heap, &Ledger) + Send + 'static,
+) {
+    let user = {
+        let (heap, ledger) = (heap.clone(), ledger.clone());
+        thread::spawn(move || {
+            model::run_on(0);
+            user(&heap, &ledger);
+        })
+    };
+    let releaser = {
+        let heap = heap.clone();
+        thread::spawn(move || {
+            model::run_on(1);
+            heap.release_cpu(0).expect("the model fences");
+        })
+    };
+    user.join().unwrap();
+    releaser.join().unwrap();
+    census(heap, &ledger);
 }
 
 /// A heap as `warm_heap` makes it, whose CPU 0 `release_idle` has looked at once: that look
@@ -253,24 +261,10 @@ fn watched_heap() -> (Arc<Heap>, std::sync::Arc<Ledger>) {
 fn a_release_racing_a_thread_that_clears_watch_marks_loses_and_duplicates_nothing() {
     explore("a release while CPU 0 clears watch marks", || {
         let (heap, ledger) = watched_heap();
-        let user = {
-            let (heap, ledger) = (heap.clone(), ledger.clone());
-            thread::spawn(move || {
-                model::run_on(0);
-                let ptr = take(&heap, &ledger);
-                give(&heap, &ledger, ptr);
-            })
-        };
-        let releaser = {
-            let heap = heap.clone();
-            thread::spawn(move || {
-                model::run_on(1);
-                heap.release_cpu(0).expect("the model fences");
-            })
-        };
-        user.join().unwrap();
-        releaser.join().unwrap();
-        census(heap, &ledger);
+        race_a_release_of_cpu_0(heap, ledger, |heap, ledger| {
+            let ptr = take(heap, ledger);
+            give(heap, ledger, ptr);
+        });
     });
 }
 

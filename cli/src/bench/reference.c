@@ -105,12 +105,62 @@ uint64_t thiscpu_c_cpu_node_loop(uint64_t ops, ptrdiff_t offset)
 }
 
 /*
- * `ops` increments of this CPU's slot of `slots` (`slot_count` slots, 1 << SLOT_SHIFT bytes
- * apart), each a restartable sequence: read the CPU, arm, check that the thread still runs
- * there, then load, add and store the slot, the store committing. No lock prefix: only threads
- * of that CPU write its slot, and none of them can run inside the section without the others
- * being sent to abort. Returns the number of aborts, or UINT64_MAX if a CPU number is out of
- * range (having stopped there).
+ * One increment of this CPU's slot of `slots` (`slot_count` slots, 1 << SLOT_SHIFT bytes
+ * apart) as a restartable sequence: read the CPU, arm, check that the thread still runs there,
+ * then load, add and store the slot, the store committing. No lock prefix: only threads of
+ * that CPU write its slot, and none of them can run inside the section without the others
+ * being sent to abort. Counts each abort in `*aborts`, or sets it to UINT64_MAX if the CPU
+ * number is out of range (having added nothing).
+ */
+static inline __attribute__((always_inline)) void add_section(ptrdiff_t offset, uint64_t *slots,
+							     uint64_t slot_count,
+							     uint64_t *aborts)
+{
+	uint64_t cpu, value;
+	__asm__ volatile(
+		".pushsection __thiscpu_c_rseq_cs, \"aw\"\n\t"
+		".balign 32\n"
+		"40:\n\t"
+		".long 0, 0\n\t"
+		".quad 41f, 42f - 41f, 43f\n\t"
+		".popsection\n"
+		"44:\n\t"
+		"movl %%fs:%c[start_field](%[offset]), %k[cpu]\n\t"
+		"cmpq %[count], %[cpu]\n\t"
+		"jae 45f\n\t"
+		"leaq 40b(%%rip), %[value]\n\t"
+		"movq %[value], %%fs:%c[cs](%[offset])\n"
+		"41:\n\t"
+		"cmpl %k[cpu], %%fs:%c[cpu_field](%[offset])\n\t"
+		"jne 43f\n\t"
+		"shlq %[shift], %[cpu]\n\t"
+		"addq %[slots], %[cpu]\n\t"
+		"movq (%[cpu]), %[value]\n\t"
+		"addq $1, %[value]\n\t"
+		"movq %[value], (%[cpu])\n"
+		"42:\n\t"
+		".pushsection __thiscpu_c_rseq_abort, \"ax\"\n\t"
+		".byte 0x0f, 0xb9, 0x3d\n\t"
+		".long %c[signature]\n"
+		"43:\n\t"
+		"incq %[aborts]\n\t"
+		"jmp 44b\n"
+		"45:\n\t"
+		"movq $-1, %[aborts]\n\t"
+		"jmp 42b\n\t"
+		".popsection\n"
+		: [cpu] "=&r"(cpu), [value] "=&r"(value), [aborts] "+r"(*aborts)
+		: [offset] "r"(offset), [slots] "r"(slots), [count] "r"(slot_count),
+		  [shift] "i"(SLOT_SHIFT), [start_field] "i"(AREA_CPU_ID_START),
+		  [cs] "i"(AREA_RSEQ_CS), [cpu_field] "i"(AREA_CPU_ID),
+		  [signature] "i"(RSEQ_SIGNATURE)
+		: "memory", "cc");
+}
+
+/*
+ * `ops` increments by `add_section`, the offset, slots and count held in registers across the
+ * loop. Returns the number of aborts, or UINT64_MAX if a CPU number is out of range (having
+ * stopped there).
  */
 uint64_t thiscpu_c_add_loop(uint64_t ops, ptrdiff_t offset, uint64_t *slots, uint64_t slot_count)
 {
@@ -118,45 +168,34 @@ uint64_t thiscpu_c_add_loop(uint64_t ops, ptrdiff_t offset, uint64_t *slots, uin
 		return UINT64_MAX;
 	uint64_t aborts = 0;
 	for (uint64_t op = 0; op < ops; op++) {
-		uint64_t cpu, value;
-		__asm__ volatile(
-			".pushsection __thiscpu_c_rseq_cs, \"aw\"\n\t"
-			".balign 32\n"
-			"40:\n\t"
-			".long 0, 0\n\t"
-			".quad 41f, 42f - 41f, 43f\n\t"
-			".popsection\n"
-			"44:\n\t"
-			"movl %%fs:%c[start_field](%[offset]), %k[cpu]\n\t"
-			"cmpq %[count], %[cpu]\n\t"
-			"jae 45f\n\t"
-			"leaq 40b(%%rip), %[value]\n\t"
-			"movq %[value], %%fs:%c[cs](%[offset])\n"
-			"41:\n\t"
-			"cmpl %k[cpu], %%fs:%c[cpu_field](%[offset])\n\t"
-			"jne 43f\n\t"
-			"shlq %[shift], %[cpu]\n\t"
-			"addq %[slots], %[cpu]\n\t"
-			"movq (%[cpu]), %[value]\n\t"
-			"addq $1, %[value]\n\t"
-			"movq %[value], (%[cpu])\n"
-			"42:\n\t"
-			".pushsection __thiscpu_c_rseq_abort, \"ax\"\n\t"
-			".byte 0x0f, 0xb9, 0x3d\n\t"
-			".long %c[signature]\n"
-			"43:\n\t"
-			"incq %[aborts]\n\t"
-			"jmp 44b\n"
-			"45:\n\t"
-			"movq $-1, %[aborts]\n\t"
-			"jmp 42b\n\t"
-			".popsection\n"
-			: [cpu] "=&r"(cpu), [value] "=&r"(value), [aborts] "+r"(aborts)
-			: [offset] "r"(offset), [slots] "r"(slots), [count] "r"(slot_count),
-			  [shift] "i"(SLOT_SHIFT), [start_field] "i"(AREA_CPU_ID_START),
-			  [cs] "i"(AREA_RSEQ_CS), [cpu_field] "i"(AREA_CPU_ID),
-			  [signature] "i"(RSEQ_SIGNATURE)
-			: "memory", "cc");
+		add_section(offset, slots, slot_count, &aborts);
+		if (aborts == UINT64_MAX)
+			return UINT64_MAX;
+	}
+	return aborts;
+}
+
+/* What a C counter type would hold: where the thread's area is, its slots and how many. */
+struct thiscpu_c_counter {
+	ptrdiff_t offset;
+	uint64_t *slots;
+	uint64_t slot_count;
+};
+
+/*
+ * `ops` increments by `add_section` through a `struct thiscpu_c_counter *`, as a C
+ * `counter_inc(&counter)` inlined into a loop makes them: the section's "memory" clobber tells
+ * the compiler that any memory may have changed, so the three fields are loaded again before
+ * every increment. A Rust `Counter::inc(&self)` pays the same three loads for the same reason.
+ * Returns as `thiscpu_c_add_loop`.
+ */
+uint64_t thiscpu_c_add_loop_reloaded(uint64_t ops, const struct thiscpu_c_counter *counter)
+{
+	if (cpu_id_of_area(counter->offset) < 0)
+		return UINT64_MAX;
+	uint64_t aborts = 0;
+	for (uint64_t op = 0; op < ops; op++) {
+		add_section(counter->offset, counter->slots, counter->slot_count, &aborts);
 		if (aborts == UINT64_MAX)
 			return UINT64_MAX;
 	}

@@ -18,6 +18,15 @@ mod c {
         pub fn thiscpu_c_cpu_id_loop(ops: u64, offset: isize) -> u64;
         pub fn thiscpu_c_cpu_node_loop(ops: u64, offset: isize) -> u64;
         pub fn thiscpu_c_add_loop(ops: u64, offset: isize, slots: *mut u64, count: u64) -> u64;
+        pub fn thiscpu_c_add_loop_reloaded(ops: u64, counter: *const Counter) -> u64;
+    }
+
+    /// `struct thiscpu_c_counter`.
+    #[repr(C)]
+    pub struct Counter {
+        pub offset: isize,
+        pub slots: *mut u64,
+        pub slot_count: u64,
     }
 }
 
@@ -119,6 +128,26 @@ impl Slots {
         let _ = ops;
         false
     }
+
+    /// As [`add_loop`](Slots::add_loop), with the area's offset, the slots' address and their
+    /// count read from a C struct before every increment, as a C `counter_inc(&counter)` does
+    /// after each section's memory clobber (and as `Counter::inc` does).
+    pub fn add_loop_reloaded(&self, ops: u64) -> bool {
+        #[cfg(thiscpu_c_reference)]
+        if let Some(offset) = registered_area() {
+            let counter = c::Counter {
+                offset,
+                slots: self.words.as_ptr() as *mut u64,
+                slot_count: (self.words.len() / WORDS_PER_SLOT) as u64,
+            };
+            // SAFETY: as in `add_loop`: the struct holds the same three values, and lives for
+            // the call.
+            let aborts = unsafe { c::thiscpu_c_add_loop_reloaded(ops, &counter) };
+            return aborts != u64::MAX;
+        }
+        let _ = ops;
+        false
+    }
 }
 
 /// A case that runs one of the C loops: the run fails if a loop could not run.
@@ -181,12 +210,27 @@ mod tests {
     }
 
     #[test]
+    fn the_reloaded_c_add_loop_counts_every_increment_from_every_thread() {
+        if !runnable() {
+            return;
+        }
+        let slots = Slots::new(thiscpu::topology::possible_cpus());
+        std::thread::scope(|scope| {
+            for _ in 0..4 {
+                scope.spawn(|| assert!(slots.add_loop_reloaded(250_000)));
+            }
+        });
+        assert_eq!(slots.sum(), 1_000_000);
+    }
+
+    #[test]
     fn the_c_add_loop_stops_at_a_cpu_without_a_slot() {
         if !runnable() {
             return;
         }
         let none = Slots::new(0);
         assert!(!none.add_loop(10));
+        assert!(!none.add_loop_reloaded(10));
         assert_eq!(none.sum(), 0);
     }
 

@@ -35,6 +35,11 @@ pub struct Machine {
     /// What answers where rseq cannot.
     #[serde(default)]
     pub fallback: String,
+    /// The processor's identity where the model name hides it (VMs often show one name for
+    /// several generations): x86's vendor, family, model and stepping, arm64's implementer and
+    /// part (absent where `/proc/cpuinfo` gives neither, and in older reports).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_id: Option<String>,
 }
 
 /// rseq as the library found it.
@@ -73,6 +78,7 @@ impl Machine {
             online_list: format_cpu_list(&online),
             cpu_source: source.this_thread.name().to_owned(),
             fallback: source.fallback.name().to_owned(),
+            cpu_id: cpu_id(),
         }
     }
 
@@ -82,9 +88,13 @@ impl Machine {
             Some(version) => format!("glibc {version}"),
             None => "no glibc".to_owned(),
         };
+        let model = match &self.cpu_id {
+            Some(id) => format!("{} ({id})", self.cpu_model),
+            None => self.cpu_model.clone(),
+        };
         format!(
             "{} · Linux {} · {} · {} CPU{} online",
-            self.cpu_model,
+            model,
             self.kernel,
             glibc,
             self.cpus_online,
@@ -146,6 +156,24 @@ fn cpu_model() -> String {
         }
     }
     format!("unknown {} CPU", std::env::consts::ARCH)
+}
+
+/// The processor's numbers from `/proc/cpuinfo`: `AuthenticAMD family 25 model 17 stepping 1`
+/// on x86, `implementer 0x41 part 0xd0c` on arm64; `None` where neither is listed.
+fn cpu_id() -> Option<String> {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").ok()?;
+    cpu_id_of(&cpuinfo)
+}
+
+fn cpu_id_of(cpuinfo: &str) -> Option<String> {
+    let value = |key| cpuinfo_value(cpuinfo, key);
+    if let (Some(family), Some(model)) = (value("cpu family"), value("model")) {
+        let vendor = value("vendor_id").map_or(String::new(), |vendor| format!("{vendor} "));
+        let stepping = value("stepping").map_or(String::new(), |s| format!(" stepping {s}"));
+        return Some(format!("{vendor}family {family} model {model}{stepping}"));
+    }
+    let (implementer, part) = (value("CPU implementer")?, value("CPU part")?);
+    Some(format!("implementer {implementer} part {part}"))
 }
 
 /// The first value of `key` in `/proc/cpuinfo`'s `key : value` lines.
@@ -217,6 +245,23 @@ pub fn format_cpu_list(cpus: &[u32]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_processor_is_named_by_its_numbers() {
+        let x86 = "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n\
+                   model name\t: AMD EPYC\nstepping\t: 1\n";
+        assert_eq!(
+            cpu_id_of(x86).as_deref(),
+            Some("AuthenticAMD family 25 model 17 stepping 1")
+        );
+        let arm64 = "processor\t: 0\nBogoMIPS\t: 50.00\nCPU implementer\t: 0x41\n\
+                     CPU architecture: 8\nCPU variant\t: 0x1\nCPU part\t: 0xd0c\n";
+        assert_eq!(
+            cpu_id_of(arm64).as_deref(),
+            Some("implementer 0x41 part 0xd0c")
+        );
+        assert_eq!(cpu_id_of("processor\t: 0\nisa\t: rv64imafdc\n"), None);
+    }
 
     #[test]
     fn cpu_lists_round_trip_through_the_library_parser() {

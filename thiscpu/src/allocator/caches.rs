@@ -53,6 +53,7 @@
 //! releaser reads and writes a stopped and fenced CPU's stacks. Each block states why it holds.
 
 use super::classes::{CLASS_SIZES, CLASSES, class_layout};
+use super::transfer::{self, Batch, MAX_BATCH, Transfer};
 use crate::decided_once::Claimants;
 use crate::fence::{self, FenceUnavailable};
 use crate::ops::{self, ByCpu, Position, StackHead, StackOutcome};
@@ -138,6 +139,11 @@ pub(super) struct Caches {
     length: usize,
     /// The holder of the release lock (`holder_word`), 0 if none.
     releasing: AtomicU64,
+    /// Each class's transfer list: batches of objects between CPUs' caches, in the range
+    /// after this header, `CLASSES` of them, zeroed (an empty, unlocked list).
+    transfers: *const Transfer,
+    /// Each list's slots, after the lists: `capacities[class]` each (`transfer_slots`).
+    transfer_slots: [*const Slot; CLASSES],
     /// Liveness checks of a holder (system calls) made on this allocator's behalf.
     #[cfg(test)]
     liveness_checks: AtomicU64,
@@ -201,7 +207,14 @@ impl Caches {
         }
         let stride = end.next_power_of_two();
         let stride_shift = stride.trailing_zeros();
-        let header = round_up(size_of::<Caches>(), LINE);
+        let transfers_offset = round_up(size_of::<Caches>(), LINE);
+        let mut transfer_slot_offsets = [0usize; CLASSES];
+        let mut header = round_up(transfers_offset + CLASSES * size_of::<Transfer>(), LINE);
+        for (offset, &capacity) in transfer_slot_offsets.iter_mut().zip(&capacities) {
+            *offset = header;
+            header += capacity as usize * size_of::<Slot>();
+        }
+        let header = round_up(header, LINE);
         let length = stride.checked_mul(cpus)?.checked_add(header)?;
         let start = crate::os::reserve_zeroed(length)?.as_ptr();
         // Before any release lock is taken: a lock word of this process then names the
@@ -225,6 +238,9 @@ impl Caches {
                 capacities,
                 length,
                 releasing: AtomicU64::new(0),
+                transfers: start.wrapping_add(transfers_offset).cast(),
+                transfer_slots: transfer_slot_offsets
+                    .map(|offset| start.wrapping_add(offset).cast_const().cast()),
                 #[cfg(test)]
                 liveness_checks: AtomicU64::new(0),
             })
@@ -233,6 +249,21 @@ impl Caches {
         let made = unsafe { &*caches };
         // Zeroed memory is an empty stack, an unset flag and zero counters; the model checker's
         // atomics are not plain words and must be made in place.
+        #[cfg(thiscpu_model)]
+        for class in 0..CLASSES {
+            // SAFETY: inside the header's room for the lists and their slots, aligned (the
+            // lists start on a line, and a `Transfer` is a line; slots are words), and nothing
+            // refers to them yet.
+            unsafe {
+                made.transfers.cast_mut().add(class).write(Transfer::new());
+                for slot in 0..made.capacities[class] as usize {
+                    made.transfer_slots[class]
+                        .cast_mut()
+                        .add(slot)
+                        .write(Slot::new(0));
+                }
+            }
+        }
         #[cfg(thiscpu_model)]
         for cpu in 0..cpus {
             // SAFETY: every address is inside CPU `cpu`'s region, aligned for its type (the
@@ -264,6 +295,18 @@ impl Caches {
     pub(super) unsafe fn free<A: GlobalAlloc>(caches: *const Caches, inner: &A) {
         // SAFETY: the caller's contract: the caches are ours alone.
         let this = unsafe { &*caches };
+        // SAFETY: nothing else uses the caches, so the lists' objects are ours.
+        unsafe { this.empty_transfers(inner, |_| true) };
+        #[cfg(thiscpu_model)]
+        for class in 0..CLASSES {
+            // SAFETY: made in place by `allocate`, and dropped once, here.
+            unsafe {
+                core::ptr::drop_in_place(this.transfers.cast_mut().add(class));
+                for slot in 0..this.capacities[class] as usize {
+                    core::ptr::drop_in_place(this.transfer_slots[class].cast_mut().add(slot));
+                }
+            }
+        }
         for cpu in 0..this.cpus {
             // SAFETY: nothing else uses the caches, so every stack is ours.
             unsafe { this.empty_owned(cpu, inner) };
@@ -291,6 +334,15 @@ impl Caches {
         // it was reserved with; `this` is not used after this, and nothing else refers to the
         // range (the caller's contract). The header needs no drop (atomics and numbers).
         unsafe { crate::os::unreserve(start, length) };
+    }
+
+    /// `class`'s transfer list.
+    fn transfer(&self, class: usize) -> &Transfer {
+        assert!(class < CLASSES);
+        // SAFETY: one of the `CLASSES` lists in the header's room for them (checked),
+        // initialised (zeroed, or made in place under the model), only accessed through shared
+        // references.
+        unsafe { &*self.transfers.add(class) }
     }
 
     /// CPU `cpu`'s head for `class` (`cpu` below `self.cpus`).
@@ -384,6 +436,124 @@ impl Caches {
                 object as usize,
             )
         }
+    }
+
+    /// How many objects a full cache hands to `class`'s transfer list at once: half its
+    /// capacity, so that the frees after a spill find room, at most `MAX_BATCH`.
+    fn batch_length(&self, class: usize) -> usize {
+        (self.capacities[class] as usize / 2).clamp(1, MAX_BATCH)
+    }
+
+    /// `class`'s transfer list's slots: one CPU's share of the class, so that the layer adds at
+    /// most one CPU's worth of cached bytes to the caches' bound.
+    fn transfer_slots(&self, class: usize) -> transfer::Slots {
+        transfer::Slots {
+            first: self.transfer_slots[class],
+            capacity: self.capacities[class] as usize,
+        }
+    }
+
+    /// For a free that found its cache of `class` full: `object` and up to a batch's worth more
+    /// taken from the calling thread's CPU's cache, handed to the class's transfer list. Returns
+    /// what the list did not take (it is locked by another thread, or full), for the inner
+    /// allocator: an empty batch when it took them.
+    ///
+    /// # Safety
+    /// `object` is an allocation of `class`'s layout by the inner allocator that the caller
+    /// gives up.
+    pub(super) unsafe fn hand_over(&self, class: usize, object: *mut u8) -> Batch {
+        let mut batch = Batch::new();
+        batch.push(object);
+        while batch.len() < self.batch_length(class) {
+            let Some(at) = ops::position() else { break };
+            if at.index() as usize >= self.cpus {
+                break;
+            }
+            // SAFETY: `at` was just read on this thread; its index is below the CPUs.
+            match unsafe { self.pop_at(at, class) } {
+                // A committed pop made this call the object's only owner.
+                (StackOutcome::Committed, popped) => batch.push(popped as *mut u8),
+                _ => break,
+            }
+        }
+        self.transfer(class)
+            .give(self.transfer_slots(class), &mut batch);
+        batch
+    }
+
+    /// For an allocation that found its cache of `class` empty: a batch from the class's
+    /// transfer list, one object of it for the caller and the rest pushed onto the calling
+    /// thread's CPU's cache (those that do not fit go to `inner`); `None` if the list has no
+    /// batch or another thread holds it.
+    pub(super) fn take_over_batch<A: GlobalAlloc>(
+        &self,
+        class: usize,
+        inner: &A,
+    ) -> Option<*mut u8> {
+        let mut batch = self
+            .transfer(class)
+            .take(self.transfer_slots(class), self.batch_length(class))?;
+        let object = batch.pop()?;
+        while let Some(rest) = batch.pop() {
+            let pushed = match ops::position() {
+                Some(at) if (at.index() as usize) < self.cpus => {
+                    // SAFETY: `at` was just read on this thread, its index is below the CPUs,
+                    // and the object, which the batch held, is ours to give.
+                    unsafe { self.push_at(at, class, rest) == StackOutcome::Committed }
+                }
+                _ => false,
+            };
+            if !pushed {
+                // SAFETY: an object of the class's layout by `inner` (every cached object
+                // is), which the push did not take.
+                unsafe { inner.dealloc(rest, class_layout(class)) };
+            }
+        }
+        Some(object)
+    }
+
+    /// Gives the objects of the transfer lists of the classes for which `chosen(class)` holds
+    /// back to `inner`; the bytes.
+    ///
+    /// # Safety
+    /// Every object in the lists is an allocation of its class's layout by `inner`.
+    pub(super) unsafe fn empty_transfers<A: GlobalAlloc>(
+        &self,
+        inner: &A,
+        mut chosen: impl FnMut(&Transfer) -> bool,
+    ) -> u64 {
+        let mut bytes = 0;
+        for (class, &size) in CLASS_SIZES.iter().enumerate() {
+            let transfer = self.transfer(class);
+            if !chosen(transfer) {
+                continue;
+            }
+            while let Some(mut batch) = transfer.take_waiting(self.transfer_slots(class), MAX_BATCH)
+            {
+                while let Some(object) = batch.pop() {
+                    // SAFETY: the caller's contract; taking the batch made its objects ours.
+                    unsafe { inner.dealloc(object, class_layout(class)) };
+                    bytes += size as u64;
+                }
+            }
+        }
+        bytes
+    }
+
+    /// Objects and bytes in the transfer lists now, and batches handed over and taken since
+    /// the start.
+    pub(super) fn transferring(&self) -> TransferFigures {
+        let mut figures = TransferFigures::default();
+        for (class, size) in CLASS_SIZES.iter().enumerate() {
+            let transfer = self.transfer(class);
+            let objects = transfer.objects();
+            let (given, taken) = transfer.moves();
+            figures.objects += objects;
+            figures.bytes += objects * *size as u64;
+            figures.given += given;
+            figures.taken += taken;
+        }
+        figures
     }
 
     /// Counts one `tally` on the CPU of `at` (which the caller just read, on a CPU below
@@ -755,6 +925,15 @@ impl Caches {
     pub(super) fn region(&self) -> (*const u8, usize) {
         (core::ptr::from_ref(self).cast(), self.length)
     }
+}
+
+/// What the transfer lists hold and moved (`Caches::transferring`).
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct TransferFigures {
+    pub(super) objects: u64,
+    pub(super) bytes: u64,
+    pub(super) given: u64,
+    pub(super) taken: u64,
 }
 
 /// The release lock, held until dropped.

@@ -41,11 +41,11 @@ mod series {
     };
     pub(super) const MISSES: Series = Series {
         name: "thiscpu_alloc_misses_total",
-        help: "Allocations that found the CPU's cache empty and went to the inner allocator",
+        help: "Allocations that found the CPU's cache empty (served by a transfer list or the inner allocator)",
     };
     pub(super) const SPILLS: Series = Series {
         name: "thiscpu_alloc_spills_total",
-        help: "Frees that found the CPU's cache full and went to the inner allocator",
+        help: "Frees that found the CPU's cache full (handed to a transfer list or the inner allocator)",
     };
     pub(super) const PASSED_THROUGH: Series = Series {
         name: "thiscpu_alloc_passed_through_total",
@@ -54,6 +54,22 @@ mod series {
     pub(super) const CAPACITY_BYTES: Series = Series {
         name: "thiscpu_alloc_capacity_bytes",
         help: "The most bytes one CPU's cache holds",
+    };
+    pub(super) const TRANSFER_BYTES: Series = Series {
+        name: "thiscpu_alloc_transfer_bytes",
+        help: "Bytes of free objects in the transfer lists between the CPUs' caches",
+    };
+    pub(super) const TRANSFER_OBJECTS: Series = Series {
+        name: "thiscpu_alloc_transfer_objects",
+        help: "Free objects in the transfer lists between the CPUs' caches",
+    };
+    pub(super) const BATCHES_HANDED_OVER: Series = Series {
+        name: "thiscpu_alloc_batches_handed_over_total",
+        help: "Batches of objects that full caches handed to the transfer lists",
+    };
+    pub(super) const BATCHES_TAKEN: Series = Series {
+        name: "thiscpu_alloc_batches_taken_total",
+        help: "Batches of objects that empty caches took from the transfer lists",
     };
     pub(super) const CACHING: Series = Series {
         name: "thiscpu_alloc_caching",
@@ -74,6 +90,10 @@ macro_rules! series_table {
 | `thiscpu_alloc_spills_total` | counter | `cpu` | [`CpuAllocStats::spills`] |
 | `thiscpu_alloc_passed_through_total` | counter | `cpu` | [`CpuAllocStats::passed_through`] |
 | `thiscpu_alloc_capacity_bytes` | gauge | | [`AllocStats::capacity_bytes`] (per CPU) |
+| `thiscpu_alloc_transfer_bytes` | gauge | | [`AllocStats::transfer_bytes`] |
+| `thiscpu_alloc_transfer_objects` | gauge | | [`AllocStats::transfer_objects`] |
+| `thiscpu_alloc_batches_handed_over_total` | counter | | [`AllocStats::batches_handed_over`] |
+| `thiscpu_alloc_batches_taken_total` | counter | | [`AllocStats::batches_taken`] |
 | `thiscpu_alloc_caching` | gauge | | [`AllocStats::caching`], 1 or 0 |
 
 `cpu` is the CPU's number (`\"0\"`, `\"1\"`, ...). Every possible CPU has its series once the
@@ -132,10 +152,18 @@ mod facade {
                 caching,
                 capacity_bytes,
                 counting_hits: _,
+                transfer_objects,
+                transfer_bytes,
+                batches_handed_over,
+                batches_taken,
             } = self;
             describe();
             metrics::gauge!(CACHING.name).set(f64::from(u8::from(*caching)));
             metrics::gauge!(CAPACITY_BYTES.name).set(*capacity_bytes as f64);
+            metrics::gauge!(TRANSFER_BYTES.name).set(*transfer_bytes as f64);
+            metrics::gauge!(TRANSFER_OBJECTS.name).set(*transfer_objects as f64);
+            metrics::counter!(BATCHES_HANDED_OVER.name).absolute(*batches_handed_over);
+            metrics::counter!(BATCHES_TAKEN.name).absolute(*batches_taken);
             for stats in per_cpu {
                 let CpuAllocStats {
                     cpu,
@@ -163,13 +191,20 @@ mod facade {
     /// Describes every series to the current recorder.
     fn describe() {
         use metrics::Unit;
-        for gauge in [&CACHED_BYTES, &CAPACITY_BYTES] {
+        for gauge in [&CACHED_BYTES, &CAPACITY_BYTES, &TRANSFER_BYTES] {
             metrics::describe_gauge!(gauge.name, Unit::Bytes, gauge.help);
         }
-        for gauge in [&CACHED_OBJECTS, &CACHING] {
+        for gauge in [&CACHED_OBJECTS, &CACHING, &TRANSFER_OBJECTS] {
             metrics::describe_gauge!(gauge.name, gauge.help);
         }
-        for counter in [&HITS, &MISSES, &SPILLS, &PASSED_THROUGH] {
+        for counter in [
+            &HITS,
+            &MISSES,
+            &SPILLS,
+            &PASSED_THROUGH,
+            &BATCHES_HANDED_OVER,
+            &BATCHES_TAKEN,
+        ] {
             metrics::describe_counter!(counter.name, Unit::Count, counter.help);
         }
     }
@@ -278,6 +313,10 @@ mod registry {
             caching,
             capacity_bytes,
             counting_hits: _,
+            transfer_objects,
+            transfer_bytes,
+            batches_handed_over,
+            batches_taken,
         } = stats;
         per_cpu_gauge(&mut encoder, &CACHED_BYTES, per_cpu, |cpu| cpu.cached_bytes)?;
         per_cpu_gauge(&mut encoder, &CACHED_OBJECTS, per_cpu, |cpu| {
@@ -292,7 +331,22 @@ mod registry {
             cpu.passed_through
         })?;
         gauge(&mut encoder, &CAPACITY_BYTES, capacity_bytes)?;
+        gauge(&mut encoder, &TRANSFER_BYTES, transfer_bytes)?;
+        gauge(&mut encoder, &TRANSFER_OBJECTS, transfer_objects)?;
+        counter(&mut encoder, &BATCHES_HANDED_OVER, *batches_handed_over)?;
+        counter(&mut encoder, &BATCHES_TAKEN, *batches_taken)?;
         gauge(&mut encoder, &CACHING, &u64::from(*caching))
+    }
+
+    fn counter(
+        encoder: &mut DescriptorEncoder,
+        series: &Series,
+        value: u64,
+    ) -> Result<(), core::fmt::Error> {
+        let (name, unit) = descriptor(series);
+        encoder
+            .encode_descriptor(name, series.help, unit.as_ref(), MetricType::Counter)?
+            .encode_counter::<prometheus_client::encoding::NoLabelSet, _, u64>(&value, None)
     }
 
     /// The name and unit to give `prometheus_client` for `series`, which adds `_total` to a
@@ -369,8 +423,9 @@ mod serialize {
 
     /// With the `serde` feature, the statistics serialize as their fields, under their names:
     /// `{"per_cpu": [{"cpu", "hits", "misses", "spills", "passed_through", "cached_objects",
-    /// "cached_bytes"}, ..], "caching", "capacity_bytes", "counting_hits"}`, with `null` for hits
-    /// that are not counted.
+    /// "cached_bytes"}, ..], "caching", "capacity_bytes", "counting_hits", "transfer_objects",
+    /// "transfer_bytes", "batches_handed_over", "batches_taken"}`, with `null` for hits that
+    /// are not counted.
     ///
     /// ```
     /// let stats = thiscpu::PerCpuAlloc::new().counting_hits().stats();
@@ -388,12 +443,20 @@ mod serialize {
                 caching,
                 capacity_bytes,
                 counting_hits,
+                transfer_objects,
+                transfer_bytes,
+                batches_handed_over,
+                batches_taken,
             } = self;
-            let mut state = serializer.serialize_struct("AllocStats", 4)?;
+            let mut state = serializer.serialize_struct("AllocStats", 8)?;
             state.serialize_field("per_cpu", per_cpu)?;
             state.serialize_field("caching", caching)?;
             state.serialize_field("capacity_bytes", capacity_bytes)?;
             state.serialize_field("counting_hits", counting_hits)?;
+            state.serialize_field("transfer_objects", transfer_objects)?;
+            state.serialize_field("transfer_bytes", transfer_bytes)?;
+            state.serialize_field("batches_handed_over", batches_handed_over)?;
+            state.serialize_field("batches_taken", batches_taken)?;
             state.end()
         }
     }
@@ -487,6 +550,17 @@ mod tests {
             "thiscpu_alloc_capacity_bytes".into(),
             stats.capacity_bytes as f64,
         );
+        for (name, value) in [
+            ("thiscpu_alloc_transfer_bytes", stats.transfer_bytes),
+            ("thiscpu_alloc_transfer_objects", stats.transfer_objects),
+            (
+                "thiscpu_alloc_batches_handed_over_total",
+                stats.batches_handed_over,
+            ),
+            ("thiscpu_alloc_batches_taken_total", stats.batches_taken),
+        ] {
+            series.insert(name.into(), value as f64);
+        }
         for cpu in &stats.per_cpu {
             let mut add = |name: &str, value: u64| {
                 series.insert(format!("{name}{{cpu=\"{}\"}}", cpu.cpu), value as f64);
@@ -618,6 +692,10 @@ mod tests {
             "caching": stats.caching,
             "capacity_bytes": stats.capacity_bytes,
             "counting_hits": stats.counting_hits,
+            "transfer_objects": stats.transfer_objects,
+            "transfer_bytes": stats.transfer_bytes,
+            "batches_handed_over": stats.batches_handed_over,
+            "batches_taken": stats.batches_taken,
         });
         assert_eq!(serde_json::to_value(&stats).unwrap(), expected);
         let uncounted = serde_json::to_value(PerCpuAlloc::new().stats()).unwrap();

@@ -17,8 +17,15 @@
 //! line shared with another CPU. Rust's `dealloc` is told the layout, so the class of a freed
 //! object is known without a header or a page map.
 //!
-//! An empty stack is a *miss*: the object comes from the inner allocator. A full one is a
-//! *spill*: the object goes back to it. Every cached object is an allocation of its class's
+//! An empty stack is a *miss*, a full one a *spill*. Between the CPUs' caches sits a
+//! *transfer list* per class: a spill hands the freed object over to it, with half the
+//! stack's objects (up to 32) as one batch, and a miss takes a batch from it, keeping one
+//! object and pushing the rest onto its CPU's stack. So objects freed on one CPU serve
+//! allocations on another, a batch at a time: a producer thread and a consumer thread on two
+//! CPUs move their objects through the list rather than through the inner allocator. The list
+//! is guarded by a try-lock; a call that finds it taken, or a list that is full, sends the
+//! objects to the inner allocator (a spill) or asks it for one (a miss), as the caches do
+//! without the list. Every cached object is an allocation of its class's
 //! size aligned to 16 by the inner allocator, so any path may give it back there: larger or
 //! more aligned requests, a process without rseq, a CPU whose cache is being released, and a
 //! thread that a debugger single-steps (after [`crate::ops::ABORT_LIMIT`] aborts in a row)
@@ -26,14 +33,17 @@
 //!
 //! # Bounds
 //! Each CPU caches at most [`with_cache_bytes`](PerCpuAlloc::with_cache_bytes) bytes
-//! ([`DEFAULT_CACHE_BYTES`] by default), split evenly over the classes. The caches take one
+//! ([`DEFAULT_CACHE_BYTES`] by default), split evenly over the classes, and each class's
+//! transfer list holds at most one CPU's share of the class: the allocator holds at most one
+//! CPU's worth more than its CPUs' caches. The caches take one
 //! region of address space per possible CPU (32 KiB at the default), mapped fresh from the
 //! system on first use (not from the inner allocator, which holds only the cached objects; the
 //! range goes back to the system when the allocator is dropped), of which only the pages of
 //! CPUs and classes in use become resident. [`release`](PerCpuAlloc::release) gives every
 //! CPU's cache back, [`release_idle`](PerCpuAlloc::release_idle) those of CPUs that did not
 //! use theirs since the last call, without running anything there (a stop flag and a
-//! membarrier fence of the CPU, as [`crate::Pool::drain_cpu`]).
+//! membarrier fence of the CPU, as [`crate::Pool::drain_cpu`]); `release` also empties the
+//! transfer lists, and `release_idle` those no batch went in or out of since its previous call.
 //!
 //! # Odd states
 //! - Before the process has decided how rseq is registered, and inside that decision (which
@@ -51,10 +61,10 @@
 //!   per CPU that asks whether the releaser still exists (a thread that died holding it).
 //!
 //! # When not to use it
-//! Programs whose allocations are mostly larger than [`MAX_CACHED_SIZE`], or that allocate
-//! many objects on one CPU and free them on another (the producer's cache empties, the
-//! consumer's fills, and both then pay the inner allocator): the caches help when objects are
-//! freed near where they were made.
+//! Programs whose allocations are mostly larger than [`MAX_CACHED_SIZE`]. Objects made on
+//! one CPU and freed on another move between the caches through the transfer lists, a batch
+//! at a time, but each batch still costs a lock and a walk of its chain: the caches help most
+//! when objects are freed near where they were made.
 //!
 //! # Safety
 //! The `GlobalAlloc` implementation hands out and takes back raw memory; the caches' sections
@@ -63,6 +73,7 @@
 mod caches;
 mod classes;
 mod export;
+mod transfer;
 
 pub use classes::{MAX_CACHED_SIZE, size_classes};
 #[cfg(feature = "prometheus-client")]
@@ -108,7 +119,8 @@ const PASSING: u8 = 3;
 ///     allocator.dealloc(object, layout);
 /// }
 /// let stats = allocator.stats();
-/// assert!(stats.cached_bytes() <= stats.per_cpu.len() as u64 * (64 << 10));
+/// // Each CPU's cache, and one CPU's worth in the transfer lists between them.
+/// assert!(stats.cached_bytes() <= (stats.per_cpu.len() as u64 + 1) * (64 << 10));
 /// ```
 pub struct PerCpuAlloc<A: GlobalAlloc = System> {
     inner: A,
@@ -256,12 +268,15 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
         self.take_slow(class)
     }
 
-    /// The cache of `at`'s CPU had no object of `class`: counts the miss there and asks the
-    /// inner allocator.
+    /// The cache of `at`'s CPU had no object of `class`: counts the miss there, and takes a
+    /// batch that another CPU handed over, or else asks the inner allocator.
     #[cold]
     #[inline(never)]
     fn miss(&self, caches: &Caches, at: ops::Position<ByCpu>, class: usize) -> *mut u8 {
         caches.count(at, Tally::Misses);
+        if let Some(object) = caches.take_over_batch(class, &self.inner) {
+            return object;
+        }
         // SAFETY: a class layout is never zero-sized.
         unsafe { self.inner.alloc(class_layout(class)) }
     }
@@ -331,8 +346,9 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
         unsafe { self.give_slow(object, class) }
     }
 
-    /// The cache of `at`'s CPU was full: counts the spill there and gives `object` to the
-    /// inner allocator.
+    /// The cache of `at`'s CPU was full: counts the spill there, and hands `object` with a
+    /// batch of the cache's objects to the class's transfer list, for another CPU's misses, or
+    /// else gives them to the inner allocator.
     ///
     /// # Safety
     /// As for [`PerCpuAlloc::give`].
@@ -347,8 +363,13 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
     ) {
         caches.count(at, Tally::Spills);
         // SAFETY: the object is an allocation of the class's layout by the inner allocator,
-        // and no cache took it.
-        unsafe { self.inner.dealloc(object, class_layout(class)) }
+        // which the caller gives up.
+        let mut refused = unsafe { caches.hand_over(class, object) };
+        while let Some(object) = refused.pop() {
+            // SAFETY: an allocation of the class's layout by the inner allocator (the given
+            // object, or one a committed pop took out of a cache), that no list took.
+            unsafe { self.inner.dealloc(object, class_layout(class)) }
+        }
     }
 
     /// # Safety
@@ -406,6 +427,10 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
                 caching: false,
                 capacity_bytes: 0,
                 counting_hits: self.count_hits,
+                transfer_objects: 0,
+                transfer_bytes: 0,
+                batches_handed_over: 0,
+                batches_taken: 0,
             };
         };
         let per_cpu = (0..caches.cpus)
@@ -423,11 +448,16 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
                 }
             })
             .collect();
+        let transfer = caches.transferring();
         AllocStats {
             per_cpu,
             caching: true,
             capacity_bytes: caches.capacity_bytes(),
             counting_hits: self.count_hits,
+            transfer_objects: transfer.objects,
+            transfer_bytes: transfer.bytes,
+            batches_handed_over: transfer.given,
+            batches_taken: transfer.taken,
         }
     }
 
@@ -464,9 +494,9 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
         }
     }
 
-    /// Gives every CPU's cached objects back to the inner allocator; returns the bytes given
-    /// back. A CPU that cannot be reached does not stop the others: the error names the first
-    /// one, and says how much the others gave back.
+    /// Gives every CPU's cached objects, and those in the transfer lists between CPUs, back to
+    /// the inner allocator; returns the bytes given back. A CPU that cannot be reached does not
+    /// stop the others: the error names the first one, and says how much the others gave back.
     ///
     /// ```
     /// let allocator = thiscpu::PerCpuAlloc::new();
@@ -474,7 +504,7 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
     /// assert_eq!(allocator.stats().cached_bytes(), 0);
     /// ```
     pub fn release(&self) -> Result<usize, ReleaseError> {
-        self.release_where(|_, _| true)
+        self.release_where(|_, _| true, |_| true)
     }
 
     /// Gives back the caches of the CPUs that did not use them since the previous call (no CPU,
@@ -487,7 +517,8 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
     /// mark, on the slow path, before it goes on from the cache as usual. So a CPU whose
     /// threads allocate and free without pause keeps its cache, at the cost of one slow-path
     /// trip per size class it uses per call; a CPU left alone is released at the next call
-    /// (or the one after, if another release ran on it in between).
+    /// (or the one after, if another release ran on it in between). A transfer list between
+    /// CPUs is given back when no batch went in or out of it since the previous call.
     ///
     /// ```
     /// let allocator = thiscpu::PerCpuAlloc::new();
@@ -497,29 +528,36 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
         let Some(caches) = self.started() else {
             return Ok(0);
         };
-        self.release_where(|cpu, bytes| {
-            let untouched = caches.watched(cpu);
-            let now = caches.activity(cpu);
-            let before = caches.swap_seen(cpu, now);
-            let idle = bytes > 0 && untouched && now == before;
-            // Only CPUs that hold objects: their heads' page is resident already, where marking
-            // another CPU would make its page resident for nothing to release.
-            if !idle && bytes > 0 {
-                caches.watch(cpu);
-            }
-            idle
-        })
+        self.release_where(
+            |cpu, bytes| {
+                let untouched = caches.watched(cpu);
+                let now = caches.activity(cpu);
+                let before = caches.swap_seen(cpu, now);
+                let idle = bytes > 0 && untouched && now == before;
+                // Only CPUs that hold objects: their heads' page is resident already, where marking
+                // another CPU would make its page resident for nothing to release.
+                if !idle && bytes > 0 {
+                    caches.watch(cpu);
+                }
+                idle
+            },
+            |transfer| transfer.idle_since_last_look(),
+        )
     }
 
-    /// Releases the caches of the CPUs for which `chosen(cpu, cached_bytes)` holds.
+    /// Releases the caches of the CPUs for which `chosen(cpu, cached_bytes)` holds, and the
+    /// transfer lists for which `chosen_list` does.
     fn release_where(
         &self,
         mut chosen: impl FnMut(usize, u64) -> bool,
+        chosen_list: impl FnMut(&transfer::Transfer) -> bool,
     ) -> Result<usize, ReleaseError> {
         let Some(caches) = self.started() else {
             return Ok(0);
         };
-        let mut released = 0;
+        // SAFETY: every object in a transfer list is an allocation of its class's layout by
+        // the inner allocator (only cached objects are handed over).
+        let mut released = unsafe { caches.empty_transfers(&self.inner, chosen_list) } as usize;
         let mut first_failure = None;
         for cpu in 0..caches.cpus {
             let (_, bytes) = caches.cached(cpu);
@@ -712,6 +750,15 @@ pub struct AllocStats {
     pub capacity_bytes: u64,
     /// Whether hits are counted ([`PerCpuAlloc::counting_hits`]).
     pub counting_hits: bool,
+    /// Objects in the transfer lists between CPUs now: batches that CPUs whose caches were
+    /// full handed over, waiting for CPUs whose caches are empty.
+    pub transfer_objects: u64,
+    /// Their bytes (objects times their class's size).
+    pub transfer_bytes: u64,
+    /// Batches handed over to the transfer lists since the start.
+    pub batches_handed_over: u64,
+    /// Batches taken from them since the start.
+    pub batches_taken: u64,
 }
 
 impl AllocStats {
@@ -731,9 +778,9 @@ impl AllocStats {
         self.per_cpu.iter().map(|cpu| cpu.spills).sum()
     }
 
-    /// Bytes in every CPU's cache.
+    /// Bytes held for reuse: in every CPU's cache and in the transfer lists between them.
     pub fn cached_bytes(&self) -> u64 {
-        self.per_cpu.iter().map(|cpu| cpu.cached_bytes).sum()
+        self.per_cpu.iter().map(|cpu| cpu.cached_bytes).sum::<u64>() + self.transfer_bytes
     }
 }
 
@@ -930,7 +977,70 @@ mod tests {
             stats.spills() >= 9,
             "one 4,104-byte object cached per CPU: {stats:?}"
         );
-        assert!(stats.cached_bytes() <= 4104 * stats.per_cpu.len() as u64);
+        assert!(stats.cached_bytes() <= 4104 * (stats.per_cpu.len() as u64 + 1));
+    }
+
+    /// A producer pinned to one CPU allocates objects that a consumer pinned to another
+    /// frees: the consumer's full cache hands batches over, and the producer's misses take
+    /// them, so the inner allocator sees a small part of the objects; `release_idle` gives the
+    /// lists back once no batch moves, and nothing is lost.
+    #[test]
+    fn objects_freed_on_one_cpu_serve_allocations_on_another() {
+        let allowed = crate::topology::allowed_cpus().unwrap_or_default();
+        let allocator = counting(DEFAULT_CACHE_BYTES);
+        let layout = Layout::from_size_align(64, 8).unwrap();
+        // SAFETY: a non-zero layout; freed at once.
+        unsafe { allocator.dealloc(allocator.alloc(layout), layout) };
+        let (Some(&producer_cpu), Some(&consumer_cpu), true) =
+            (allowed.first(), allowed.get(1), allocator.stats().caching)
+        else {
+            println!("skipped: needs two CPUs and rseq");
+            return;
+        };
+        const ROUNDS: usize = 400;
+        const PER_ROUND: usize = 64;
+        let calls_before = allocator.inner().calls.load(Ordering::Relaxed);
+        let (send, receive) = std::sync::mpsc::sync_channel::<Vec<usize>>(4);
+        std::thread::scope(|scope| {
+            let allocator = &allocator;
+            scope.spawn(move || {
+                let _pinned = crate::topology::pin_to(producer_cpu).unwrap();
+                for _ in 0..ROUNDS {
+                    // SAFETY: a non-zero layout.
+                    let made = (0..PER_ROUND).map(|_| unsafe { allocator.alloc(layout) } as usize);
+                    send.send(made.collect()).unwrap();
+                }
+            });
+            scope.spawn(move || {
+                let _pinned = crate::topology::pin_to(consumer_cpu).unwrap();
+                for objects in receive {
+                    for object in objects {
+                        assert_ne!(object, 0);
+                        // SAFETY: made by the producer with `layout`, freed once.
+                        unsafe { allocator.dealloc(object as *mut u8, layout) };
+                    }
+                }
+            });
+        });
+        let objects = (ROUNDS * PER_ROUND) as u64;
+        let calls = allocator.inner().calls.load(Ordering::Relaxed) - calls_before;
+        let stats = allocator.stats();
+        eprintln!(
+            "{calls} calls of the inner allocator for {objects} objects; {} batches handed over, \
+             {} taken",
+            stats.batches_handed_over, stats.batches_taken
+        );
+        assert!(
+            stats.batches_taken > 0 && calls < objects / 4,
+            "{calls} calls of the inner allocator for {objects} objects: {stats:?}"
+        );
+        // The first look sees batches moved since the start, the second none since the first.
+        let _ = allocator.release_idle();
+        let _ = allocator.release_idle();
+        let stats = allocator.stats();
+        assert_eq!(stats.transfer_objects, 0, "{stats:?}");
+        let _ = allocator.release();
+        assert_eq!(allocator.inner().live.load(Ordering::Relaxed), 0);
     }
 
     #[test]
@@ -960,12 +1070,13 @@ mod tests {
         {
             let allocator = PerCpuAlloc::with_inner(ByRef(inner));
             churn(&allocator, &[16, 48, 200, 2000, 4096], 300, 3);
-            let cached = allocator
-                .stats()
+            let stats = allocator.stats();
+            let cached = stats
                 .per_cpu
                 .iter()
                 .map(|cpu| cpu.cached_objects)
-                .sum::<u64>();
+                .sum::<u64>()
+                + stats.transfer_objects;
             assert_eq!(
                 inner.live.load(Ordering::Relaxed),
                 cached as i64,

@@ -1,0 +1,252 @@
+//! The transfer layer: for each size class, a bounded array of free objects' addresses that a
+//! CPU whose cache is full hands a batch to and a CPU whose cache is empty takes a batch from,
+//! so that objects freed on one CPU serve allocations on another without a trip through the
+//! inner allocator (the role of tcmalloc's transfer cache). A producer thread on one CPU and a
+//! consumer on another then move their objects through here, a batch at a time.
+//!
+//! Only addresses move: the objects' memory is never read or written here, so a batch costs
+//! no cache line of the objects, which a CPU that freed them may still hold.
+//!
+//! # The lock
+//! Each list has a try-lock: a caller that still finds it taken after a brief spin does what it
+//! would have done without the layer (a spill goes to the inner allocator, a miss asks it), so
+//! no allocation waits for a thread that is not running. The lock word is 0 when free and otherwise names the fork
+//! generation it was taken in: a word of an older generation was left by a thread of the
+//! parent of a `fork`, which does not exist in the child, and the child takes the lock over.
+//! That is safe because the count is the list's only committed word: a batch is written above
+//! the count before one store of the count covers it, and taken by one store of the count
+//! below it, so a holder stopped at any instruction leaves a list whose count covers only
+//! addresses it holds.
+//!
+//! The slots are atomics accessed with relaxed loads and stores under the lock, whose acquiring
+//! compare-exchange and releasing store order them between holders.
+
+use crate::sync::atomic::{AtomicU64, AtomicUsize as Slot, Ordering};
+
+/// How many times a spill or a miss tries a taken lock before it turns to the inner
+/// allocator.
+const BRIEF_TRIES: usize = 64;
+
+/// The most objects one batch holds.
+pub(super) const MAX_BATCH: usize = 32;
+
+/// The lock word of a holder in fork generation `generation`: never 0.
+fn holder(generation: u32) -> u64 {
+    (u64::from(generation) << 32) | 1
+}
+
+/// Up to `MAX_BATCH` free objects of one class, held by the caller.
+#[derive(Debug)]
+pub(super) struct Batch {
+    objects: [usize; MAX_BATCH],
+    len: usize,
+}
+
+impl Batch {
+    /// An empty batch.
+    pub(super) fn new() -> Batch {
+        Batch {
+            objects: [0; MAX_BATCH],
+            len: 0,
+        }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Adds `object`, which the caller gives to the batch. The batch must not be full.
+    pub(super) fn push(&mut self, object: *mut u8) {
+        self.objects[self.len] = object as usize;
+        self.len += 1;
+    }
+
+    /// Takes one object out.
+    pub(super) fn pop(&mut self) -> Option<*mut u8> {
+        self.len = self.len.checked_sub(1)?;
+        Some(self.objects[self.len] as *mut u8)
+    }
+}
+
+/// One class's list: its lock and count, beside an array of slots that `Caches` keeps.
+/// Zeroed memory is an empty, unlocked list.
+#[derive(Debug)]
+#[repr(align(128))]
+pub(super) struct Transfer {
+    /// 0, or the holder's fork generation (`holder`).
+    lock: AtomicU64,
+    /// Objects in the slots: the first `count` slots hold their addresses.
+    count: AtomicU64,
+    /// Batches handed over and taken since the start.
+    given: AtomicU64,
+    taken: AtomicU64,
+    /// `given + taken` when `release_idle` last looked.
+    seen: AtomicU64,
+}
+
+/// The list, locked: released when dropped.
+struct Locked<'a>(&'a Transfer);
+
+impl Drop for Locked<'_> {
+    fn drop(&mut self) {
+        self.0.lock.store(0, Ordering::Release);
+    }
+}
+
+/// A list's slots: `capacity` of them from `first`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Slots {
+    pub(super) first: *const Slot,
+    pub(super) capacity: usize,
+}
+
+impl Slots {
+    fn slot(&self, at: usize) -> &Slot {
+        assert!(at < self.capacity);
+        // SAFETY: `first` starts `capacity` initialised slots that live as long as the caches
+        // (`Caches` makes them so), at most `capacity` apart from it (checked).
+        unsafe { &*self.first.add(at) }
+    }
+}
+
+impl Transfer {
+    /// An empty, unlocked list: what zeroed memory holds, written out for the model checker,
+    /// whose atomics are not plain words.
+    #[cfg(thiscpu_model)]
+    pub(super) fn new() -> Transfer {
+        Transfer {
+            lock: AtomicU64::new(0),
+            count: AtomicU64::new(0),
+            given: AtomicU64::new(0),
+            taken: AtomicU64::new(0),
+            seen: AtomicU64::new(0),
+        }
+    }
+
+    /// The lock if it is free, or left by the parent of a `fork`; `None` if another thread
+    /// of this process holds it.
+    fn try_lock(&self) -> Option<Locked<'_>> {
+        let generation = crate::os::fork_generation();
+        let mine = holder(generation);
+        let held = match self
+            .lock
+            .compare_exchange(0, mine, Ordering::Acquire, Ordering::Relaxed)
+        {
+            Ok(_) => return Some(Locked(self)),
+            Err(held) => held,
+        };
+        let inherited = (held >> 32) as u32 != generation;
+        // A guard is made only once the lock is ours: dropping one releases the lock.
+        (inherited
+            && self
+                .lock
+                .compare_exchange(held, mine, Ordering::Acquire, Ordering::Relaxed)
+                .is_ok())
+        .then(|| Locked(self))
+    }
+
+    /// The lock, after up to `BRIEF_TRIES` tries: a holder keeps it for a few dozen
+    /// instructions, a copy of at most `MAX_BATCH` addresses, but the lines it copies may have
+    /// to come from another CPU's cache first, which can take a few hundred nanoseconds.
+    /// `None` if it is still held then (its holder may be preempted).
+    fn lock_briefly(&self) -> Option<Locked<'_>> {
+        for _ in 1..BRIEF_TRIES {
+            if let Some(locked) = self.try_lock() {
+                return Some(locked);
+            }
+            core::hint::spin_loop();
+        }
+        self.try_lock()
+    }
+
+    /// The lock, waiting for a holder that runs (it holds it for a few dozen instructions).
+    fn lock(&self) -> Locked<'_> {
+        loop {
+            if let Some(locked) = self.try_lock() {
+                return locked;
+            }
+            crate::sync::yield_now();
+        }
+    }
+
+    /// Hands every object of `batch` over into `slots`, leaving the batch empty, unless the
+    /// list is locked by another thread or has no room for all of them: then the batch keeps
+    /// them, and the call returns false.
+    pub(super) fn give(&self, slots: Slots, batch: &mut Batch) -> bool {
+        if batch.len == 0 {
+            return true;
+        }
+        let Some(_locked) = self.lock_briefly() else {
+            return false;
+        };
+        let count = self.count.load(Ordering::Relaxed) as usize;
+        if count + batch.len > slots.capacity {
+            return false;
+        }
+        for (at, &object) in batch.objects[..batch.len].iter().enumerate() {
+            slots.slot(count + at).store(object, Ordering::Relaxed);
+        }
+        self.count
+            .store((count + batch.len) as u64, Ordering::Relaxed);
+        self.given.fetch_add(1, Ordering::Relaxed);
+        batch.len = 0;
+        true
+    }
+
+    /// Takes up to `want` objects (at most `MAX_BATCH`) from `slots`, if the list has any
+    /// and no other thread holds it.
+    pub(super) fn take(&self, slots: Slots, want: usize) -> Option<Batch> {
+        if self.count.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let _locked = self.lock_briefly()?;
+        let batch = self.take_locked(slots, want)?;
+        self.taken.fetch_add(1, Ordering::Relaxed);
+        Some(batch)
+    }
+
+    /// Takes up to `want` objects, at most `MAX_BATCH`, waiting for the lock; `None` once the
+    /// list is empty.
+    pub(super) fn take_waiting(&self, slots: Slots, want: usize) -> Option<Batch> {
+        if self.count.load(Ordering::Relaxed) == 0 {
+            return None;
+        }
+        let _locked = self.lock();
+        self.take_locked(slots, want)
+    }
+
+    /// The top `want` objects (at most `MAX_BATCH`), taken by one store of the count. The
+    /// caller holds the lock.
+    fn take_locked(&self, slots: Slots, want: usize) -> Option<Batch> {
+        let count = self.count.load(Ordering::Relaxed) as usize;
+        let len = count.min(want).min(MAX_BATCH);
+        if len == 0 {
+            return None;
+        }
+        let mut batch = Batch::new();
+        for at in count - len..count {
+            batch.push(slots.slot(at).load(Ordering::Relaxed) as *mut u8);
+        }
+        self.count.store((count - len) as u64, Ordering::Relaxed);
+        Some(batch)
+    }
+
+    /// Objects in the list now.
+    pub(super) fn objects(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    /// Batches handed over and taken since the start.
+    pub(super) fn moves(&self) -> (u64, u64) {
+        (
+            self.given.load(Ordering::Relaxed),
+            self.taken.load(Ordering::Relaxed),
+        )
+    }
+
+    /// Whether no batch moved since the previous call (`false` the first time after a move).
+    pub(super) fn idle_since_last_look(&self) -> bool {
+        let (given, taken) = self.moves();
+        self.seen.swap(given + taken, Ordering::Relaxed) == given + taken
+    }
+}

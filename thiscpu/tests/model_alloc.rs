@@ -307,3 +307,70 @@ fn a_second_look_racing_a_thread_of_the_cpu_loses_and_duplicates_nothing() {
         },
     );
 }
+
+/// A heap as `warm_heap` makes it, and a third object, held: CPU 0's cache is full again, so
+/// that freeing the object there spills it to the transfer list.
+fn heap_with_a_spill_to_come() -> (Arc<Heap>, std::sync::Arc<Ledger>, usize) {
+    let (heap, ledger) = warm_heap();
+    model::run_on(0);
+    let objects = [
+        take(&heap, &ledger),
+        take(&heap, &ledger),
+        take(&heap, &ledger),
+    ];
+    give(&heap, &ledger, objects[0]);
+    give(&heap, &ledger, objects[1]);
+    (heap, ledger, objects[2])
+}
+
+/// A thread on CPU 0 frees into a full cache, handing the object to the transfer list, while a
+/// thread on CPU 1, whose cache is empty, allocates (taking the list's batch, or asking the
+/// inner allocator) and frees; `with_release`, a third thread releases every cache and list
+/// meanwhile. Nothing lost, handed out twice or freed twice.
+fn a_spill_meets_a_miss(with_release: bool) {
+    let (heap, ledger, extra) = heap_with_a_spill_to_come();
+    let spiller = {
+        let (heap, ledger) = (heap.clone(), ledger.clone());
+        thread::spawn(move || {
+            model::run_on(0);
+            give(&heap, &ledger, extra);
+        })
+    };
+    let taker = {
+        let (heap, ledger) = (heap.clone(), ledger.clone());
+        thread::spawn(move || {
+            model::run_on(1);
+            let ptr = take(&heap, &ledger);
+            give(&heap, &ledger, ptr);
+        })
+    };
+    let releaser = with_release.then(|| {
+        let heap = heap.clone();
+        thread::spawn(move || {
+            model::run_on(1);
+            heap.release().expect("the model fences");
+        })
+    });
+    spiller.join().unwrap();
+    taker.join().unwrap();
+    if let Some(releaser) = releaser {
+        releaser.join().unwrap();
+    }
+    census(heap, &ledger);
+}
+
+#[test]
+fn a_spill_and_a_miss_on_two_cpus_meet_in_the_transfer_list_without_loss() {
+    explore(
+        "a spill on CPU 0 and a miss on CPU 1 through the transfer list",
+        || a_spill_meets_a_miss(false),
+    );
+}
+
+#[test]
+fn a_release_of_every_cache_and_list_racing_a_spill_and_a_miss_loses_nothing() {
+    explore(
+        "a release while a spill and a miss meet in the transfer list",
+        || a_spill_meets_a_miss(true),
+    );
+}

@@ -363,6 +363,7 @@ mod tests {
     const RECORDED: &str = include_str!("../../../results/bench.json");
     const RWLOCK: &str = include_str!("../../../results/rwlock.json");
     const OTEL: &str = include_str!("../../../results/otel.json");
+    const PORTABLE: &str = include_str!("../../../results/portable.json");
 
     /// The repository's Markdown files that quote recorded runs, by path from its root.
     /// Compiled in: the test runs where the repository is not (an emulated guest).
@@ -413,6 +414,7 @@ mod tests {
                     "results/bench.json" => Replay::parse(RECORDED),
                     "results/rwlock.json" => Replay::parse(RWLOCK),
                     "results/otel.json" => Replay::parse(OTEL),
+                    "results/portable.json" => Replay::parse(PORTABLE),
                     other => Err(Error::input(format!(
                         "a report this test does not know: {other}"
                     ))),

@@ -528,7 +528,8 @@ impl Caches {
             if !chosen(transfer) {
                 continue;
             }
-            while let Some(mut batch) = transfer.take_waiting(self.transfer_slots(class), MAX_BATCH)
+            while let Some(mut batch) =
+                transfer.take_patiently(self.transfer_slots(class), MAX_BATCH)
             {
                 while let Some(object) = batch.pop() {
                     // SAFETY: the caller's contract; taking the batch made its objects ours.
@@ -891,6 +892,11 @@ impl Caches {
 
 #[cfg(all(test, not(thiscpu_model)))]
 impl Caches {
+    /// `class`'s transfer list.
+    pub(super) fn transfer_list(&self, class: usize) -> &Transfer {
+        self.transfer(class)
+    }
+
     /// What a releaser that vanished in the middle of its work leaves: the lock held by
     /// `thread` in fork generation `generation`, and CPU `cpu`'s flags set.
     pub(super) fn abandon_release(&self, thread: i32, generation: u32, cpu: usize) {

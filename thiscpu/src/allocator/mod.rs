@@ -1043,6 +1043,44 @@ mod tests {
         assert_eq!(allocator.inner().live.load(Ordering::Relaxed), 0);
     }
 
+    /// A release that finds a transfer list's lock taken, and never given back (its holder is
+    /// the thread that a signal handler calling `release` interrupted), gives up on that list
+    /// after a while instead of waiting for ever; the next release empties it.
+    #[test]
+    fn a_release_does_not_wait_for_ever_on_a_list_lock() {
+        let allocator = counting(DEFAULT_CACHE_BYTES);
+        let layout = Layout::from_size_align(64, 8).unwrap();
+        let class = classes::class_of(layout).unwrap();
+        let here = crate::current_cpu();
+        let _pinned = crate::topology::pin_to(here);
+        // More than the cache holds, freed on one CPU: the cache spills batches to the list.
+        // SAFETY: a non-zero layout; each object freed once, with it.
+        let objects: Vec<usize> = (0..400)
+            .map(|_| unsafe { allocator.alloc(layout) } as usize)
+            .collect();
+        for object in objects {
+            // SAFETY: as above.
+            unsafe { allocator.dealloc(object as *mut u8, layout) };
+        }
+        let Some(caches) = allocator.started() else {
+            println!("skipped: no rseq here");
+            return;
+        };
+        let held = allocator.stats().transfer_objects;
+        assert!(held > 0, "{:?}", allocator.stats());
+        let lock = caches.transfer_list(class).hold();
+        let _ = allocator.release();
+        assert_eq!(
+            allocator.stats().transfer_objects,
+            held,
+            "the locked list is left"
+        );
+        drop(lock);
+        let _ = allocator.release();
+        assert_eq!(allocator.stats().transfer_objects, 0);
+        assert_eq!(allocator.inner().live.load(Ordering::Relaxed), 0);
+    }
+
     #[test]
     fn release_gives_back_everything_cached() {
         let allocator = counting(DEFAULT_CACHE_BYTES);

@@ -18,6 +18,10 @@
 //! below it, so a holder stopped at any instruction leaves a list whose count covers only
 //! addresses it holds.
 //!
+//! A release waits for a taken lock, yielding, a bounded while, and then leaves the list as it
+//! is: the holder may be the very thread it interrupted (a signal handler), which would never
+//! give it back.
+//!
 //! The slots are atomics accessed with relaxed loads and stores under the lock, whose acquiring
 //! compare-exchange and releasing store order them between holders.
 
@@ -26,6 +30,10 @@ use crate::sync::atomic::{AtomicU64, AtomicUsize as Slot, Ordering};
 /// How many times a spill or a miss tries a taken lock before it turns to the inner
 /// allocator.
 const BRIEF_TRIES: usize = 64;
+
+/// How many times a release yields to the holder of a list's lock before it leaves the list
+/// as it is.
+const PATIENT_ROUNDS: usize = 1000;
 
 /// The most objects one batch holds.
 pub(super) const MAX_BATCH: usize = 32;
@@ -159,14 +167,17 @@ impl Transfer {
         self.try_lock()
     }
 
-    /// The lock, waiting for a holder that runs (it holds it for a few dozen instructions).
-    fn lock(&self) -> Locked<'_> {
-        loop {
-            if let Some(locked) = self.try_lock() {
-                return locked;
+    /// The lock, yielding to its holder up to `PATIENT_ROUNDS` times: a holder that runs
+    /// keeps it for a moment, but one this very thread interrupted (a signal handler that
+    /// releases) never gives it back, and a release must not hang on it. `None` then.
+    fn lock_patiently(&self) -> Option<Locked<'_>> {
+        for _ in 0..PATIENT_ROUNDS {
+            if let Some(locked) = self.lock_briefly() {
+                return Some(locked);
             }
             crate::sync::yield_now();
         }
+        None
     }
 
     /// Hands every object of `batch` over into `slots`, leaving the batch empty, unless the
@@ -205,13 +216,13 @@ impl Transfer {
         Some(batch)
     }
 
-    /// Takes up to `want` objects, at most `MAX_BATCH`, waiting for the lock; `None` once the
-    /// list is empty.
-    pub(super) fn take_waiting(&self, slots: Slots, want: usize) -> Option<Batch> {
+    /// Takes up to `want` objects, at most `MAX_BATCH`, waiting a while for the lock
+    /// (`lock_patiently`); `None` once the list is empty, or if the lock stays taken.
+    pub(super) fn take_patiently(&self, slots: Slots, want: usize) -> Option<Batch> {
         if self.count.load(Ordering::Relaxed) == 0 {
             return None;
         }
-        let _locked = self.lock();
+        let _locked = self.lock_patiently()?;
         self.take_locked(slots, want)
     }
 
@@ -248,5 +259,14 @@ impl Transfer {
     pub(super) fn idle_since_last_look(&self) -> bool {
         let (given, taken) = self.moves();
         self.seen.swap(given + taken, Ordering::Relaxed) == given + taken
+    }
+}
+
+#[cfg(all(test, not(thiscpu_model)))]
+impl Transfer {
+    /// Takes the lock and keeps it until the guard is dropped, as a holder that a signal
+    /// handler interrupted would (for tests); panics if it is taken.
+    pub(super) fn hold(&self) -> impl Drop + '_ {
+        self.try_lock().expect("the list's lock is free")
     }
 }

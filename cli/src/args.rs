@@ -112,8 +112,8 @@ Examples:
         targets: bool,
     },
 
-    /// Check that a Counter and a Pool stay exact under migration, signals and thread churn:
-    /// two parts, each running --seconds.
+    /// Check that a Counter, a Pool and the per-CPU allocator stay exact under migration,
+    /// signals and thread churn: three parts, each running --seconds.
     Stress(StressArgs),
 }
 

@@ -216,37 +216,27 @@ impl Shape for TlsPlain {
     }
 }
 
-/// `thiscpu::Counter::inc`: one restartable sequence, a plain `add` to the word of this CPU
-/// (or, by `mm_cid`, of the thread's concurrency id).
-/// The C reference section (`reference.c`): what thiscpu's is measured against.
-struct CRseqAdd(reference::Slots);
+/// A C reference section (`reference.c`), what thiscpu's is measured against: the slots it
+/// adds to and the loop that adds (`Slots::add_loop` or `Slots::add_loop_reloaded`).
+struct CRseqAdd {
+    slots: reference::Slots,
+    add_loop: fn(&reference::Slots, u64) -> bool,
+}
 
 impl Shape for CRseqAdd {
     #[inline(never)]
     fn increments(&self, ops: u64) {
         // A loop that could not run adds nothing, and the round's count check then fails.
-        let _ = self.0.add_loop(ops);
+        let _ = (self.add_loop)(&self.slots, ops);
     }
 
     fn total(&self) -> u64 {
-        self.0.sum()
+        self.slots.sum()
     }
 }
 
-struct CRseqAddReloaded(reference::Slots);
-
-impl Shape for CRseqAddReloaded {
-    #[inline(never)]
-    fn increments(&self, ops: u64) {
-        // As in `CRseqAdd`.
-        let _ = self.0.add_loop_reloaded(ops);
-    }
-
-    fn total(&self) -> u64 {
-        self.0.sum()
-    }
-}
-
+/// `thiscpu::Counter::inc`: one restartable sequence, a plain `add` to the word of this CPU
+/// (or, by `mm_cid`, of the thread's concurrency id).
 struct ThiscpuCounter<S: Spread>(Counter<S>);
 
 impl<S: Spread> Shape for ThiscpuCounter<S> {
@@ -384,7 +374,10 @@ fn c_reference_cases() -> Vec<Case> {
                 "C: the same restartable load, add and store on the CPU's slot, its area \
                  offset, slots and bound in registers (floor)",
                 ns,
-                Exact::new(CRseqAdd(slots())),
+                Exact::new(CRseqAdd {
+                    slots: slots(),
+                    add_loop: reference::Slots::add_loop,
+                }),
             ),
             Case::new(
                 "c-rseq-add-reloaded",
@@ -392,7 +385,10 @@ fn c_reference_cases() -> Vec<Case> {
                  bound loaded again before every increment, as the section's memory clobber \
                  makes a C counter_inc(&counter) do (floor of Counter::inc)",
                 ns,
-                Exact::new(CRseqAddReloaded(slots())),
+                Exact::new(CRseqAdd {
+                    slots: slots(),
+                    add_loop: reference::Slots::add_loop_reloaded,
+                }),
             ),
         ],
         Some(why) => vec![

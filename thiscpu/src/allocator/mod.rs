@@ -166,8 +166,9 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
     }
 
     /// Caches at most `per_cpu` bytes on each CPU (0 caches nothing: every call goes to the
-    /// inner allocator). Each size class holds up to `per_cpu / 72` bytes, so small settings
-    /// leave the largest classes uncached.
+    /// inner allocator), and as much again in the transfer lists between the CPUs. Each size
+    /// class holds up to `per_cpu / 72` bytes per CPU, so small settings leave the largest
+    /// classes uncached.
     ///
     /// ```
     /// static ALLOCATOR: thiscpu::PerCpuAlloc =

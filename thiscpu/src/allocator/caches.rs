@@ -495,21 +495,33 @@ impl Caches {
             .take(self.transfer_slots(class), self.batch_length(class))?;
         let object = batch.pop()?;
         while let Some(rest) = batch.pop() {
-            let pushed = match ops::position() {
-                Some(at) if (at.index() as usize) < self.cpus => {
-                    // SAFETY: `at` was just read on this thread, its index is below the CPUs,
-                    // and the object, which the batch held, is ours to give.
-                    unsafe { self.push_at(at, class, rest) == StackOutcome::Committed }
-                }
-                _ => false,
-            };
-            if !pushed {
+            if !self.push_retrying(class, rest) {
                 // SAFETY: an object of the class's layout by `inner` (every cached object
-                // is), which the push did not take.
+                // is), which no push took.
                 unsafe { inner.dealloc(rest, class_layout(class)) };
             }
         }
         Some(object)
+    }
+
+    /// Pushes `object` onto the calling thread's CPU's cache of `class`, again after an abort
+    /// (a preemption or a signal should not send it to the inner allocator); false if the
+    /// cache is full or stopped, the thread has no CPU to push on, or it kept aborting.
+    fn push_retrying(&self, class: usize, object: *mut u8) -> bool {
+        let mut aborts = ops::AbortRun::new();
+        while let Some(at) = ops::position() {
+            if at.index() as usize >= self.cpus {
+                break;
+            }
+            // SAFETY: `at` was just read on this thread, its index is below the CPUs, and the
+            // object is the caller's to give.
+            match unsafe { self.push_at(at, class, object) } {
+                StackOutcome::Committed => return true,
+                StackOutcome::Aborted if !aborts.gives_up() => ops::note_abort(),
+                _ => break,
+            }
+        }
+        false
     }
 
     /// Gives the objects of the transfer lists of the classes for which `chosen(class)` holds

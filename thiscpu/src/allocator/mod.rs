@@ -983,8 +983,12 @@ mod tests {
 
     /// A producer pinned to one CPU allocates objects that a consumer pinned to another
     /// frees: the consumer's full cache hands batches over, and the producer's misses take
-    /// them, so the inner allocator sees a small part of the objects; `release_idle` gives the
-    /// lists back once no batch moves, and nothing is lost.
+    /// them; `release_idle` gives the lists back once no batch moves, and nothing is lost. How
+    /// many calls still reach the inner allocator depends on how often each thread finds the
+    /// other holding a list's lock, which a loaded machine decides (hundreds to a few thousand
+    /// of the 25,600 objects on a quiet machine, 11,968 once while other tests ran beside it):
+    /// printed, and held only below one call per object (`objects_freed_on_one_cpu_come_back_on_another`
+    /// counts exactly).
     #[test]
     fn objects_freed_on_one_cpu_serve_allocations_on_another() {
         let allowed = crate::topology::allowed_cpus().unwrap_or_default();
@@ -1032,7 +1036,7 @@ mod tests {
             stats.batches_handed_over, stats.batches_taken
         );
         assert!(
-            stats.batches_taken > 0 && calls < objects / 4,
+            stats.batches_taken > 0 && calls < objects,
             "{calls} calls of the inner allocator for {objects} objects: {stats:?}"
         );
         // The first look sees batches moved since the start, the second none since the first.
@@ -1040,6 +1044,66 @@ mod tests {
         let _ = allocator.release_idle();
         let stats = allocator.stats();
         assert_eq!(stats.transfer_objects, 0, "{stats:?}");
+        let _ = allocator.release();
+        assert_eq!(allocator.inner().live.load(Ordering::Relaxed), 0);
+    }
+
+    /// One thread frees on CPU B what it allocated on CPU A, then allocates on A again: B's
+    /// full cache handed batches to the transfer list, and A's misses take them, so the second
+    /// round gets objects freed in the first instead of asking the inner allocator. One thread,
+    /// so no lock is ever contended and the count is exact.
+    #[test]
+    fn objects_freed_on_one_cpu_come_back_on_another() {
+        let allowed = crate::topology::allowed_cpus().unwrap_or_default();
+        let allocator = counting(DEFAULT_CACHE_BYTES);
+        let layout = Layout::from_size_align(64, 8).unwrap();
+        let (Some(&a), Some(&b)) = (allowed.first(), allowed.get(1)) else {
+            println!("skipped: needs two CPUs");
+            return;
+        };
+        const OBJECTS: usize = 400;
+        let allocate = |cpu: u32| -> Vec<usize> {
+            let _pinned = crate::topology::pin_to(cpu).unwrap();
+            // SAFETY: a non-zero layout; every object is freed below, with it.
+            (0..OBJECTS)
+                .map(|_| unsafe { allocator.alloc(layout) } as usize)
+                .collect()
+        };
+        let free = |cpu: u32, objects: Vec<usize>| {
+            let _pinned = crate::topology::pin_to(cpu).unwrap();
+            for object in objects {
+                // SAFETY: allocated above with `layout`, freed once.
+                unsafe { allocator.dealloc(object as *mut u8, layout) };
+            }
+        };
+        let first = allocate(a);
+        if !allocator.stats().caching {
+            println!("skipped: no rseq here");
+            free(a, first);
+            return;
+        }
+        let freed: std::collections::BTreeSet<usize> = first.iter().copied().collect();
+        free(b, first);
+        let handed = allocator.stats().transfer_objects;
+        let calls = allocator.inner().calls.load(Ordering::Relaxed);
+        let second = allocate(a);
+        let fresh = allocator.inner().calls.load(Ordering::Relaxed) - calls;
+        let reused = second
+            .iter()
+            .filter(|object| freed.contains(object))
+            .count() as u64;
+        let stats = allocator.stats();
+        // B's cache keeps its capacity's worth less the batches it handed over; every object
+        // in the list comes back to A, the rest from the inner allocator.
+        assert!(handed > 0, "{stats:?}");
+        assert_eq!(
+            stats.transfer_objects, 0,
+            "A took the whole list: {stats:?}"
+        );
+        // (The inner allocator may hand back some of the addresses B's spills gave it.)
+        assert!(reused >= handed, "{reused} of {handed}: {stats:?}");
+        assert_eq!(fresh, OBJECTS as u64 - handed, "{stats:?}");
+        free(a, second);
         let _ = allocator.release();
         assert_eq!(allocator.inner().live.load(Ordering::Relaxed), 0);
     }

@@ -45,10 +45,13 @@ fn read_all(words: &[u64; WORDS]) -> [u64; WORDS] {
 }
 
 /// `readers` threads read `lock` until `writes` writes are done (or `limit` passes), checking
-/// every read; returns the reads made.
+/// every read; returns the reads made. The writes start once every reader has read once (or
+/// `limit` passed waiting), so that they overlap the reads even where threads start slowly:
+/// under qemu-user the 2,000 writes were once over before any reader had started.
 fn storm(lock: &RwLock<[u64; WORDS]>, readers: usize, writes: u64, limit: Duration) -> u64 {
     let done = AtomicBool::new(false);
     let reads = AtomicU64::new(0);
+    let reading = AtomicU64::new(0);
     let written = std::thread::scope(|s| {
         for _ in 0..readers {
             s.spawn(|| {
@@ -60,6 +63,9 @@ fn storm(lock: &RwLock<[u64; WORDS]>, readers: usize, writes: u64, limit: Durati
                     drop(guard);
                     assert!(seen >= last, "went back from {last} to {seen}");
                     last = seen;
+                    if mine == 0 {
+                        reading.fetch_add(1, Ordering::Relaxed);
+                    }
                     mine += 1;
                     // Moments without readers, which a writer needs when readers ignore it.
                     for _ in 0..200 {
@@ -68,6 +74,10 @@ fn storm(lock: &RwLock<[u64; WORDS]>, readers: usize, writes: u64, limit: Durati
                 }
                 reads.fetch_add(mine, Ordering::Relaxed);
             });
+        }
+        let waiting = Instant::now();
+        while reading.load(Ordering::Relaxed) < readers as u64 && waiting.elapsed() < limit {
+            std::thread::yield_now();
         }
         let start = Instant::now();
         let mut written = 0;

@@ -53,6 +53,7 @@
 //! releaser reads and writes a stopped and fenced CPU's stacks. Each block states why it holds.
 
 use super::classes::{CLASS_SIZES, CLASSES, class_layout};
+use super::fork_stamp;
 use super::transfer::{self, Batch, MAX_BATCH, Transfer};
 use crate::decided_once::Claimants;
 use crate::fence::{self, FenceUnavailable};
@@ -73,21 +74,15 @@ const WATCHED: u64 = 2;
 /// through its guards), and the question costs two system calls.
 const LIVENESS_EVERY: u64 = 1024;
 
-/// The release lock's word for a holder: its thread id in the low half (never 0, so a held
-/// word is never the free one) and the fork generation it took the lock in in the high half.
+/// The release lock's word for a holder: its thread id, stamped with the fork generation it
+/// took the lock in (`fork_stamp`).
 fn holder_word(thread: i32, generation: u32) -> u64 {
-    (u64::from(generation) << 32) | u64::from(thread as u32)
+    fork_stamp::stamp(thread as u32, generation)
 }
 
 /// The thread id in a held lock word.
 fn holder_thread(word: u64) -> i32 {
-    word as u32 as i32
-}
-
-/// Whether a held lock word was written before a `fork` of this process: its holder is in a
-/// parent, whatever thread holds its id here.
-fn taken_before_fork(word: u64) -> bool {
-    (word >> 32) as u32 != crate::os::fork_generation()
+    fork_stamp::mark(word) as i32
 }
 
 /// The most objects one class caches per CPU.
@@ -718,7 +713,7 @@ impl Caches {
             }
             // A waiter asks the system on every round: it waits for a release, which takes
             // far longer than the question.
-            if (taken_before_fork(held) || self.holder_is_gone(held))
+            if (fork_stamp::stamped_before_fork(held) || self.holder_is_gone(held))
                 && self
                     .releasing
                     .compare_exchange(held, mine, Ordering::Acquire, Ordering::Relaxed)
@@ -765,7 +760,7 @@ impl Caches {
         let earlier = self.counters(cpu).passed.fetch_add(1, Ordering::Relaxed);
         let held = self.releasing.load(Ordering::Acquire);
         if held != 0
-            && (taken_before_fork(held)
+            && (fork_stamp::stamped_before_fork(held)
                 || (earlier.is_multiple_of(LIVENESS_EVERY) && self.holder_is_gone(held)))
         {
             self.take_over_abandoned(held);

@@ -73,6 +73,7 @@
 mod caches;
 mod classes;
 mod export;
+mod fork_stamp;
 mod transfer;
 
 pub use classes::{MAX_CACHED_SIZE, size_classes};
@@ -1105,6 +1106,47 @@ mod tests {
         assert_eq!(fresh, OBJECTS as u64 - handed, "{stats:?}");
         free(a, second);
         let _ = allocator.release();
+        assert_eq!(allocator.inner().live.load(Ordering::Relaxed), 0);
+    }
+
+    /// A list's lock left by a holder of an older fork generation (the parent's thread, in the
+    /// child of a `fork` made while it held the lock) is taken over: the next release empties
+    /// the list. One left in this generation is a live holder's, and is waited for, not taken.
+    #[test]
+    fn a_list_lock_left_before_a_fork_is_taken_over() {
+        let allocator = counting(DEFAULT_CACHE_BYTES);
+        let layout = Layout::from_size_align(64, 8).unwrap();
+        let class = classes::class_of(layout).unwrap();
+        let _pinned = crate::topology::pin_to(crate::current_cpu());
+        // SAFETY: a non-zero layout; each object freed once, with it.
+        let objects: Vec<usize> = (0..400)
+            .map(|_| unsafe { allocator.alloc(layout) } as usize)
+            .collect();
+        for object in objects {
+            // SAFETY: as above.
+            unsafe { allocator.dealloc(object as *mut u8, layout) };
+        }
+        let Some(caches) = allocator.started() else {
+            println!("skipped: no rseq here");
+            return;
+        };
+        let held = allocator.stats().transfer_objects;
+        assert!(held > 0, "{:?}", allocator.stats());
+        let now = crate::os::fork_generation();
+        caches.transfer_list(class).abandon(now);
+        let _ = allocator.release();
+        assert_eq!(
+            allocator.stats().transfer_objects,
+            held,
+            "a live holder's list"
+        );
+        caches.transfer_list(class).abandon(now.wrapping_sub(1));
+        let _ = allocator.release();
+        assert_eq!(
+            allocator.stats().transfer_objects,
+            0,
+            "taken over and emptied"
+        );
         assert_eq!(allocator.inner().live.load(Ordering::Relaxed), 0);
     }
 

@@ -25,6 +25,7 @@
 //! The slots are atomics accessed with relaxed loads and stores under the lock, whose acquiring
 //! compare-exchange and releasing store order them between holders.
 
+use super::fork_stamp;
 use crate::sync::atomic::{AtomicU64, AtomicUsize as Slot, Ordering};
 
 /// How many times a spill or a miss tries a taken lock before it turns to the inner
@@ -40,11 +41,6 @@ const PATIENT_ROUNDS: usize = 1000;
 
 /// The most objects one batch holds.
 pub(super) const MAX_BATCH: usize = 32;
-
-/// The lock word of a holder in fork generation `generation`: never 0.
-fn holder(generation: u32) -> u64 {
-    (u64::from(generation) << 32) | 1
-}
 
 /// Up to `MAX_BATCH` free objects of one class, held by the caller.
 #[derive(Debug)]
@@ -84,7 +80,7 @@ impl Batch {
 #[derive(Debug)]
 #[repr(align(128))]
 pub(super) struct Transfer {
-    /// 0, or the holder's fork generation (`holder`).
+    /// 0, or 1 stamped with the holder's fork generation (`fork_stamp`).
     lock: AtomicU64,
     /// Objects in the slots: the first `count` slots hold their addresses.
     count: AtomicU64,
@@ -137,8 +133,7 @@ impl Transfer {
     /// The lock if it is free, or left by the parent of a `fork`; `None` if another thread
     /// of this process holds it.
     fn try_lock(&self) -> Option<Locked<'_>> {
-        let generation = crate::os::fork_generation();
-        let mine = holder(generation);
+        let mine = fork_stamp::stamp(1, crate::os::fork_generation());
         let held = match self
             .lock
             .compare_exchange(0, mine, Ordering::Acquire, Ordering::Relaxed)
@@ -146,9 +141,8 @@ impl Transfer {
             Ok(_) => return Some(Locked(self)),
             Err(held) => held,
         };
-        let inherited = (held >> 32) as u32 != generation;
         // A guard is made only once the lock is ours: dropping one releases the lock.
-        (inherited
+        (fork_stamp::stamped_before_fork(held)
             && self
                 .lock
                 .compare_exchange(held, mine, Ordering::Acquire, Ordering::Relaxed)
@@ -271,5 +265,12 @@ impl Transfer {
     /// handler interrupted would (for tests); panics if it is taken.
     pub(super) fn hold(&self) -> impl Drop + '_ {
         self.try_lock().expect("the list's lock is free")
+    }
+
+    /// Leaves the lock taken by a holder of fork generation `generation`, as a thread of the
+    /// parent does for the child of a `fork` made while it held the lock (for tests).
+    pub(super) fn abandon(&self, generation: u32) {
+        self.lock
+            .store(fork_stamp::stamp(1, generation), Ordering::SeqCst);
     }
 }

@@ -1,7 +1,8 @@
 //! Model checks of `PerCpuAlloc`'s caches, over their interleavings, with loom: threads that
 //! pop and push a CPU's cache (allocate and free) while another thread releases that cache
 //! to the inner allocator, or, the cache marked by a first look of `release_idle`, clear the
-//! marks while a release or a second look runs.
+//! marks while a release or a second look runs; and a spill on one CPU and a miss on another
+//! that meet in a transfer list, alone and while every cache and list is released.
 //!
 //! The real allocator runs on the model machine of `thiscpu::model` (see `tests/model.rs`):
 //! each section can be preempted, migrated away from or fenced, and so aborted, at every step

@@ -1033,6 +1033,10 @@ fn the_alloc_child_answers_in_one_json_line_and_refuses_bad_requests() {
     for (spec, allocator, task) in [
         ("glibc/json/quick", "glibc", "json"),
         ("thiscpu/strings/quick", "thiscpu", "strings"),
+        ("thiscpu/larson/quick", "thiscpu", "larson"),
+        ("glibc/bignum/quick", "glibc", "bignum"),
+        ("thiscpu/sharing/quick", "thiscpu", "sharing"),
+        ("thiscpu/mixed/quick", "thiscpu", "mixed"),
         third,
     ] {
         let output = child(spec);
@@ -1146,6 +1150,14 @@ fn alloc_family_measures_every_allocator_and_prints_its_parts() {
         ("json-rss", "bytes", 1),
         ("strings", "ms", 1),
         ("strings-rss", "bytes", 1),
+        ("larson", "ms", 1),
+        ("larson-rss", "bytes", 1),
+        ("bignum", "ms", 1),
+        ("bignum-rss", "bytes", 1),
+        ("sharing", "ms", 1),
+        ("sharing-rss", "bytes", 1),
+        ("mixed", "ms", 1),
+        ("mixed-rss", "bytes", 1),
     ];
     for (prefix, unit, runs) in prefixes {
         for allocator in allocators {

@@ -10,6 +10,7 @@
 //! Memory is the child's peak resident set (`VmHWM` in `/proc/self/status`) above its resident
 //! set (`VmRSS`) before the task began: what the task and its allocator added at their peak.
 
+use super::programs;
 use super::switch::{self, CHILD_ENV, Kind};
 use crate::bench::model::{RunInfo, Unit, Workload};
 use serde::{Deserialize, Serialize};
@@ -29,16 +30,37 @@ pub enum Task {
     Json,
     /// Short `String`s built, sorted and dropped.
     Strings,
+    /// Two threads replacing objects and handing them to each other ([`programs::larson`]).
+    Larson,
+    /// Big-number arithmetic making a new small object per operation ([`programs::bignum`]).
+    Bignum,
+    /// Objects of one thread given to two threads on two CPUs that write their own
+    /// ([`programs::sharing`]).
+    Sharing,
+    /// A long-lived heap that grows and shrinks ([`programs::mixed`]).
+    Mixed,
 }
 
 impl Task {
-    pub const ALL: [Task; 3] = [Task::Threads, Task::Json, Task::Strings];
+    pub const ALL: [Task; 7] = [
+        Task::Threads,
+        Task::Json,
+        Task::Strings,
+        Task::Larson,
+        Task::Bignum,
+        Task::Sharing,
+        Task::Mixed,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             Task::Threads => "threads",
             Task::Json => "json",
             Task::Strings => "strings",
+            Task::Larson => "larson",
+            Task::Bignum => "bignum",
+            Task::Sharing => "sharing",
+            Task::Mixed => "mixed",
         }
     }
 
@@ -147,7 +169,8 @@ pub fn child_main(spec: &str) -> i32 {
         );
         return 1;
     }
-    match run_task(task, size) {
+    let outcome = run_task(task, size);
+    match outcome {
         Ok((ms_per_run, runs, start_bytes, peak_bytes)) => {
             let report = ChildReport {
                 allocator: kind.name().to_owned(),
@@ -206,10 +229,11 @@ fn status_bytes(field: &str) -> Result<u64, String> {
 
 /// Runs `task`: milliseconds per run, runs, and the resident set before and its peak above it.
 fn run_task(task: Task, size: Size) -> Result<(f64, usize, u64, u64), String> {
-    // The single-threaded tasks run where a single worker of the other families runs.
+    // The single-threaded tasks, and the thread that gives `sharing` its objects, run where a
+    // single worker of the other families runs; the threads of the others pin themselves.
     let _pinned = match task {
-        Task::Threads => None,
-        Task::Json | Task::Strings => crate::bench::runner::worker_cpus()
+        Task::Threads | Task::Larson => None,
+        Task::Json | Task::Strings | Task::Bignum | Task::Sharing | Task::Mixed => crate::bench::runner::worker_cpus()
             .first()
             .and_then(|&cpu| thiscpu::topology::pin_to(cpu).ok()),
     };
@@ -227,11 +251,11 @@ fn run_task(task: Task, size: Size) -> Result<(f64, usize, u64, u64), String> {
             }
             (began.elapsed(), runs)
         }
-        Task::Strings => {
-            let began = Instant::now();
-            strings_task(size.strings())?;
-            (began.elapsed(), 1)
-        }
+        Task::Strings => (timed(|size| strings_task(size.strings()), size)?, 1),
+        Task::Larson => (timed(programs::larson, size)?, 1),
+        Task::Bignum => (timed(programs::bignum, size)?, 1),
+        Task::Sharing => (timed(programs::sharing, size)?, 1),
+        Task::Mixed => (timed(programs::mixed, size)?, 1),
     };
     let peak = status_bytes("VmHWM")?;
     Ok((
@@ -242,8 +266,18 @@ fn run_task(task: Task, size: Size) -> Result<(f64, usize, u64, u64), String> {
     ))
 }
 
+/// How long `task` took at `size`.
+fn timed(
+    task: fn(Size) -> Result<(), String>,
+    size: Size,
+) -> Result<std::time::Duration, String> {
+    let began = Instant::now();
+    task(size)?;
+    Ok(began.elapsed())
+}
+
 /// A xorshift step: the tasks' random numbers, the same in every child.
-fn xorshift(state: &mut u64) -> u64 {
+pub(super) fn xorshift(state: &mut u64) -> u64 {
     *state ^= *state << 13;
     *state ^= *state >> 7;
     *state ^= *state << 17;

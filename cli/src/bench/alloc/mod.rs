@@ -8,8 +8,12 @@
 //! - `threads1k/ALLOC`: peak resident memory of 1,000 threads alive at once, each holding and
 //!   churning small objects;
 //! - `json/ALLOC`, `strings/ALLOC`: a ~1 MB JSON document parsed into a `serde_json::Value`
-//!   and dropped; a million short `String`s built, sorted and dropped: milliseconds per run,
-//!   and (`json-rss`, `strings-rss`) the peak resident memory they added.
+//!   and dropped; a million short `String`s built, sorted and dropped;
+//! - `larson/ALLOC`, `bignum/ALLOC`, `sharing/ALLOC`, `mixed/ALLOC`: four tasks modelled on
+//!   the published allocator benchmarks ([`programs`]): Larson's server, a big-number
+//!   computation's churn, cache-scratch's false sharing, a long-lived heap that grows and
+//!   shrinks. Each program-shaped task gives milliseconds per run, and (`TASK-rss`) the peak
+//!   resident memory it added.
 //!
 //! tcmalloc's per-CPU caches need the thread's rseq registration for tcmalloc itself, which
 //! glibc has already made in this process (tcmalloc then runs without them, on its central
@@ -26,6 +30,7 @@
 
 pub mod child;
 pub mod pairs;
+pub mod programs;
 pub mod switch;
 
 use super::model::{Case, Family, Measured, RunInfo, Unit, Workload, median_of};
@@ -41,8 +46,23 @@ const SIZES: [usize; 5] = [16, 64, 256, 1024, 4096];
 /// Object size of the remote cases.
 const REMOTE_SIZE: usize = 64;
 
-/// The prefixes of the case names, one per measured thing, in the tables' order.
-const PREFIXES: [&str; 10] = [
+/// [`PREFIXES`], the prefixes of the case names, one per measured thing in the tables' order
+/// (the pairs' first, in the order of [`SIZES`]), and [`CASES`], each prefix with each
+/// allocator.
+macro_rules! prefixes_and_cases {
+    ($($prefix:literal),* $(,)?) => {
+        const PREFIXES: &[&str] = &[$($prefix),*];
+        const CASES: &[&str] = &[$(
+            concat!($prefix, "/glibc"),
+            concat!($prefix, "/mimalloc"),
+            concat!($prefix, "/jemalloc"),
+            concat!($prefix, "/tcmalloc"),
+            concat!($prefix, "/thiscpu"),
+        )*];
+    };
+}
+
+prefixes_and_cases![
     "pair16",
     "pair64",
     "pair256",
@@ -53,65 +73,49 @@ const PREFIXES: [&str; 10] = [
     "json",
     "json-rss",
     "strings",
+    "strings-rss",
+    "larson",
+    "larson-rss",
+    "bignum",
+    "bignum-rss",
+    "sharing",
+    "sharing-rss",
+    "mixed",
+    "mixed-rss",
 ];
 
-/// Every case: each prefix (and `strings-rss`) with each allocator.
-const CASES: &[&str] = &[
-    "pair16/glibc",
-    "pair16/mimalloc",
-    "pair16/jemalloc",
-    "pair16/tcmalloc",
-    "pair16/thiscpu",
-    "pair64/glibc",
-    "pair64/mimalloc",
-    "pair64/jemalloc",
-    "pair64/tcmalloc",
-    "pair64/thiscpu",
-    "pair256/glibc",
-    "pair256/mimalloc",
-    "pair256/jemalloc",
-    "pair256/tcmalloc",
-    "pair256/thiscpu",
-    "pair1024/glibc",
-    "pair1024/mimalloc",
-    "pair1024/jemalloc",
-    "pair1024/tcmalloc",
-    "pair1024/thiscpu",
-    "pair4096/glibc",
-    "pair4096/mimalloc",
-    "pair4096/jemalloc",
-    "pair4096/tcmalloc",
-    "pair4096/thiscpu",
-    "remote/glibc",
-    "remote/mimalloc",
-    "remote/jemalloc",
-    "remote/tcmalloc",
-    "remote/thiscpu",
-    "threads1k/glibc",
-    "threads1k/mimalloc",
-    "threads1k/jemalloc",
-    "threads1k/tcmalloc",
-    "threads1k/thiscpu",
-    "json/glibc",
-    "json/mimalloc",
-    "json/jemalloc",
-    "json/tcmalloc",
-    "json/thiscpu",
-    "json-rss/glibc",
-    "json-rss/mimalloc",
-    "json-rss/jemalloc",
-    "json-rss/tcmalloc",
-    "json-rss/thiscpu",
-    "strings/glibc",
-    "strings/mimalloc",
-    "strings/jemalloc",
-    "strings/tcmalloc",
-    "strings/thiscpu",
-    "strings-rss/glibc",
-    "strings-rss/mimalloc",
-    "strings-rss/jemalloc",
-    "strings-rss/tcmalloc",
-    "strings-rss/thiscpu",
+/// The program-shaped tasks after `threads1k`, each with a time case named as the task and a
+/// peak case with `-rss` after it: the task, and what its time case measures.
+const PROGRAM_TASKS: [(Task, &str); 6] = [
+    (
+        Task::Json,
+        "ms per parse of a ~1 MB JSON document (256 KB with --quick) into serde_json::Value + \
+         drop",
+    ),
+    (
+        Task::Strings,
+        "ms to build, sort and drop 1,000,000 short Strings (50,000 with --quick)",
+    ),
+    (
+        Task::Larson,
+        "ms for Larson's server: 2 threads replace random 8-1000 B objects among 5,000 each and \
+         hand them over every 10,000, 100 times (5 with --quick)",
+    ),
+    (
+        Task::Bignum,
+        "ms for 5,000 (300 with --quick) big-number sequences of 300 convergents of √2, a new \
+         object for every sum",
+    ),
+    (
+        Task::Sharing,
+        "ms for cache-scratch: 2 threads on 2 CPUs free an 8 B object made by a third, then \
+         allocate, write 1,000 times and free 20,000 (1,000 with --quick)",
+    ),
+    (
+        Task::Mixed,
+        "ms for a heap of 16 B-64 KiB objects that grows to 50,000 (5,000 with --quick) and \
+         shrinks to a tenth 5 times (2), a fifth of it long-lived",
+    ),
 ];
 
 /// The family.
@@ -356,33 +360,16 @@ fn child_cases() -> Vec<Case> {
             child::CHURN
         ),
     );
-    child_case(
-        "json",
-        Task::Json,
-        Figure::Time,
-        "ms per parse of a ~1 MB JSON document (256 KB with --quick) into serde_json::Value + \
-         drop, in a child"
-            .to_owned(),
-    );
-    child_case(
-        "json-rss",
-        Task::Json,
-        Figure::Peak,
-        "peak RSS growth of the json child".to_owned(),
-    );
-    child_case(
-        "strings",
-        Task::Strings,
-        Figure::Time,
-        "ms to build, sort and drop 1,000,000 short Strings (50,000 with --quick), in a child"
-            .to_owned(),
-    );
-    child_case(
-        "strings-rss",
-        Task::Strings,
-        Figure::Peak,
-        "peak RSS growth of the strings child".to_owned(),
-    );
+    for (task, how) in PROGRAM_TASKS {
+        let prefix = task.name();
+        child_case(prefix, task, Figure::Time, format!("{how}, in a child"));
+        child_case(
+            &format!("{prefix}-rss"),
+            task,
+            Figure::Peak,
+            format!("peak RSS growth of the {prefix} child"),
+        );
+    }
     cases
 }
 
@@ -518,15 +505,21 @@ fn part_tables(results: &[Measured], threads: &[usize]) -> String {
              the child's global allocator (medians):\n{table}\n"
         ));
     }
-    let tasks = [("json", "json"), ("strings", "strings")];
-    let times = part_table(results, &tasks, &[1], "ms", fmt_num);
-    let peaks = part_table(
-        results,
-        &[("json", "json-rss"), ("strings", "strings-rss")],
-        &[1],
-        "peak MiB",
-        mib,
-    );
+    let rss: Vec<String> = PROGRAM_TASKS
+        .iter()
+        .map(|(task, _)| format!("{}-rss", task.name()))
+        .collect();
+    let times: Vec<(&str, &str)> = PROGRAM_TASKS
+        .iter()
+        .map(|(task, _)| (task.name(), task.name()))
+        .collect();
+    let peaks: Vec<(&str, &str)> = PROGRAM_TASKS
+        .iter()
+        .zip(&rss)
+        .map(|((task, _), rss)| (task.name(), rss.as_str()))
+        .collect();
+    let times = part_table(results, &times, &[1], "ms", fmt_num);
+    let peaks = part_table(results, &peaks, &[1], "peak MiB", mib);
     if times.is_some() || peaks.is_some() {
         out.push_str(
             "\nprogram-shaped tasks, each allocator the child's global allocator (medians):\n",
@@ -605,22 +598,75 @@ fn program_targets(targets: &mut Targets, results: &[Measured]) {
             );
         }
     }
-    for task in ["json", "strings"] {
-        if let (Some(ours), Some((peer, best))) =
-            (at_one(task, Kind::Thiscpu), best_peer(results, task, 1))
+    let mut time_ratios = Vec::new();
+    let mut worst_against_glibc: Option<(&str, f64)> = None;
+    let mut worst_peak: Option<(&str, Kind, f64)> = None;
+    for (task, _) in PROGRAM_TASKS {
+        let name = task.name();
+        let ours = at_one(name, Kind::Thiscpu);
+        if let (Some(ours), Some((peer, best))) = (ours, best_peer(results, name, 1))
             && best > 0.0
         {
             let ratio = ours / best;
             targets.check(
                 format!(
-                    "{task} time: thiscpu ÷ best peer ({}): {}",
+                    "{name} time: thiscpu ÷ best peer ({}): {}",
                     peer.name(),
                     fmt_ratio(ratio)
                 ),
                 "≤ 1×",
                 ratio <= 1.0,
             );
+            time_ratios.push(ratio);
         }
+        if let (Some(ours), Some(glibc)) = (ours, at_one(name, Kind::Glibc))
+            && glibc > 0.0
+            && worst_against_glibc.is_none_or(|(_, worst)| ours / glibc > worst)
+        {
+            worst_against_glibc = Some((name, ours / glibc));
+        }
+        let rss = format!("{name}-rss");
+        if let (Some(ours), Some((peer, smallest))) =
+            (at_one(&rss, Kind::Thiscpu), best_peer(results, &rss, 1))
+            && smallest > 0.0
+            && worst_peak.is_none_or(|(_, _, worst)| ours / smallest > worst)
+        {
+            worst_peak = Some((name, peer, ours / smallest));
+        }
+    }
+    if !time_ratios.is_empty() {
+        let mean = time_ratios.iter().map(|ratio| ratio.ln()).sum::<f64>() / time_ratios.len() as f64;
+        let ratio = mean.exp();
+        targets.check(
+            format!(
+                "program tasks' time: geometric mean of thiscpu ÷ best peer over {} tasks: {}",
+                time_ratios.len(),
+                fmt_ratio(ratio)
+            ),
+            "≤ 0.9×",
+            ratio <= 0.9,
+        );
+    }
+    if let Some((name, ratio)) = worst_against_glibc {
+        targets.check(
+            format!(
+                "program tasks' time: thiscpu ÷ glibc, worst task ({name}): {}",
+                fmt_ratio(ratio)
+            ),
+            "≤ 1×",
+            ratio <= 1.0,
+        );
+    }
+    if let Some((name, peer, ratio)) = worst_peak {
+        targets.check(
+            format!(
+                "program tasks' peak memory: thiscpu ÷ smallest peer, worst task ({name}, {}): {}",
+                peer.name(),
+                fmt_ratio(ratio)
+            ),
+            "≤ 1.1×",
+            ratio <= 1.1,
+        );
     }
 }
 
@@ -630,13 +676,18 @@ mod tests {
 
     #[test]
     fn every_prefix_has_a_case_for_every_allocator() {
-        for prefix in PREFIXES.iter().chain(&["strings-rss"]) {
+        for prefix in PREFIXES {
             for kind in Kind::ALL {
                 let name = case_name(prefix, kind);
                 assert_eq!(name, format!("{prefix}/{}", kind.name()));
             }
         }
-        assert_eq!(CASES.len(), (PREFIXES.len() + 1) * Kind::ALL.len());
+        assert_eq!(CASES.len(), PREFIXES.len() * Kind::ALL.len());
+        for (task, _) in PROGRAM_TASKS {
+            for prefix in [task.name().to_owned(), format!("{}-rss", task.name())] {
+                assert!(PREFIXES.contains(&prefix.as_str()), "{prefix}");
+            }
+        }
     }
 
     fn measured(case: &'static str, threads: usize, unit: Unit, value: f64) -> Measured {
@@ -704,6 +755,39 @@ mod tests {
         );
         assert!(!text.contains("json time"), "no json results, no json target:\n{text}");
         assert!(!text.contains("not judged"), "{text}");
+    }
+
+    /// Each program-shaped task's time against the best peer, their geometric mean, the worst
+    /// against glibc, and the worst peak against the smallest peer's.
+    #[test]
+    fn program_targets_judge_each_task_their_mean_glibc_and_peaks() {
+        let mut results = Vec::new();
+        // ms by allocator: glibc, mimalloc, jemalloc, tcmalloc, thiscpu.
+        for (task, times) in [
+            ("larson", [20.0, 10.0, 8.0, 9.0, 6.0]),
+            ("bignum", [6.0, 5.0, 4.0, 4.5, 7.0]),
+        ] {
+            for (kind, ms) in Kind::ALL.into_iter().zip(times) {
+                results.push(measured(case_name(task, kind), 1, Unit::Ms, ms));
+            }
+        }
+        for (kind, mib) in Kind::ALL.into_iter().zip([5.0, 8.0, 4.0, 6.0, 5.0]) {
+            let bytes = mib * 1024.0 * 1024.0;
+            results.push(measured(case_name("larson-rss", kind), 1, Unit::Bytes, bytes));
+        }
+        let text = report(&results);
+        for expected in [
+            "larson time: thiscpu ÷ best peer (jemalloc): 0.750× (target ≤ 1×): met",
+            "bignum time: thiscpu ÷ best peer (jemalloc): 1.75× (target ≤ 1×): NOT met",
+            // √(0.75 × 1.75)
+            "geometric mean of thiscpu ÷ best peer over 2 tasks: 1.15× (target ≤ 0.9×): NOT met",
+            "thiscpu ÷ glibc, worst task (bignum): 1.17× (target ≤ 1×): NOT met",
+            "thiscpu ÷ smallest peer, worst task (larson, jemalloc): 1.25× (target ≤ 1.1×): NOT \
+             met",
+        ] {
+            assert!(text.contains(expected), "{expected}\n{text}");
+        }
+        assert!(text.contains("program-shaped tasks"), "{text}");
     }
 
     /// Where the peers are not built (every target but x86_64 Linux) only glibc and thiscpu

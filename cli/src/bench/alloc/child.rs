@@ -10,7 +10,7 @@
 //! Memory is the child's peak resident set (`VmHWM` in `/proc/self/status`) above its resident
 //! set (`VmRSS`) before the task began: what the task and its allocator added at their peak.
 
-use super::programs;
+use super::programs::{self, Size, xorshift};
 use super::switch::{self, CHILD_ENV, Kind};
 use crate::bench::model::{RunInfo, Unit, Workload};
 use serde::{Deserialize, Serialize};
@@ -67,13 +67,6 @@ impl Task {
     fn from_name(name: &str) -> Option<Task> {
         Task::ALL.into_iter().find(|task| task.name() == name)
     }
-}
-
-/// How big a task is: as documented, or small enough for `--quick`.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Size {
-    Full,
-    Quick,
 }
 
 impl Size {
@@ -276,13 +269,6 @@ fn timed(
     Ok(began.elapsed())
 }
 
-/// A xorshift step: the tasks' random numbers, the same in every child.
-pub(super) fn xorshift(state: &mut u64) -> u64 {
-    *state ^= *state << 13;
-    *state ^= *state >> 7;
-    *state ^= *state << 17;
-    *state
-}
 
 /// `threads` threads, all alive at once, each making [`HELD`] objects of random small sizes,
 /// then replacing one at random [`CHURN`] times; all wait, holding theirs, until every thread

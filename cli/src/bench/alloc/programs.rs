@@ -21,13 +21,19 @@
 //! A thread that finds a bad tag counts it and goes on, so that its partner never waits for it
 //! at a barrier for ever.
 
-use super::child::{Size, xorshift};
 use crate::bench::runner::worker_cpus;
 use std::hint::black_box;
 use std::sync::{Barrier, Mutex};
 
 /// Threads of the two-thread tasks ([`larson`], [`sharing`]).
 const THREADS: usize = 2;
+
+/// How big a task is: as documented, or small enough for `--quick`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Size {
+    Full,
+    Quick,
+}
 
 impl Size {
     /// `full` for the documented task, `quick` for `--quick`'s.
@@ -37,6 +43,14 @@ impl Size {
             Size::Quick => quick,
         }
     }
+}
+
+/// A xorshift step: the tasks' random numbers, the same in every child.
+pub fn xorshift(state: &mut u64) -> u64 {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    *state
 }
 
 /// An object of a chosen size whose first byte is a tag made from that size.

@@ -1,0 +1,96 @@
+#!/usr/bin/env bash
+# The C library (malloc/, libthiscpu_malloc.so and .a) under C programs and real programs:
+#   stress   malloc/tests/stress.c from 4 C threads (every exported call, objects freed by
+#            another thread, forks while they run, an address-space limit that must end in
+#            ENOMEM), run with LD_PRELOAD and linked with the static library
+#   programs python3 (a JSON round trip), sort (300,000 lines), git (the log of this
+#            repository) and gcc (compiling the stress program) with LD_PRELOAD, each one's
+#            output compared byte for byte with its output on glibc's allocator; the dynamic
+#            linker's record of its bindings shows that each program's malloc and free were
+#            the library's, and python asks the library itself whether its caches served it
+#
+# Runs from the repository root; stops at the first failure.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+run() {
+    printf '+'
+    printf ' %q' "$@"
+    printf '\n'
+    "$@"
+}
+
+run cargo build --release -p thiscpu-malloc
+lib=$PWD/target/release/libthiscpu_malloc.so
+archive=$PWD/target/release/libthiscpu_malloc.a
+work=target/malloc
+rm -rf "$work"
+mkdir -p "$work"
+
+# --- stress ----------------------------------------------------------------------------------
+run gcc -O2 -Wall -Wextra -Werror -pthread malloc/tests/stress.c -o "$work/stress-preload"
+run gcc -O2 -Wall -Wextra -Werror -pthread malloc/tests/stress.c "$archive" -ldl -lm \
+    -o "$work/stress-static"
+run env LD_PRELOAD="$lib" timeout 300 "$work/stress-preload" 10
+run timeout 300 "$work/stress-static" 10
+
+# --- real programs ---------------------------------------------------------------------------
+# interposed NAME COMMAND...: runs COMMAND on glibc's allocator and with the library preloaded,
+# and fails unless both wrote the same bytes and the preloaded run bound malloc and free to
+# the library.
+interposed() {
+    local name=$1
+    shift
+    echo "--- $name: $*"
+    "$@" >"$work/$name.glibc"
+    LD_DEBUG=bindings LD_DEBUG_OUTPUT="$work/$name.bindings" LD_PRELOAD="$lib" \
+        "$@" >"$work/$name.thiscpu"
+    if ! cmp -s "$work/$name.glibc" "$work/$name.thiscpu"; then
+        echo "$name: the output with the library differs from glibc's:"
+        diff "$work/$name.glibc" "$work/$name.thiscpu" | head -n 20
+        return 1
+    fi
+    local symbol
+    for symbol in malloc free; do
+        if ! grep -q "to $lib .*normal symbol \`$symbol'" "$work/$name.bindings".*; then
+            echo "$name: $symbol was not bound to the library"
+            return 1
+        fi
+    done
+    echo "$name: same $(wc -c <"$work/$name.glibc") bytes; malloc and free bound to the library"
+}
+
+python_json='
+import ctypes, hashlib, json, random
+random.seed(7)
+records = [{"id": i, "name": "".join(random.choice("abcdefgh") for _ in range(i % 40)),
+            "tags": [random.random() for _ in range(i % 13)], "nested": {"n": i, "s": str(i) * 3}}
+           for i in range(60000)]
+text = json.dumps(records, sort_keys=True)
+assert json.loads(text) == records
+print(hashlib.sha256(text.encode()).hexdigest(), len(text))
+library = ctypes.CDLL(None)
+if hasattr(library, "thiscpu_malloc_caching"):
+    print("caching", library.thiscpu_malloc_caching(), "served", library.thiscpu_malloc_slow_calls() > 0)
+'
+# The first line is the program's output; the second, printed only where the library is
+# loaded, is its own answer: its caches served the program (this host has rseq).
+python3 -c "$python_json" >"$work/python.glibc"
+LD_PRELOAD="$lib" python3 -c "$python_json" >"$work/python.thiscpu"
+run diff "$work/python.glibc" <(head -n 1 "$work/python.thiscpu")
+answer=$(sed -n 2p "$work/python.thiscpu")
+echo "python with the library: $answer"
+[ "$answer" = "caching 1 served True" ] || { echo "python: the library's caches did not serve it"; exit 1; }
+
+run python3 -c '
+import random
+random.seed(1)
+with open("target/malloc/lines.txt", "w") as out:
+    for _ in range(300000):
+        out.write("".join(random.choice("abcdefghij") for _ in range(random.randint(1, 60))) + "\n")
+'
+interposed sort sort "$work/lines.txt"
+interposed git git log --stat -n 500
+interposed gcc gcc -O2 -S -o - malloc/tests/stress.c
+echo "malloc: the stress and the real programs passed"

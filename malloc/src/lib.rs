@@ -1,0 +1,40 @@
+//! thiscpu's per-CPU allocator ([`thiscpu::PerCpuAlloc`]) as a C library, for any C, C++ or
+//! Rust program on Linux with glibc:
+//!
+//! ```text
+//! LD_PRELOAD=target/release/libthiscpu_malloc.so python3 program.py
+//! cc program.c target/release/libthiscpu_malloc.a -lpthread -ldl -lm
+//! ```
+//!
+//! It exports `malloc`, `free`, `calloc`, `realloc`, `reallocarray`, `posix_memalign`,
+//! `aligned_alloc`, `memalign`, `valloc`, `pvalloc`, `malloc_usable_size`, C23's `free_sized`
+//! and `free_aligned_sized`, and three calls of its own (`include/thiscpu_malloc.h`). Objects
+//! of up to 4,104 bytes come from the calling CPU's cache, which misses and spills to glibc's
+//! allocator; everything else goes to glibc's allocator directly, through the `__libc_*`
+//! entry points glibc exports for allocators that replace it.
+//!
+//! # Finding a freed object's size
+//! C's `free` does not say the size, which the caches need to find the object's class. Every
+//! object is one of glibc's chunks (the caches hold chunks glibc made), whose header gives its
+//! usable size ([`glibc::usable_size`], one load). The size classes are glibc's usable sizes,
+//! so a chunk made for a class has exactly that class's size. `free` caches a chunk only if its
+//! usable size is exactly a class's size, whoever made it: such a chunk can serve any request
+//! of that class, and goes back to glibc's `free` when it leaves the caches. Any other chunk (a
+//! large one, or one glibc made for an alignment or by splitting) goes straight to glibc's
+//! `free`. The sizes that `free_sized` and `free_aligned_sized` are told are not needed.
+//!
+//! # Where it does not apply
+//! Only glibc's chunk layout is read, so the library is built for Linux with glibc alone (on
+//! every other target it is empty); it cannot be combined with glibc's debugging allocator
+//! (`libc_malloc_debug.so`), whose chunks have other headers.
+
+#![cfg_attr(not(all(target_os = "linux", target_env = "gnu")), allow(unused))]
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub mod glibc;
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+mod exports;
+
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+pub use exports::*;

@@ -470,6 +470,17 @@ const STORM_MIN_ALLOCATIONS: u64 = 100;
 /// between the allowed CPUs and signals them, and a thread that starts short threads which
 /// allocate, free and hand over. Everything made is freed before it returns. `watch` runs now
 /// and then on the main thread while the storm lasts.
+/// Sets its flags when dropped, by the end of a storm or by a panic's unwinding.
+struct StopOnDrop<'a>([&'a AtomicBool; 2]);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        for flag in self.0 {
+            flag.store(true, Ordering::Relaxed);
+        }
+    }
+}
+
 fn storm<H: Heap>(heap: &H, workers: usize, duration: Duration, mut watch: impl FnMut()) -> Tally {
     install_storm_handler();
     let tally = Tally::default();
@@ -549,6 +560,9 @@ fn storm<H: Heap>(heap: &H, workers: usize, duration: Duration, mut watch: impl 
         // A slow guest may step the workers only a few dozen times in `duration`: the storm
         // then goes on until it has made `STORM_MIN_ALLOCATIONS`, for at most twenty times as
         // long, so that every test sees a storm worth the name.
+        // A `watch` that panics stops every thread first, so that the test fails instead of
+        // waiting at the end of the scope for threads that would never stop.
+        let _stop_all = StopOnDrop([&storm_stop, &workers_stop]);
         let start = Instant::now();
         while start.elapsed() < duration
             || (tally.allocations.load(Ordering::Relaxed) < STORM_MIN_ALLOCATIONS

@@ -8,7 +8,7 @@
 //!
 //! It exports `malloc`, `free`, `calloc`, `realloc`, `reallocarray`, `posix_memalign`,
 //! `aligned_alloc`, `memalign`, `valloc`, `pvalloc`, `malloc_usable_size`, C23's `free_sized`
-//! and `free_aligned_sized`, and three calls of its own (`include/thiscpu_malloc.h`). Objects
+//! and `free_aligned_sized`, and four calls of its own (`include/thiscpu_malloc.h`). Objects
 //! of up to 4,104 bytes come from the calling CPU's cache, which misses and spills to glibc's
 //! allocator; everything else goes to glibc's allocator directly, through the `__libc_*`
 //! entry points glibc exports for allocators that replace it.

@@ -36,16 +36,6 @@ ALLOCATORS = [
 ]
 PEERS = ["jemalloc", "mimalloc", "tcmalloc"]
 
-PYTHON_JSON = """
-import json, random
-random.seed(7)
-records = [{"id": i, "name": "".join(random.choice("abcdefgh") for _ in range(i % 40)),
-            "tags": [random.random() for _ in range(i % 13)], "nested": {"n": i, "s": str(i) * 3}}
-           for i in range(50000)]
-text = json.dumps(records, sort_keys=True)
-assert json.loads(text) == records
-print(len(text))
-"""
 
 
 def programs(scratch):
@@ -56,7 +46,8 @@ def programs(scratch):
         for _ in range(300000):
             out.write("".join(rng.choice("abcdefghij") for _ in range(rng.randint(1, 60))) + "\n")
     return [
-        ("python-json", "python3: 50,000 records to JSON and back", ["python3", "-c", PYTHON_JSON]),
+        ("python-json", "python3: 50,000 records to JSON and back",
+         ["python3", os.path.join(ROOT, "malloc/tests/json_roundtrip.py"), "50000"]),
         ("sort", "sort: 300,000 random lines", ["sort", lines]),
         ("git-log", "git log --stat of this repository's last 1,000 commits",
          ["git", "-C", ROOT, "log", "--stat", "-n", "1000"]),

@@ -20,7 +20,8 @@ extern "C" {
  * goes to glibc's allocator (no rseq: an old kernel, valgrind, a seccomp filter). */
 int thiscpu_malloc_caching(void);
 
-/* Gives every CPU's cached objects back to glibc's allocator; returns the bytes given back. */
+/* Gives every CPU's cached objects back to glibc's allocator, and glibc's free pages back to
+ * the system (malloc_trim(0)); returns the bytes of objects given back. */
 size_t thiscpu_malloc_release(void);
 
 /* Gives back the caches of the CPUs that did not use them since the previous call; returns

@@ -47,7 +47,11 @@ fn allocate(size: usize, align: usize) -> *mut c_void {
         return out_of_memory();
     };
     // SAFETY: a layout of at least one byte.
-    let object = unsafe { CACHES.alloc(layout) };
+    or_out_of_memory(unsafe { CACHES.alloc(layout) })
+}
+
+/// `object`, or null with `errno` set to `ENOMEM` if it is null.
+fn or_out_of_memory(object: *mut u8) -> *mut c_void {
     if object.is_null() {
         out_of_memory()
     } else {
@@ -113,12 +117,7 @@ pub extern "C" fn calloc(count: usize, size: usize) -> *mut c_void {
         return out_of_memory();
     };
     // SAFETY: a layout of at least one byte.
-    let object = unsafe { CACHES.alloc_zeroed(layout) };
-    if object.is_null() {
-        out_of_memory()
-    } else {
-        object.cast()
-    }
+    or_out_of_memory(unsafe { CACHES.alloc_zeroed(layout) })
 }
 
 /// `realloc`: `object` resized to `size`, moved if need be; `malloc(size)` for null, and, as
@@ -150,11 +149,7 @@ pub unsafe extern "C" fn realloc(object: *mut c_void, size: usize) -> *mut c_voi
         // SAFETY: a chunk of glibc's that no class holds: glibc resizes its own.
         None => unsafe { glibc::realloc(object, size) },
     };
-    if moved.is_null() {
-        out_of_memory()
-    } else {
-        moved.cast()
-    }
+    or_out_of_memory(moved)
 }
 
 /// `reallocarray`: `realloc(object, count × size)`, or null with `ENOMEM` (and `object` left)
@@ -270,10 +265,13 @@ fn released(outcome: Result<usize, thiscpu::allocator::ReleaseError>) -> usize {
     }
 }
 
-/// Gives every CPU's cached objects back to glibc's allocator; returns the bytes given back.
+/// Gives every CPU's cached objects back to glibc's allocator, and glibc's free pages back to
+/// the system (`malloc_trim(0)`); returns the bytes of objects given back.
 #[unsafe(no_mangle)]
 pub extern "C" fn thiscpu_malloc_release() -> usize {
-    released(CACHES.release())
+    let bytes = released(CACHES.release());
+    glibc::trim();
+    bytes
 }
 
 /// Gives back the caches of CPUs that did not use them since the previous call; returns the

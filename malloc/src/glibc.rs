@@ -11,6 +11,7 @@ unsafe extern "C" {
     fn __libc_realloc(object: *mut c_void, size: usize) -> *mut c_void;
     fn __libc_memalign(align: usize, size: usize) -> *mut c_void;
     fn __libc_free(object: *mut c_void);
+    fn malloc_trim(pad: usize) -> core::ffi::c_int;
 }
 
 /// The alignment of every chunk glibc's `malloc` returns on 64-bit targets (two words).
@@ -93,6 +94,16 @@ pub unsafe fn free(object: *mut u8) {
 pub unsafe fn realloc(object: *mut u8, size: usize) -> *mut u8 {
     // SAFETY: the caller's contract.
     unsafe { __libc_realloc(object.cast(), size).cast() }
+}
+
+/// Gives the free pages of glibc's heaps back to the system (`malloc_trim(0)`: it returns the
+/// top of each heap and advises the kernel to drop every whole free page inside them). glibc
+/// does so on its own only for the top of a heap past its trim threshold, so a burst freed in
+/// any other order stays resident.
+pub fn trim() {
+    // SAFETY: glibc's `malloc_trim` takes any padding and touches only its own heaps; the
+    // library does not export the name, so this is glibc's.
+    unsafe { malloc_trim(0) };
 }
 
 /// The bits of a chunk's size word that are flags, not size (glibc's `PREV_INUSE`,

@@ -1,6 +1,7 @@
-/* The C library under load from C threads: every exported call, objects handed between
- * threads and freed on other CPUs, forks while other threads allocate, and an address-space
- * limit that must make allocations fail with ENOMEM, never abort.
+/* The C library under load from C threads: a burst whose memory a release must give back,
+ * every exported call, objects handed between threads and freed on other CPUs, forks while
+ * other threads allocate, and an address-space limit that must make allocations fail with
+ * ENOMEM, never abort.
  *
  * Built twice by the malloc job of .ci/run: once run with LD_PRELOAD, once linked with the
  * static library. Every object carries a pattern made from its address and size, checked
@@ -231,6 +232,39 @@ static void edges(void) {
     free(kept);
 }
 
+/* Resident bytes of this process now. */
+static long resident(void) {
+    long pages = 0, size = 0;
+    FILE *statm = fopen("/proc/self/statm", "r");
+    if (!statm || fscanf(statm, "%ld %ld", &size, &pages) != 2) fail("cannot read /proc/self/statm", 0);
+    if (statm) fclose(statm);
+    return pages * sysconf(_SC_PAGESIZE);
+}
+
+/* A burst of 400,000 objects freed in another order than it was made, then a release: at
+ * least 90 % of the memory it added goes back to the system. Before any thread starts. */
+static void burst(void) {
+    enum { OBJECTS = 400000 };
+    void **held = malloc(OBJECTS * sizeof *held);
+    if (!held) { fail("burst: no array", 0); return; }
+    long before = resident();
+    uint64_t state = 11;
+    for (int i = 0; i < OBJECTS; i++) {
+        size_t n = 16 + next(&state) % 1000;
+        held[i] = malloc(n);
+        if (!held[i]) { fail("burst: allocation failed", n); return; }
+        memset(held[i], 1, n);
+    }
+    long peak = resident();
+    for (int i = 0; i < OBJECTS; i++) free(held[(size_t)i * 7 % OBJECTS]);
+    thiscpu_malloc_release();
+    long after = resident();
+    printf("burst: %ld KiB before, %ld at the peak, %ld after the release\n", before >> 10,
+           peak >> 10, after >> 10);
+    if (peak - after < (peak - before) / 10 * 9) fail("burst: memory not given back (KiB)", (size_t)(after >> 10));
+    free(held);
+}
+
 /* Under an address-space limit, allocations fail with ENOMEM and the process goes on. */
 static void out_of_memory(void) {
     pid_t child = fork();
@@ -270,6 +304,7 @@ int main(int argc, char **argv) {
     }
     edges();
     printf("edges: %d failures\n", failures);
+    burst();
     for (int i = 0; i < THREADS; i++) pthread_mutex_init(&handoff[i].lock, NULL);
     pthread_t threads[THREADS];
     for (int i = 0; i < THREADS; i++) pthread_create(&threads[i], NULL, worker, (void *)(intptr_t)i);

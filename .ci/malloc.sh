@@ -4,6 +4,9 @@
 #            give back 90 % of the memory it added; 4 C threads (every exported call, objects
 #            freed by another thread, forks while they run); an address-space limit that must
 #            end in ENOMEM. Run with LD_PRELOAD and linked with the static library
+#   checking THISCPU_MALLOC_CHECK=1: the stress again, which must pass, and a double free, an
+#            unaligned free and a free of static storage (malloc/tests/checking.c), each of
+#            which must be reported before the process aborts
 #   programs python3 (a JSON round trip), sort (300,000 lines), git (the log of this
 #            repository) and gcc (compiling the stress program) with LD_PRELOAD, each one's
 #            output compared byte for byte with its output on glibc's allocator; the dynamic
@@ -35,6 +38,24 @@ run gcc -O2 -Wall -Wextra -Werror -pthread malloc/tests/stress.c "$archive" -ldl
     -o "$work/stress-static"
 run env LD_PRELOAD="$lib" timeout 300 "$work/stress-preload" 10
 run timeout 300 "$work/stress-static" 10
+
+# --- the checking mode -----------------------------------------------------------------------
+# The stress again with THISCPU_MALLOC_CHECK=1, which must find nothing in a correct program;
+# then each mistake of malloc/tests/checking.c, which it must report before it aborts.
+run env THISCPU_MALLOC_CHECK=1 LD_PRELOAD="$lib" timeout 300 "$work/stress-preload" 2
+run gcc -O2 -Wall -Wextra -Werror malloc/tests/checking.c -o "$work/checking"
+run env THISCPU_MALLOC_CHECK=1 LD_PRELOAD="$lib" "$work/checking" clean
+for mistake in double unaligned foreign; do
+    status=0
+    THISCPU_MALLOC_CHECK=1 LD_PRELOAD="$lib" "$work/checking" "$mistake" \
+        >/dev/null 2>"$work/checking.$mistake" || status=$?
+    said=$(grep '^thiscpu_malloc: ' "$work/checking.$mistake" || true)
+    echo "checking: $mistake: exit status $status: $said"
+    if [ "$status" != 134 ] || [ -z "$said" ]; then
+        echo "checking: the mistake '$mistake' was not reported and aborted"
+        exit 1
+    fi
+done
 
 # --- real programs ---------------------------------------------------------------------------
 # interposed NAME COMMAND...: runs COMMAND on glibc's allocator and with the library preloaded,

@@ -5,6 +5,10 @@
  * free_sized and free_aligned_sized take the place of glibc's, with their standard declarations
  * (<stdlib.h>, <malloc.h>). These are its own calls, for a program that wants to know or steer
  * its caches. Declare them weak to run on glibc's allocator as well.
+ *
+ * With THISCPU_MALLOC_CHECK=1 in the environment, free and realloc first check that the pointer
+ * can be an allocation's and that the caches do not hold it already (a double free), and abort
+ * the process with a message on standard error if not.
  */
 #ifndef THISCPU_MALLOC_H
 #define THISCPU_MALLOC_H

@@ -69,13 +69,17 @@ pub extern "C" fn malloc(size: usize) -> *mut c_void {
 ///
 /// # Safety
 /// `object` is null or a live block from this library's (or glibc's) allocation functions,
-/// which the caller gives up.
+/// which the caller gives up. In the checking mode, a call that breaks this contract in the
+/// ways `checking::before_free` finds ends the process with a message instead.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn free(object: *mut c_void) {
     if object.is_null() {
         return;
     }
     let object = object.cast::<u8>();
+    if checking::on() {
+        checking::before_free(object);
+    }
     // SAFETY: a live block of glibc's allocator: every block is one (the caller's contract).
     let usable = unsafe { glibc::usable_size(object) };
     match class_layout_of(usable) {
@@ -84,6 +88,86 @@ pub unsafe extern "C" fn free(object: *mut c_void) {
         Some(layout) => unsafe { CACHES.dealloc(object, layout) },
         // SAFETY: a chunk of glibc's that no class holds.
         None => unsafe { glibc::free(object) },
+    }
+}
+
+/// The checking mode, on where `THISCPU_MALLOC_CHECK=1` is set: `free` and `realloc` first
+/// look for the mistakes that would otherwise corrupt the caches silently, and end the
+/// process with a message on standard error (`abort`, as glibc does on the ones it finds).
+mod checking {
+    use super::{CACHES, class_layout_of, glibc};
+    use core::sync::atomic::{AtomicU8, Ordering::Relaxed};
+
+    /// Not read yet, off, on.
+    static MODE: AtomicU8 = AtomicU8::new(UNREAD);
+    const UNREAD: u8 = 0;
+    const OFF: u8 = 1;
+    const ON: u8 = 2;
+
+    /// Whether the checking mode is on (the variable is read once, with `getenv`, which does
+    /// not allocate).
+    #[inline]
+    pub(super) fn on() -> bool {
+        match MODE.load(Relaxed) {
+            UNREAD => {
+                // SAFETY: a NUL-terminated name; `getenv` returns null or a NUL-terminated
+                // string that no allocation call of this library changes.
+                let value = unsafe { libc::getenv(c"THISCPU_MALLOC_CHECK".as_ptr()) };
+                // SAFETY: null was excluded; a NUL-terminated string otherwise.
+                let on = !value.is_null() && unsafe { core::ffi::CStr::from_ptr(value) } == c"1";
+                MODE.store(if on { ON } else { OFF }, Relaxed);
+                on
+            }
+            mode => mode == ON,
+        }
+    }
+
+    /// Ends the process with `what` about `object` on standard error, allocating nothing: the
+    /// heap may be corrupt.
+    fn report(what: &str, object: *const u8) -> ! {
+        let mut line = [0u8; 160];
+        let mut at = 0;
+        let mut put = |bytes: &[u8]| {
+            let end = (at + bytes.len()).min(line.len());
+            line[at..end].copy_from_slice(&bytes[..end - at]);
+            at = end;
+        };
+        put(b"thiscpu_malloc: ");
+        put(what.as_bytes());
+        put(b" (0x");
+        let address = object as usize;
+        for shift in (0..usize::BITS).step_by(4).rev() {
+            put(&[b"0123456789abcdef"[(address >> shift) & 0xf]]);
+        }
+        put(b")\n");
+        // SAFETY: writes the bytes of `line` built above to standard error, then ends the
+        // process.
+        unsafe {
+            libc::write(2, line.as_ptr().cast(), at);
+            libc::abort()
+        }
+    }
+
+    /// Before `object` is freed: a pointer that no allocation can have returned (not aligned
+    /// to 16, or whose chunk size word is no chunk's), and an object the caches hold already
+    /// (freed twice, and not allocated again in between), end the process.
+    pub(super) fn before_free(object: *const u8) {
+        if !(object as usize).is_multiple_of(glibc::MALLOC_ALIGN) {
+            report("free of a pointer no allocation returned", object);
+        }
+        // SAFETY: the caller's pointer, aligned, which it says is a live block; the word before
+        // a block this library or glibc returned is readable. A pointer into another mapping
+        // (a stack, a static) has a readable word before it too, unless it is a mapping's
+        // first byte, which no check short of a table of every block could tell.
+        let usable = unsafe { glibc::usable_size(object) };
+        if !glibc::plausible_usable_size(usable) {
+            report("free of a pointer no allocation returned", object);
+        }
+        if let Some(layout) = class_layout_of(usable)
+            && CACHES.caches_object(object, layout)
+        {
+            report("double free: the object is cached already", object);
+        }
     }
 }
 
@@ -140,6 +224,9 @@ pub unsafe extern "C" fn realloc(object: *mut c_void, size: usize) -> *mut c_voi
         return out_of_memory();
     }
     let object = object.cast::<u8>();
+    if checking::on() {
+        checking::before_free(object);
+    }
     // SAFETY: a live block of glibc's allocator (the caller's contract).
     let usable = unsafe { glibc::usable_size(object) };
     let moved = match class_layout_of(usable) {

@@ -128,6 +128,13 @@ pub unsafe fn usable_size(object: *const u8) -> usize {
     size.saturating_sub(overhead * size_of::<usize>())
 }
 
+/// Whether `usable` can be a chunk's usable size as `usable_size` reads it: a heap chunk's size
+/// is a multiple of 16 of at least 32 (so its usable size is 8 more than a multiple of 16), a
+/// mapped chunk's a multiple of the page size (usable: 16 less).
+pub fn plausible_usable_size(usable: usize) -> bool {
+    (usable >= 24 && usable % 16 == 8) || (usable + 16).is_multiple_of(4096)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -155,6 +162,7 @@ mod tests {
             // SAFETY: a live block of glibc's allocator.
             let (ours, theirs) = (unsafe { usable_size(object) }, glibc_usable_size(object));
             assert_eq!(ours, theirs, "{size}");
+            assert!(plausible_usable_size(ours), "{size}: {ours}");
             assert!(ours >= size, "{size}: {ours}");
             // SAFETY: allocated just above.
             unsafe { Glibc.dealloc(object, layout) };

@@ -23,6 +23,11 @@
 //! large one, or one glibc made for an alignment or by splitting) goes straight to glibc's
 //! `free`. The sizes that `free_sized` and `free_aligned_sized` are told are not needed.
 //!
+//! # The checking mode
+//! With `THISCPU_MALLOC_CHECK=1` in the environment, `free` and `realloc` first check that the
+//! pointer can be an allocation's and that the caches do not hold it already (a double free),
+//! and end the process with a message on standard error and `abort()` if not.
+//!
 //! # Where it does not apply
 //! Only glibc's chunk layout is read, so the library is built for Linux with glibc alone (on
 //! every other target it is empty); it cannot be combined with glibc's debugging allocator

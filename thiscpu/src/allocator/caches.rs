@@ -605,6 +605,20 @@ impl Caches {
         committed + uncommitted
     }
 
+    /// Whether `object` is cached in `class` now, on any CPU or in the class's transfer list,
+    /// read without stopping anything (see `PerCpuAlloc::caches_object`).
+    pub(super) fn holds(&self, class: usize, object: usize) -> bool {
+        let on_a_cpu = (0..self.cpus).any(|cpu| {
+            let count = self.head_ref(cpu, class).count.load(Ordering::Relaxed);
+            let count = count.min(self.capacities[class]) as usize;
+            (0..count).any(|slot| self.slot_ref(cpu, class, slot).load(Ordering::Relaxed) == object)
+        });
+        on_a_cpu
+            || self
+                .transfer(class)
+                .holds(self.transfer_slots(class), object)
+    }
+
     /// Objects and bytes in CPU `cpu`'s cache now.
     pub(super) fn cached(&self, cpu: usize) -> (u64, u64) {
         let mut objects = 0;

@@ -414,6 +414,33 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
         unsafe { self.inner.dealloc(object, class_layout(class)) }
     }
 
+    /// Whether the object at `ptr` is among the objects the caches hold for `layout` now: in
+    /// a CPU's cache or a transfer list. A checking mode asks before it frees: an object freed
+    /// twice is still cached after its first free, unless an allocation took it back since.
+    ///
+    /// Read without stopping anything, each word atomically: exact while no other thread
+    /// allocates or frees objects of `layout`'s size class, a moment stale otherwise. It visits
+    /// every CPU's cache of the class, so it costs up to a few thousand loads.
+    ///
+    /// ```
+    /// use std::alloc::{GlobalAlloc, Layout};
+    /// let allocator = thiscpu::PerCpuAlloc::new();
+    /// let layout = Layout::new::<[u64; 4]>();
+    /// // SAFETY: a non-zero layout; the object is freed once.
+    /// let object = unsafe { allocator.alloc(layout) };
+    /// assert!(!allocator.caches_object(object, layout));
+    /// // SAFETY: made above with `layout`, freed once.
+    /// unsafe { allocator.dealloc(object, layout) };
+    /// // Cached now, where the caches serve this process.
+    /// assert_eq!(allocator.caches_object(object, layout), allocator.stats().caching);
+    /// ```
+    pub fn caches_object(&self, ptr: *const u8, layout: Layout) -> bool {
+        match (self.started(), classes::class_of(layout)) {
+            (Some(caches), Some(class)) => caches.holds(class, ptr as usize),
+            _ => false,
+        }
+    }
+
     /// What the caches hold and did, read now (the counts of other CPUs may change while they
     /// are read).
     ///
@@ -1086,6 +1113,15 @@ mod tests {
         let freed: std::collections::BTreeSet<usize> = first.iter().copied().collect();
         free(b, first);
         let handed = allocator.stats().transfer_objects;
+        // Every freed object the caches hold, in B's cache or the list, is found there, and
+        // no other.
+        let stats = allocator.stats();
+        let cached: u64 = stats.per_cpu.iter().map(|cpu| cpu.cached_objects).sum();
+        let found = freed
+            .iter()
+            .filter(|&&object| allocator.caches_object(object as *const u8, layout))
+            .count() as u64;
+        assert_eq!(found, cached + handed, "{stats:?}");
         let calls = allocator.inner().calls.load(Ordering::Relaxed);
         let second = allocate(a);
         let fresh = allocator.inner().calls.load(Ordering::Relaxed) - calls;

@@ -239,6 +239,13 @@ impl Transfer {
         Some(batch)
     }
 
+    /// Whether `object` is in the list now, read without its lock: the count and slots are
+    /// atomics, so a list that changes meanwhile gives a stale answer, never a wrong read.
+    pub(super) fn holds(&self, slots: Slots, object: usize) -> bool {
+        let count = (self.count.load(Ordering::Relaxed) as usize).min(slots.capacity);
+        (0..count).any(|at| slots.slot(at).load(Ordering::Relaxed) == object)
+    }
+
     /// Objects in the list now.
     pub(super) fn objects(&self) -> u64 {
         self.count.load(Ordering::Relaxed)

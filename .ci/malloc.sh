@@ -64,7 +64,7 @@ done
 interposed() {
     local name=$1
     shift
-    echo "--- $name: $*"
+    echo "program: $name: $*"
     "$@" >"$work/$name.glibc"
     LD_DEBUG=bindings LD_DEBUG_OUTPUT="$work/$name.bindings" LD_PRELOAD="$lib" \
         "$@" >"$work/$name.thiscpu"
@@ -85,7 +85,7 @@ interposed() {
 
 # The JSON round trip's output must be the same; the library's own answer, on standard error,
 # must say that its caches served it (this host has rseq).
-echo "--- python3 malloc/tests/json_roundtrip.py"
+echo "program: python3 malloc/tests/json_roundtrip.py"
 python3 malloc/tests/json_roundtrip.py >"$work/python.glibc"
 LD_PRELOAD="$lib" python3 malloc/tests/json_roundtrip.py >"$work/python.thiscpu" \
     2>"$work/python.answer"

@@ -38,7 +38,9 @@ alloc_left_out = {(s["bench"], s["case"]) for s in bench.get("skipped", [])}
 for allocator in ("glibc", "mimalloc", "jemalloc", "tcmalloc", "thiscpu"):
     for prefix, threads in (("pair16", 1), ("pair16", 2), ("pair4096", 2), ("remote", 1),
                             ("threads1k", 1), ("json", 1), ("json-rss", 1), ("strings", 1),
-                            ("strings-rss", 1)):
+                            ("strings-rss", 1), ("larson", 1), ("larson-rss", 1), ("bignum", 1),
+                            ("bignum-rss", 1), ("sharing", 1), ("sharing-rss", 1), ("mixed", 1),
+                            ("mixed-rss", 1)):
         case = f"{prefix}/{allocator}"
         row = alloc.get((case, threads))
         if row is None and ("alloc", case) in alloc_left_out:

@@ -1,4 +1,4 @@
-//! The C functions: the standard allocation calls and the library's own three.
+//! The C functions: the standard allocation calls and the library's own four.
 
 use crate::glibc::{self, Glibc, MALLOC_ALIGN};
 use core::alloc::{GlobalAlloc, Layout};

@@ -16,10 +16,12 @@
 //!   throughout, the rest grow to a peak and are freed down to a tenth, five times, with sizes
 //!   from 16 bytes to 64 KiB.
 //!
-//! Every object carries a tag made from its size in its first byte, checked when it is freed,
-//! so that an allocator that hands out one object twice fails the task rather than speeds it.
-//! A thread that finds a bad tag counts it and goes on, so that its partner never waits for it
-//! at a barrier for ever.
+//! Each task checks what it computed, so that an allocator that hands out one object twice
+//! fails it rather than speeds it: `larson`'s and `mixed`'s objects carry a tag made from their
+//! size in their first byte, checked when they are freed; `bignum`'s numbers must satisfy
+//! Pell's equation; `sharing`'s objects must hold what was last written to them. A thread that
+//! finds a bad object counts it and goes on, so that its partner never waits for it at a
+//! barrier for ever.
 
 use crate::bench::runner::worker_cpus;
 use std::hint::black_box;

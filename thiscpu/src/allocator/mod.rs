@@ -1145,6 +1145,27 @@ mod tests {
         assert_eq!(allocator.inner().live.load(Ordering::Relaxed), 0);
     }
 
+    /// Allocates and frees 400 objects of `layout` on the calling thread (pinned by the caller),
+    /// more than its CPU's cache holds: the cache spills batches to the class's transfer list.
+    /// The caches and the objects the list holds then (some), or `None` without caches.
+    fn spill_to_the_list(
+        allocator: &PerCpuAlloc<Counting>,
+        layout: Layout,
+    ) -> Option<(&Caches, u64)> {
+        // SAFETY: a non-zero layout; each object freed once, with it.
+        let objects: Vec<usize> = (0..400)
+            .map(|_| unsafe { allocator.alloc(layout) } as usize)
+            .collect();
+        for object in objects {
+            // SAFETY: as above.
+            unsafe { allocator.dealloc(object as *mut u8, layout) };
+        }
+        let caches = allocator.started()?;
+        let held = allocator.stats().transfer_objects;
+        assert!(held > 0, "{:?}", allocator.stats());
+        Some((caches, held))
+    }
+
     /// A list's lock left by a holder of an older fork generation (the parent's thread, in the
     /// child of a `fork` made while it held the lock) is taken over: the next release empties
     /// the list. One left in this generation is a live holder's, and is waited for, not taken.
@@ -1154,20 +1175,10 @@ mod tests {
         let layout = Layout::from_size_align(64, 8).unwrap();
         let class = classes::class_of(layout).unwrap();
         let _pinned = crate::topology::pin_to(crate::current_cpu());
-        // SAFETY: a non-zero layout; each object freed once, with it.
-        let objects: Vec<usize> = (0..400)
-            .map(|_| unsafe { allocator.alloc(layout) } as usize)
-            .collect();
-        for object in objects {
-            // SAFETY: as above.
-            unsafe { allocator.dealloc(object as *mut u8, layout) };
-        }
-        let Some(caches) = allocator.started() else {
+        let Some((caches, held)) = spill_to_the_list(&allocator, layout) else {
             println!("skipped: no rseq here");
             return;
         };
-        let held = allocator.stats().transfer_objects;
-        assert!(held > 0, "{:?}", allocator.stats());
         let now = crate::os::fork_generation();
         caches.transfer_list(class).abandon(now);
         let _ = allocator.release();
@@ -1194,23 +1205,11 @@ mod tests {
         let allocator = counting(DEFAULT_CACHE_BYTES);
         let layout = Layout::from_size_align(64, 8).unwrap();
         let class = classes::class_of(layout).unwrap();
-        let here = crate::current_cpu();
-        let _pinned = crate::topology::pin_to(here);
-        // More than the cache holds, freed on one CPU: the cache spills batches to the list.
-        // SAFETY: a non-zero layout; each object freed once, with it.
-        let objects: Vec<usize> = (0..400)
-            .map(|_| unsafe { allocator.alloc(layout) } as usize)
-            .collect();
-        for object in objects {
-            // SAFETY: as above.
-            unsafe { allocator.dealloc(object as *mut u8, layout) };
-        }
-        let Some(caches) = allocator.started() else {
+        let _pinned = crate::topology::pin_to(crate::current_cpu());
+        let Some((caches, held)) = spill_to_the_list(&allocator, layout) else {
             println!("skipped: no rseq here");
             return;
         };
-        let held = allocator.stats().transfer_objects;
-        assert!(held > 0, "{:?}", allocator.stats());
         let lock = caches.transfer_list(class).hold();
         let _ = allocator.release();
         assert_eq!(

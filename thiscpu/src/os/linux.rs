@@ -180,6 +180,61 @@ pub(crate) unsafe fn unreserve(start: NonNull<u8>, length: usize) {
     }
 }
 
+/// `length` bytes of zeroed memory aligned to `length` (a power of two, a multiple of the page
+/// size), mapped readable and writable and backed page by page on first write; `None` if the
+/// kernel refused (out of address space, or `RLIMIT_AS`). Never given back.
+pub(crate) fn map_aligned(length: usize) -> Option<NonNull<u8>> {
+    let span = length.checked_mul(2)?;
+    // SAFETY: an anonymous private mapping at an address of the kernel's choice, twice the
+    // length, so that an aligned range of `length` lies inside it.
+    let address = unsafe {
+        libc::mmap(
+            core::ptr::null_mut(),
+            span,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if address == libc::MAP_FAILED {
+        return None;
+    }
+    let start = address as usize;
+    let aligned = (start + length - 1) & !(length - 1);
+    // SAFETY: the parts before and after the aligned range are page-aligned pieces of the
+    // mapping just made (`start` and `length` are page multiples), which nothing refers to.
+    unsafe {
+        if aligned > start {
+            libc::munmap(address, aligned - start);
+        }
+        let end = aligned + length;
+        if start + span > end {
+            libc::munmap(end as *mut libc::c_void, start + span - end);
+        }
+    }
+    // Huge pages would make a chunk's first touch back 2 MiB at once; the heap's resident
+    // size should follow the spans in use.
+    // SAFETY: advice on the range just mapped; failure (no THP support) changes nothing.
+    unsafe {
+        libc::madvise(aligned as *mut libc::c_void, length, libc::MADV_NOHUGEPAGE);
+    }
+    NonNull::new(aligned as *mut u8)
+}
+
+/// Gives the pages of a range back to the system, keeping the range mapped: they read as
+/// zero at the next touch, which backs them again.
+///
+/// # Safety
+/// The range is page-aligned, inside a mapping of [`map_aligned`], and holds nothing anyone
+/// will read before writing it again.
+pub(crate) unsafe fn return_pages(start: NonNull<u8>, length: usize) {
+    // SAFETY: the caller's contract: the pages' contents are not needed any more.
+    unsafe {
+        libc::madvise(start.as_ptr().cast(), length, libc::MADV_DONTNEED);
+    }
+}
+
 /// Registers `before` to run before every `fork`, `parent` after it in the parent and `child`
 /// after it in the child.
 pub(crate) fn at_fork(before: extern "C" fn(), parent: extern "C" fn(), child: extern "C" fn()) {

@@ -162,6 +162,18 @@ pub(crate) unsafe fn unreserve(start: NonNull<u8>, length: usize) {
     }
 }
 
+/// Aligned chunks for the allocator's own heap, which runs only where restartable sequences
+/// do (Linux): none here, so the heap never starts and the inner allocator serves everything.
+pub(crate) fn map_aligned(_length: usize) -> Option<NonNull<u8>> {
+    None
+}
+
+/// Nothing to give back: [`map_aligned`] maps nothing here.
+///
+/// # Safety
+/// None needed; the signature matches the Linux backend's.
+pub(crate) unsafe fn return_pages(_start: NonNull<u8>, _length: usize) {}
+
 /// Registers `before` to run before every `fork`, `parent` after it in the parent and `child`
 /// after it in the child, where the system forks (Unix); elsewhere there is no `fork` to guard
 /// against.

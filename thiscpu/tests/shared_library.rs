@@ -265,10 +265,12 @@ fn a_loaded_library_allocates_through_its_per_cpu_allocator() {
     }
     let released = (library.release)();
     assert_ne!(released, u64::MAX, "release failed");
-    assert_eq!(
-        (library.cached_bytes)(),
-        0,
-        "after release ({released} bytes)"
+    // Reading the figures allocates their list, whose miss refills one batch of its class
+    // (at most 32 objects of at most 4,104 bytes): all that may be cached after the release.
+    let after = (library.cached_bytes)();
+    assert!(
+        after <= 32 * 4104,
+        "{after} bytes cached after a release of {released}"
     );
     assert_eq!((library.churn)(20, 5), 0, "after release");
 }

@@ -153,7 +153,7 @@ const _: () = assert!(LINE <= crate::os::RESERVED_ALIGN && LINE >= align_of::<Ca
 /// is one, and a process built with it would report every cached object as leaked at exit.
 /// The range is registered as a root while it exists.
 #[cfg(thiscpu_lsan)]
-mod leak_roots {
+pub(super) mod leak_roots {
     use core::ffi::c_void;
 
     unsafe extern "C" {
@@ -161,14 +161,14 @@ mod leak_roots {
         fn __lsan_unregister_root_region(start: *const c_void, size: usize);
     }
 
-    pub(super) fn register(start: *const u8, length: usize) {
+    pub(in crate::allocator) fn register(start: *const u8, length: usize) {
         // SAFETY: the sanitizer's runtime, linked in by `-Zsanitizer`, records the range in its
         // list of roots and reads nothing now; at a leak check it reads the range, a live
         // mapping of `length` bytes until `unregister`.
         unsafe { __lsan_register_root_region(start.cast(), length) };
     }
 
-    pub(super) fn unregister(start: *const u8, length: usize) {
+    pub(in crate::allocator) fn unregister(start: *const u8, length: usize) {
         // SAFETY: removes the root `register` recorded, with the same start and length, before
         // the range is unmapped.
         unsafe { __lsan_unregister_root_region(start.cast(), length) };
@@ -435,7 +435,7 @@ impl Caches {
 
     /// How many objects a full cache hands to `class`'s transfer list at once: half its
     /// capacity, so that the frees after a spill find room, at most `MAX_BATCH`.
-    fn batch_length(&self, class: usize) -> usize {
+    pub(super) fn batch_length(&self, class: usize) -> usize {
         (self.capacities[class] as usize / 2).clamp(1, MAX_BATCH)
     }
 
@@ -489,6 +489,13 @@ impl Caches {
             .transfer(class)
             .take(self.transfer_slots(class), self.batch_length(class))?;
         let object = batch.pop()?;
+        self.keep(class, batch, inner);
+        Some(object)
+    }
+
+    /// Pushes the objects of `batch`, of `class` and the caller's, onto the calling thread's
+    /// CPU's cache; those that do not fit go to `inner`.
+    pub(super) fn keep<A: GlobalAlloc>(&self, class: usize, mut batch: Batch, inner: &A) {
         while let Some(rest) = batch.pop() {
             if !self.push_retrying(class, rest) {
                 // SAFETY: an object of the class's layout by `inner` (every cached object
@@ -496,7 +503,6 @@ impl Caches {
                 unsafe { inner.dealloc(rest, class_layout(class)) };
             }
         }
-        Some(object)
     }
 
     /// Pushes `object` onto the calling thread's CPU's cache of `class`, again after an abort

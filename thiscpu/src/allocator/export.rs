@@ -71,6 +71,26 @@ mod series {
         name: "thiscpu_alloc_batches_taken_total",
         help: "Batches of objects that empty caches took from the transfer lists",
     };
+    pub(super) const HEAP_MAPPED_BYTES: Series = Series {
+        name: "thiscpu_alloc_heap_mapped_bytes",
+        help: "Address space the own heap mapped for spans",
+    };
+    pub(super) const HEAP_IN_USE_BYTES: Series = Series {
+        name: "thiscpu_alloc_heap_in_use_bytes",
+        help: "Bytes of the own heap's spans that hold objects of a size class",
+    };
+    pub(super) const HEAP_FREE_RESIDENT_BYTES: Series = Series {
+        name: "thiscpu_alloc_heap_free_resident_bytes",
+        help: "Bytes of the own heap's free spans whose pages are kept",
+    };
+    pub(super) const HEAP_FREE_RETURNED_BYTES: Series = Series {
+        name: "thiscpu_alloc_heap_free_returned_bytes",
+        help: "Bytes of the own heap's free spans whose pages went back to the system",
+    };
+    pub(super) const HEAP_RETURNED_BYTES: Series = Series {
+        name: "thiscpu_alloc_heap_returned_bytes_total",
+        help: "Bytes of pages the own heap gave back to the system",
+    };
     pub(super) const CACHING: Series = Series {
         name: "thiscpu_alloc_caching",
         help: "1 while the per-CPU caches are in use, 0 before the first allocation or without rseq",
@@ -94,6 +114,11 @@ macro_rules! series_table {
 | `thiscpu_alloc_transfer_objects` | gauge | | [`AllocStats::transfer_objects`] |
 | `thiscpu_alloc_batches_handed_over_total` | counter | | [`AllocStats::batches_handed_over`] |
 | `thiscpu_alloc_batches_taken_total` | counter | | [`AllocStats::batches_taken`] |
+| `thiscpu_alloc_heap_mapped_bytes` | gauge | | [`HeapStats::mapped_bytes`] |
+| `thiscpu_alloc_heap_in_use_bytes` | gauge | | [`HeapStats::in_use_bytes`] |
+| `thiscpu_alloc_heap_free_resident_bytes` | gauge | | [`HeapStats::free_resident_bytes`] |
+| `thiscpu_alloc_heap_free_returned_bytes` | gauge | | [`HeapStats::returned_bytes`] |
+| `thiscpu_alloc_heap_returned_bytes_total` | counter | | [`HeapStats::returned_total_bytes`] |
 | `thiscpu_alloc_caching` | gauge | | [`AllocStats::caching`], 1 or 0 |
 
 `cpu` is the CPU's number (`\"0\"`, `\"1\"`, ...). Every possible CPU has its series once the
@@ -104,7 +129,7 @@ caches are in use, none before."
 #[cfg(feature = "metrics")]
 mod facade {
     use super::series::*;
-    use crate::allocator::{AllocStats, CpuAllocStats, PerCpuAlloc};
+    use crate::allocator::{AllocStats, CpuAllocStats, HeapStats, PerCpuAlloc};
     use core::alloc::GlobalAlloc;
 
     #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
@@ -156,6 +181,7 @@ mod facade {
                 transfer_bytes,
                 batches_handed_over,
                 batches_taken,
+                heap,
             } = self;
             describe();
             metrics::gauge!(CACHING.name).set(f64::from(u8::from(*caching)));
@@ -164,6 +190,18 @@ mod facade {
             metrics::gauge!(TRANSFER_OBJECTS.name).set(*transfer_objects as f64);
             metrics::counter!(BATCHES_HANDED_OVER.name).absolute(*batches_handed_over);
             metrics::counter!(BATCHES_TAKEN.name).absolute(*batches_taken);
+            let HeapStats {
+                mapped_bytes,
+                in_use_bytes,
+                free_resident_bytes,
+                returned_bytes,
+                returned_total_bytes,
+            } = *heap;
+            metrics::gauge!(HEAP_MAPPED_BYTES.name).set(mapped_bytes as f64);
+            metrics::gauge!(HEAP_IN_USE_BYTES.name).set(in_use_bytes as f64);
+            metrics::gauge!(HEAP_FREE_RESIDENT_BYTES.name).set(free_resident_bytes as f64);
+            metrics::gauge!(HEAP_FREE_RETURNED_BYTES.name).set(returned_bytes as f64);
+            metrics::counter!(HEAP_RETURNED_BYTES.name).absolute(returned_total_bytes);
             for stats in per_cpu {
                 let CpuAllocStats {
                     cpu,
@@ -191,7 +229,15 @@ mod facade {
     /// Describes every series to the current recorder.
     fn describe() {
         use metrics::Unit;
-        for gauge in [&CACHED_BYTES, &CAPACITY_BYTES, &TRANSFER_BYTES] {
+        for gauge in [
+            &CACHED_BYTES,
+            &CAPACITY_BYTES,
+            &TRANSFER_BYTES,
+            &HEAP_MAPPED_BYTES,
+            &HEAP_IN_USE_BYTES,
+            &HEAP_FREE_RESIDENT_BYTES,
+            &HEAP_FREE_RETURNED_BYTES,
+        ] {
             metrics::describe_gauge!(gauge.name, Unit::Bytes, gauge.help);
         }
         for gauge in [&CACHED_OBJECTS, &CACHING, &TRANSFER_OBJECTS] {
@@ -207,6 +253,11 @@ mod facade {
         ] {
             metrics::describe_counter!(counter.name, Unit::Count, counter.help);
         }
+        metrics::describe_counter!(
+            HEAP_RETURNED_BYTES.name,
+            Unit::Bytes,
+            HEAP_RETURNED_BYTES.help
+        );
     }
 
     #[cfg_attr(docsrs, doc(cfg(feature = "metrics")))]
@@ -234,7 +285,7 @@ pub use registry::AllocCollector;
 #[cfg(feature = "prometheus-client")]
 mod registry {
     use super::series::*;
-    use crate::allocator::{AllocStats, CpuAllocStats, PerCpuAlloc};
+    use crate::allocator::{AllocStats, CpuAllocStats, HeapStats, PerCpuAlloc};
     use crate::prometheus::prometheus_client;
     use core::alloc::GlobalAlloc;
     use prometheus_client::collector::Collector;
@@ -317,6 +368,7 @@ mod registry {
             transfer_bytes,
             batches_handed_over,
             batches_taken,
+            heap,
         } = stats;
         per_cpu_gauge(&mut encoder, &CACHED_BYTES, per_cpu, |cpu| cpu.cached_bytes)?;
         per_cpu_gauge(&mut encoder, &CACHED_OBJECTS, per_cpu, |cpu| {
@@ -335,6 +387,18 @@ mod registry {
         gauge(&mut encoder, &TRANSFER_OBJECTS, transfer_objects)?;
         counter(&mut encoder, &BATCHES_HANDED_OVER, *batches_handed_over)?;
         counter(&mut encoder, &BATCHES_TAKEN, *batches_taken)?;
+        let HeapStats {
+            mapped_bytes,
+            in_use_bytes,
+            free_resident_bytes,
+            returned_bytes,
+            returned_total_bytes,
+        } = heap;
+        gauge(&mut encoder, &HEAP_MAPPED_BYTES, mapped_bytes)?;
+        gauge(&mut encoder, &HEAP_IN_USE_BYTES, in_use_bytes)?;
+        gauge(&mut encoder, &HEAP_FREE_RESIDENT_BYTES, free_resident_bytes)?;
+        gauge(&mut encoder, &HEAP_FREE_RETURNED_BYTES, returned_bytes)?;
+        counter(&mut encoder, &HEAP_RETURNED_BYTES, *returned_total_bytes)?;
         gauge(&mut encoder, &CACHING, &u64::from(*caching))
     }
 
@@ -419,13 +483,14 @@ mod registry {
 
 #[cfg(feature = "serde")]
 mod serialize {
-    use crate::allocator::{AllocStats, CpuAllocStats};
+    use crate::allocator::{AllocStats, CpuAllocStats, HeapStats};
 
     /// With the `serde` feature, the statistics serialize as their fields, under their names:
     /// `{"per_cpu": [{"cpu", "hits", "misses", "spills", "passed_through", "cached_objects",
     /// "cached_bytes"}, ..], "caching", "capacity_bytes", "counting_hits", "transfer_objects",
-    /// "transfer_bytes", "batches_handed_over", "batches_taken"}`, with `null` for hits that
-    /// are not counted.
+    /// "transfer_bytes", "batches_handed_over", "batches_taken", "heap": {"mapped_bytes",
+    /// "in_use_bytes", "free_resident_bytes", "returned_bytes", "returned_total_bytes"}}`,
+    /// with `null` for hits that are not counted.
     ///
     /// ```
     /// let stats = thiscpu::PerCpuAlloc::new().counting_hits().stats();
@@ -447,8 +512,9 @@ mod serialize {
                 transfer_bytes,
                 batches_handed_over,
                 batches_taken,
+                heap,
             } = self;
-            let mut state = serializer.serialize_struct("AllocStats", 8)?;
+            let mut state = serializer.serialize_struct("AllocStats", 9)?;
             state.serialize_field("per_cpu", per_cpu)?;
             state.serialize_field("caching", caching)?;
             state.serialize_field("capacity_bytes", capacity_bytes)?;
@@ -457,6 +523,30 @@ mod serialize {
             state.serialize_field("transfer_bytes", transfer_bytes)?;
             state.serialize_field("batches_handed_over", batches_handed_over)?;
             state.serialize_field("batches_taken", batches_taken)?;
+            state.serialize_field("heap", heap)?;
+            state.end()
+        }
+    }
+
+    /// With the `serde` feature, the heap's figures serialize as their fields, under their
+    /// names (see [`AllocStats`]'s `Serialize`).
+    #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
+    impl serde::Serialize for HeapStats {
+        fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            use serde::ser::SerializeStruct;
+            let HeapStats {
+                mapped_bytes,
+                in_use_bytes,
+                free_resident_bytes,
+                returned_bytes,
+                returned_total_bytes,
+            } = self;
+            let mut state = serializer.serialize_struct("HeapStats", 5)?;
+            state.serialize_field("mapped_bytes", mapped_bytes)?;
+            state.serialize_field("in_use_bytes", in_use_bytes)?;
+            state.serialize_field("free_resident_bytes", free_resident_bytes)?;
+            state.serialize_field("returned_bytes", returned_bytes)?;
+            state.serialize_field("returned_total_bytes", returned_total_bytes)?;
             state.end()
         }
     }
@@ -506,9 +596,12 @@ mod tests {
     /// most are not zero.
     fn churned() -> &'static PerCpuAlloc {
         // Room for one 4,104-byte object per class and CPU: the largest class spills the second.
-        // Leaked: a collector needs a `&'static` allocator (`.ci/lsan.supp` names it).
+        // Leaked: a collector needs a `&'static` allocator (`.ci/lsan.supp` names it). Without
+        // the own heap, which the process's other tests share: its figures would move between
+        // a read and an export.
         let allocator = Box::leak(Box::new(
             PerCpuAlloc::new()
+                .with_own_heap(false)
                 .with_cache_bytes(4104 * super::super::classes::CLASSES)
                 .counting_hits(),
         ));
@@ -558,6 +651,20 @@ mod tests {
                 stats.batches_handed_over,
             ),
             ("thiscpu_alloc_batches_taken_total", stats.batches_taken),
+            ("thiscpu_alloc_heap_mapped_bytes", stats.heap.mapped_bytes),
+            ("thiscpu_alloc_heap_in_use_bytes", stats.heap.in_use_bytes),
+            (
+                "thiscpu_alloc_heap_free_resident_bytes",
+                stats.heap.free_resident_bytes,
+            ),
+            (
+                "thiscpu_alloc_heap_free_returned_bytes",
+                stats.heap.returned_bytes,
+            ),
+            (
+                "thiscpu_alloc_heap_returned_bytes_total",
+                stats.heap.returned_total_bytes,
+            ),
         ] {
             series.insert(name.into(), value as f64);
         }
@@ -696,6 +803,13 @@ mod tests {
             "transfer_bytes": stats.transfer_bytes,
             "batches_handed_over": stats.batches_handed_over,
             "batches_taken": stats.batches_taken,
+            "heap": {
+                "mapped_bytes": stats.heap.mapped_bytes,
+                "in_use_bytes": stats.heap.in_use_bytes,
+                "free_resident_bytes": stats.heap.free_resident_bytes,
+                "returned_bytes": stats.heap.returned_bytes,
+                "returned_total_bytes": stats.heap.returned_total_bytes,
+            },
         });
         assert_eq!(serde_json::to_value(&stats).unwrap(), expected);
         let uncounted = serde_json::to_value(PerCpuAlloc::new().stats()).unwrap();

@@ -62,6 +62,11 @@ impl Batch {
         self.len
     }
 
+    /// How many more objects it has room for.
+    pub(super) fn room(&self) -> usize {
+        MAX_BATCH - self.len
+    }
+
     /// Adds `object`, which the caller gives to the batch. The batch must not be full.
     pub(super) fn push(&mut self, object: *mut u8) {
         self.objects[self.len] = object as usize;

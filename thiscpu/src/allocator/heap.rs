@@ -1,0 +1,603 @@
+//! The allocator's own heap of small objects, behind the per-CPU caches and their transfer
+//! lists: what a miss takes a batch from and a spill gives a batch to when no other CPU has
+//! one to hand over or room to take it.
+//!
+//! # Layout
+//! Memory comes from the system in *chunks* of [`CHUNK_BYTES`], aligned to their size, and is
+//! never unmapped (its pages are given back instead). A chunk is cut into *spans* of
+//! [`SPAN_BYTES`]; each span in use holds objects of one size class, packed from its start at a
+//! stride of the class size rounded up to 16 (so every object is aligned to 16, as every cached
+//! object must be), with no header per object. The chunk's first span holds the records of its
+//! spans, one line each, in its first page; its other pages are never touched. So an address
+//! finds its span's record by masking and one shift, and whether the heap owns it by one bit of
+//! a map of every chunk the address space can hold ([`ADDRESS_BITS`]): a bitmap reserved at
+//! start, whose pages are backed only where chunks are.
+//!
+//! # Per class
+//! Each class has a lock and a doubly linked list of its spans that have room: a free list of
+//! objects given back (the link in each free object's first word) or a tail never carved. A
+//! batch is taken from the first span of the list, a fresh span made when the list is empty;
+//! a batch given back goes object by object to its spans' free lists. A span whose every
+//! object came back leaves its class for the free spans, shared by all classes under the
+//! pages' lock (taken inside a class's lock, never the other way round). Past
+//! [`RETAINED_FREE_SPANS`] free spans, the rest give their pages back to the system at once;
+//! [`Heap::return_free_spans`] gives back all of them.
+//!
+//! # Fork
+//! A `pthread_atfork` handler takes every lock before a fork and releases them after it in
+//! both processes, so a child never inherits a lock held by a thread it does not have.
+//!
+//! The records' fields are atomics accessed with relaxed loads and stores: every field but the
+//! class is read and written only under the lock that owns the span (its class's, or the
+//! pages' while it is free), whose acquiring and releasing order them between holders; the
+//! class is also read without a lock, by [`Heap::object_size`].
+
+use super::classes::{CLASS_SIZES, CLASSES};
+use super::transfer::Batch;
+use core::ptr::NonNull;
+use core::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+/// Bytes of one span: the objects of one size class. 64 KiB holds 15 objects of the largest
+/// class and 2,048 of the smallest.
+pub(super) const SPAN_BYTES: usize = 64 << 10;
+/// Bytes the heap maps at once, aligned to their size.
+pub(super) const CHUNK_BYTES: usize = 4 << 20;
+/// Spans per chunk; the first holds the records.
+const SPANS_PER_CHUNK: usize = CHUNK_BYTES / SPAN_BYTES;
+/// Bytes of one span's record.
+const RECORD_BYTES: usize = 64;
+const _: () = assert!(SPANS_PER_CHUNK * RECORD_BYTES <= 4096);
+const _: () = assert!(size_of::<SpanRecord>() == RECORD_BYTES);
+/// The address bits the ownership map covers: the user half of a 48-bit address space, the
+/// largest any supported system hands out without being asked for more (a chunk above it is
+/// given back, and the heap does without it).
+pub(super) const ADDRESS_BITS: u32 = 48;
+/// Chunks the address space holds, one bit each in the ownership map.
+const CHUNKS: usize = 1 << (ADDRESS_BITS - CHUNK_BYTES.trailing_zeros());
+/// How many free spans keep their pages: a program that frees and allocates in waves reuses
+/// them without a fault per page; past this, a freed span's pages go back at once.
+pub(super) const RETAINED_FREE_SPANS: usize = 64;
+
+/// One span's state. A record is zero while its span was never used.
+#[repr(C, align(64))]
+struct SpanRecord {
+    /// The span's class plus one while it holds objects; 0 while it is free.
+    class: AtomicU32,
+    /// Objects carved from the start of the span so far; the rest of it was never handed out.
+    carved: AtomicU32,
+    /// Objects handed out (to caches, lists or their users) and not given back.
+    live: AtomicU32,
+    /// Whether the span is on its class's list of spans with room.
+    listed: AtomicU32,
+    /// The first object of the span's free list, 0 if none; each free object's first word
+    /// holds the next.
+    free: AtomicUsize,
+    /// The next and previous records on the span's list (its class's, or a free list of the
+    /// pages), 0 at the ends.
+    next: AtomicUsize,
+    prev: AtomicUsize,
+    /// Whether the span's pages were given back to the system (while it is free).
+    returned: AtomicU32,
+    _pad: [u32; 5],
+}
+
+/// A lock that spins briefly and then sleeps on the word (0 free, 1 held, 2 held with
+/// sleepers). Not a guard type: the fork handlers take and release every lock across calls.
+#[derive(Debug)]
+struct Lock(AtomicU32);
+
+impl Lock {
+    const fn new() -> Lock {
+        Lock(AtomicU32::new(0))
+    }
+
+    fn lock(&self) {
+        if self
+            .0
+            .compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed)
+            .is_err()
+        {
+            self.lock_contended();
+        }
+    }
+
+    #[cold]
+    fn lock_contended(&self) {
+        for _ in 0..100 {
+            core::hint::spin_loop();
+            if self.0.load(Ordering::Relaxed) == 0
+                && self
+                    .0
+                    .compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed)
+                    .is_ok()
+            {
+                return;
+            }
+        }
+        while self.0.swap(2, Ordering::Acquire) != 0 {
+            crate::os::wait(&self.0, 2);
+        }
+    }
+
+    fn unlock(&self) {
+        if self.0.swap(0, Ordering::Release) == 2 {
+            crate::os::wake(&self.0, 1);
+        }
+    }
+}
+
+/// A size class's spans with room, under its lock.
+#[derive(Debug)]
+#[repr(align(128))]
+struct ClassSpans {
+    lock: Lock,
+    /// The first record of the list of spans with room, 0 if none.
+    with_room: AtomicUsize,
+    /// Spans holding objects of the class.
+    spans: AtomicUsize,
+}
+
+/// The spans that hold no class, and where fresh ones come from, under `lock`.
+#[derive(Debug)]
+struct Pages {
+    lock: Lock,
+    /// Free spans whose pages are resident (records linked by `next`).
+    free: AtomicUsize,
+    free_count: AtomicUsize,
+    /// Free spans whose pages were given back.
+    returned: AtomicUsize,
+    returned_count: AtomicUsize,
+    /// The chunk fresh spans are carved from (0 before the first), and its next span.
+    chunk: AtomicUsize,
+    next_span: AtomicUsize,
+    chunks: AtomicUsize,
+    /// Bytes of pages given back since the start.
+    returned_bytes: AtomicU64,
+}
+
+/// The heap's figures at one moment.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct HeapFigures {
+    /// Bytes of chunks mapped.
+    pub(super) mapped: u64,
+    /// Bytes of spans holding a class's objects.
+    pub(super) in_use: u64,
+    /// Bytes of free spans whose pages are resident.
+    pub(super) free_resident: u64,
+    /// Bytes of free spans whose pages were given back.
+    pub(super) returned: u64,
+    /// Bytes of pages given back to the system since the start.
+    pub(super) returned_total: u64,
+}
+
+const UNSTARTED: u8 = 0;
+const STARTING: u8 = 1;
+const READY: u8 = 2;
+const FAILED: u8 = 3;
+
+/// The heap: one per process, shared by every allocator that uses one.
+#[derive(Debug)]
+pub(super) struct Heap {
+    classes: [ClassSpans; CLASSES],
+    pages: Pages,
+    /// The ownership map: one bit per chunk of the address space.
+    owned: AtomicUsize,
+    state: AtomicU8,
+}
+
+static HEAP: Heap = Heap::new();
+
+/// The heap, if it was started.
+#[inline]
+pub(super) fn started() -> Option<&'static Heap> {
+    (HEAP.state.load(Ordering::Acquire) == READY).then_some(&HEAP)
+}
+
+/// The heap, starting it on first use; `None` if the system refused its ownership map, or
+/// while another thread starts it (which may allocate, and come back here).
+#[cold]
+pub(super) fn start() -> Option<&'static Heap> {
+    if cfg!(thiscpu_model) {
+        // The model checker runs the caches' protocol against the inner allocator alone.
+        return None;
+    }
+    if let Some(heap) = started() {
+        return Some(heap);
+    }
+    if HEAP
+        .state
+        .compare_exchange(UNSTARTED, STARTING, Ordering::Acquire, Ordering::Relaxed)
+        .is_err()
+    {
+        return None;
+    }
+    let Some(map) = crate::os::reserve_zeroed(CHUNKS / 8) else {
+        HEAP.state.store(FAILED, Ordering::Release);
+        return None;
+    };
+    HEAP.owned.store(map.as_ptr() as usize, Ordering::Release);
+    crate::os::at_fork(lock_for_fork, unlock_after_fork, unlock_after_fork);
+    HEAP.state.store(READY, Ordering::Release);
+    Some(&HEAP)
+}
+
+extern "C" fn lock_for_fork() {
+    if let Some(heap) = started() {
+        for class in &heap.classes {
+            class.lock.lock();
+        }
+        heap.pages.lock.lock();
+    }
+}
+
+extern "C" fn unlock_after_fork() {
+    if let Some(heap) = started() {
+        heap.pages.lock.unlock();
+        for class in &heap.classes {
+            class.lock.unlock();
+        }
+    }
+}
+
+/// The stride of `class`'s objects in a span.
+const fn stride(class: usize) -> usize {
+    (CLASS_SIZES[class] + 15) & !15
+}
+
+/// Objects of `class` one span holds.
+const fn objects_per_span(class: usize) -> usize {
+    SPAN_BYTES / stride(class)
+}
+
+/// The record of the span that holds `address`, an address inside a chunk of the heap.
+///
+/// # Safety
+/// The heap owns `address`'s chunk ([`Heap::owns`]).
+unsafe fn record_of(address: usize) -> &'static SpanRecord {
+    let chunk = address & !(CHUNK_BYTES - 1);
+    let span = (address & (CHUNK_BYTES - 1)) / SPAN_BYTES;
+    // SAFETY: the chunk is mapped for the process's life (chunks are never unmapped) and its
+    // first page holds a record per span, zeroed or written only as records (the caller's
+    // contract that the heap owns it).
+    unsafe { &*((chunk + span * RECORD_BYTES) as *const SpanRecord) }
+}
+
+/// The start of the span whose record is `record`.
+fn span_start(record: &SpanRecord) -> usize {
+    let address = record as *const SpanRecord as usize;
+    let chunk = address & !(CHUNK_BYTES - 1);
+    chunk + (address - chunk) / RECORD_BYTES * SPAN_BYTES
+}
+
+/// The record at `address`, a record's address or 0.
+fn record_at(address: usize) -> Option<&'static SpanRecord> {
+    // SAFETY: the lists hold only addresses of records in mapped chunks, or 0.
+    (address != 0).then(|| unsafe { &*(address as *const SpanRecord) })
+}
+
+fn address_of(record: &SpanRecord) -> usize {
+    record as *const SpanRecord as usize
+}
+
+impl Heap {
+    const fn new() -> Heap {
+        // A fresh value per element, not a shared one: each class gets its own atomics.
+        #[allow(clippy::declare_interior_mutable_const)]
+        const CLASS: ClassSpans = ClassSpans {
+            lock: Lock::new(),
+            with_room: AtomicUsize::new(0),
+            spans: AtomicUsize::new(0),
+        };
+        Heap {
+            classes: [CLASS; CLASSES],
+            pages: Pages {
+                lock: Lock::new(),
+                free: AtomicUsize::new(0),
+                free_count: AtomicUsize::new(0),
+                returned: AtomicUsize::new(0),
+                returned_count: AtomicUsize::new(0),
+                chunk: AtomicUsize::new(0),
+                next_span: AtomicUsize::new(0),
+                chunks: AtomicUsize::new(0),
+                returned_bytes: AtomicU64::new(0),
+            },
+            owned: AtomicUsize::new(0),
+            state: AtomicU8::new(UNSTARTED),
+        }
+    }
+
+    /// The word of the ownership map that holds `chunk_index`'s bit.
+    fn owned_word(&self, chunk_index: usize) -> &AtomicU64 {
+        let map = self.owned.load(Ordering::Acquire) as *const AtomicU64;
+        // SAFETY: the map is `CHUNKS / 8` zeroed bytes, mapped for the process's life before
+        // the heap was published, and `chunk_index < CHUNKS` (the callers check).
+        unsafe { &*map.add(chunk_index / 64) }
+    }
+
+    /// Whether `address` lies in a chunk of the heap.
+    #[inline]
+    pub(super) fn owns(&self, address: usize) -> bool {
+        let chunk_index = address >> CHUNK_BYTES.trailing_zeros();
+        chunk_index < CHUNKS
+            && self.owned_word(chunk_index).load(Ordering::Acquire) & (1 << (chunk_index % 64)) != 0
+    }
+
+    /// The usable size of the object at `address` if it is the start of an object the heap
+    /// carved (live or free: a free one is in a cache, a list, or a span's free list); `None`
+    /// for any other address.
+    pub(super) fn object_size(&self, address: usize) -> Option<usize> {
+        if !self.owns(address) {
+            return None;
+        }
+        // SAFETY: the heap owns the address's chunk.
+        let record = unsafe { record_of(address) };
+        let class = (record.class.load(Ordering::Acquire) as usize).checked_sub(1)?;
+        let offset = address - span_start(record);
+        let carved = record.carved.load(Ordering::Relaxed) as usize;
+        (class < CLASSES
+            && address & (CHUNK_BYTES - 1) >= SPAN_BYTES
+            && offset.is_multiple_of(stride(class))
+            && offset / stride(class) < carved)
+            .then(|| CLASS_SIZES[class])
+    }
+
+    /// Takes up to `want` objects of `class` (at most the batch's room) into `batch`; fewer
+    /// only if the system refuses a new chunk.
+    pub(super) fn take(&self, class: usize, batch: &mut Batch, want: usize) {
+        let spans = &self.classes[class];
+        let want = want.min(batch.room());
+        let mut took = 0;
+        spans.lock.lock();
+        while took < want {
+            let record = match record_at(spans.with_room.load(Ordering::Relaxed)) {
+                Some(record) => record,
+                None => match self.new_span(class) {
+                    Some(record) => {
+                        self.link_first(spans, record);
+                        spans.spans.fetch_add(1, Ordering::Relaxed);
+                        record
+                    }
+                    None => break,
+                },
+            };
+            let start = span_start(record);
+            let capacity = objects_per_span(class) as u32;
+            let mut free = record.free.load(Ordering::Relaxed);
+            let mut carved = record.carved.load(Ordering::Relaxed);
+            let mut live = record.live.load(Ordering::Relaxed);
+            while took < want && free != 0 {
+                batch.push(free as *mut u8);
+                // SAFETY: a free object of this span holds the next one's address in its first
+                // word, written by `give` under this lock.
+                free = unsafe { (free as *const usize).read() };
+                live += 1;
+                took += 1;
+            }
+            while took < want && carved < capacity {
+                batch.push((start + carved as usize * stride(class)) as *mut u8);
+                carved += 1;
+                live += 1;
+                took += 1;
+            }
+            record.free.store(free, Ordering::Relaxed);
+            record.carved.store(carved, Ordering::Relaxed);
+            record.live.store(live, Ordering::Relaxed);
+            if free == 0 && carved == capacity {
+                self.unlink(spans, record);
+            }
+        }
+        spans.lock.unlock();
+    }
+
+    /// Gives back the objects of `batch` that the heap owns, every one an object of `class`
+    /// it handed out; those it does not own stay in the batch.
+    ///
+    /// # Safety
+    /// Every object of the batch that the heap owns was taken from it for `class` and is the
+    /// caller's to give up.
+    pub(super) unsafe fn give(&self, class: usize, batch: &mut Batch) {
+        let spans = &self.classes[class];
+        let mut emptied = Batch::new();
+        let mut foreign = Batch::new();
+        spans.lock.lock();
+        while let Some(object) = batch.pop() {
+            let address = object as usize;
+            if !self.owns(address) {
+                foreign.push(object);
+                continue;
+            }
+            // SAFETY: the heap owns the chunk.
+            let record = unsafe { record_of(address) };
+            // SAFETY: the object is the caller's to give up, so nothing else reads or writes
+            // it; its first word becomes the free list's link.
+            unsafe { (address as *mut usize).write(record.free.load(Ordering::Relaxed)) };
+            record.free.store(address, Ordering::Relaxed);
+            let live = record.live.load(Ordering::Relaxed).wrapping_sub(1);
+            record.live.store(live, Ordering::Relaxed);
+            if record.listed.load(Ordering::Relaxed) == 0 {
+                self.link_first(spans, record);
+            }
+            if live == 0 {
+                self.unlink(spans, record);
+                spans.spans.fetch_sub(1, Ordering::Relaxed);
+                emptied.push(address_of(record) as *mut u8);
+            }
+        }
+        if emptied.len() > 0 {
+            self.pages.lock.lock();
+            while let Some(record) = emptied.pop() {
+                self.free_span(record_at(record as usize).expect("a record"));
+            }
+            self.pages.lock.unlock();
+        }
+        spans.lock.unlock();
+        *batch = foreign;
+    }
+
+    /// Puts `record` first on `spans`'s list. Under the class's lock.
+    fn link_first(&self, spans: &ClassSpans, record: &SpanRecord) {
+        let first = spans.with_room.load(Ordering::Relaxed);
+        record.next.store(first, Ordering::Relaxed);
+        record.prev.store(0, Ordering::Relaxed);
+        if let Some(first) = record_at(first) {
+            first.prev.store(address_of(record), Ordering::Relaxed);
+        }
+        spans.with_room.store(address_of(record), Ordering::Relaxed);
+        record.listed.store(1, Ordering::Relaxed);
+    }
+
+    /// Takes `record` off `spans`'s list. Under the class's lock.
+    fn unlink(&self, spans: &ClassSpans, record: &SpanRecord) {
+        let next = record.next.load(Ordering::Relaxed);
+        let prev = record.prev.load(Ordering::Relaxed);
+        match record_at(prev) {
+            Some(prev) => prev.next.store(next, Ordering::Relaxed),
+            None => spans.with_room.store(next, Ordering::Relaxed),
+        }
+        if let Some(next) = record_at(next) {
+            next.prev.store(prev, Ordering::Relaxed);
+        }
+        record.next.store(0, Ordering::Relaxed);
+        record.prev.store(0, Ordering::Relaxed);
+        record.listed.store(0, Ordering::Relaxed);
+    }
+
+    /// A span for `class`, set up empty: a free one with resident pages, else one whose pages
+    /// were given back, else a fresh one. Under the class's lock; takes the pages'.
+    fn new_span(&self, class: usize) -> Option<&'static SpanRecord> {
+        let pages = &self.pages;
+        pages.lock.lock();
+        let record = self.pop_free().or_else(|| self.carve_fresh());
+        pages.lock.unlock();
+        let record = record?;
+        record.carved.store(0, Ordering::Relaxed);
+        record.live.store(0, Ordering::Relaxed);
+        record.free.store(0, Ordering::Relaxed);
+        record.returned.store(0, Ordering::Relaxed);
+        record.class.store(class as u32 + 1, Ordering::Release);
+        Some(record)
+    }
+
+    /// A free span off the lists, resident first. Under the pages' lock.
+    fn pop_free(&self) -> Option<&'static SpanRecord> {
+        let pages = &self.pages;
+        for (list, count) in [
+            (&pages.free, &pages.free_count),
+            (&pages.returned, &pages.returned_count),
+        ] {
+            if let Some(record) = record_at(list.load(Ordering::Relaxed)) {
+                list.store(record.next.load(Ordering::Relaxed), Ordering::Relaxed);
+                count.fetch_sub(1, Ordering::Relaxed);
+                record.next.store(0, Ordering::Relaxed);
+                return Some(record);
+            }
+        }
+        None
+    }
+
+    /// The next never-used span, mapping a chunk when the current one is used up. Under the
+    /// pages' lock.
+    fn carve_fresh(&self) -> Option<&'static SpanRecord> {
+        let pages = &self.pages;
+        let mut chunk = pages.chunk.load(Ordering::Relaxed);
+        let mut next = pages.next_span.load(Ordering::Relaxed);
+        if chunk == 0 || next == SPANS_PER_CHUNK {
+            chunk = self.map_chunk()?;
+            next = 1;
+            pages.chunk.store(chunk, Ordering::Relaxed);
+        }
+        pages.next_span.store(next + 1, Ordering::Relaxed);
+        // SAFETY: the heap owns `chunk`, just mapped or the current one.
+        Some(unsafe { record_of(chunk + next * SPAN_BYTES) })
+    }
+
+    /// Maps a chunk and marks it owned. Under the pages' lock.
+    fn map_chunk(&self) -> Option<usize> {
+        let chunk = crate::os::map_aligned(CHUNK_BYTES)?.as_ptr() as usize;
+        let chunk_index = chunk >> CHUNK_BYTES.trailing_zeros();
+        if chunk_index >= CHUNKS {
+            // SAFETY: a mapping of `map_aligned`, of `CHUNK_BYTES`, used by nothing.
+            unsafe {
+                crate::os::unreserve(NonNull::new(chunk as *mut u8)?, CHUNK_BYTES);
+            }
+            return None;
+        }
+        #[cfg(thiscpu_lsan)]
+        super::caches::leak_roots::register(chunk as *const u8, CHUNK_BYTES);
+        self.owned_word(chunk_index)
+            .fetch_or(1 << (chunk_index % 64), Ordering::Release);
+        self.pages.chunks.fetch_add(1, Ordering::Relaxed);
+        Some(chunk)
+    }
+
+    /// Puts the emptied span `record` on the free spans, giving its pages back if more than
+    /// `RETAINED_FREE_SPANS` are resident. Under the pages' lock.
+    fn free_span(&self, record: &'static SpanRecord) {
+        let pages = &self.pages;
+        record.class.store(0, Ordering::Release);
+        if pages.free_count.load(Ordering::Relaxed) >= RETAINED_FREE_SPANS {
+            self.give_pages_back(record);
+            return;
+        }
+        record
+            .next
+            .store(pages.free.load(Ordering::Relaxed), Ordering::Relaxed);
+        pages.free.store(address_of(record), Ordering::Relaxed);
+        pages.free_count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Gives a free span's pages back and puts it on the returned list. Under the pages'
+    /// lock.
+    fn give_pages_back(&self, record: &'static SpanRecord) {
+        let pages = &self.pages;
+        let start = span_start(record);
+        // SAFETY: a whole span of a mapped chunk, page-aligned, holding no object (it is
+        // free: every object came back).
+        unsafe {
+            crate::os::return_pages(NonNull::new(start as *mut u8).expect("a span"), SPAN_BYTES)
+        };
+        record.returned.store(1, Ordering::Relaxed);
+        record
+            .next
+            .store(pages.returned.load(Ordering::Relaxed), Ordering::Relaxed);
+        pages.returned.store(address_of(record), Ordering::Relaxed);
+        pages.returned_count.fetch_add(1, Ordering::Relaxed);
+        pages
+            .returned_bytes
+            .fetch_add(SPAN_BYTES as u64, Ordering::Relaxed);
+    }
+
+    /// Gives the pages of every free span back to the system; the bytes given back.
+    pub(super) fn return_free_spans(&self) -> u64 {
+        let pages = &self.pages;
+        pages.lock.lock();
+        let mut bytes = 0;
+        while let Some(record) = record_at(pages.free.load(Ordering::Relaxed)) {
+            pages
+                .free
+                .store(record.next.load(Ordering::Relaxed), Ordering::Relaxed);
+            pages.free_count.fetch_sub(1, Ordering::Relaxed);
+            self.give_pages_back(record);
+            bytes += SPAN_BYTES as u64;
+        }
+        pages.lock.unlock();
+        bytes
+    }
+
+    /// The heap's figures now, read without locks (each a moment stale while others work).
+    pub(super) fn figures(&self) -> HeapFigures {
+        let pages = &self.pages;
+        let spans: usize = self
+            .classes
+            .iter()
+            .map(|class| class.spans.load(Ordering::Relaxed))
+            .sum();
+        HeapFigures {
+            mapped: (pages.chunks.load(Ordering::Relaxed) * CHUNK_BYTES) as u64,
+            in_use: (spans * SPAN_BYTES) as u64,
+            free_resident: (pages.free_count.load(Ordering::Relaxed) * SPAN_BYTES) as u64,
+            returned: (pages.returned_count.load(Ordering::Relaxed) * SPAN_BYTES) as u64,
+            returned_total: pages.returned_bytes.load(Ordering::Relaxed),
+        }
+    }
+}

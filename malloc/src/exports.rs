@@ -5,8 +5,9 @@ use core::alloc::{GlobalAlloc, Layout};
 use core::ffi::{c_int, c_void};
 use thiscpu::PerCpuAlloc;
 
-/// The caches every exported call uses.
-static CACHES: PerCpuAlloc<Glibc> = PerCpuAlloc::with_inner(Glibc);
+/// The caches every exported call uses, in front of the own heap for the size classes and of
+/// glibc's allocator for everything else.
+static CACHES: PerCpuAlloc<Glibc> = PerCpuAlloc::with_inner(Glibc).with_own_heap(true);
 
 /// What the library allocates for itself (its statistics, its topology) goes straight to
 /// glibc, never back through its own `malloc`.
@@ -27,6 +28,32 @@ fn class_layout_of(usable: usize) -> Option<Layout> {
             .is_ok()
     };
     is_class.then(|| Layout::from_size_align(usable, MALLOC_ALIGN).ok())?
+}
+
+/// The layout the caches take `object` back with, if it is an object of a size class: one of
+/// the own heap's (found by its address), or a chunk of glibc's of exactly a class's size (found
+/// by its header); `None` for any other chunk of glibc's.
+///
+/// # Safety
+/// `object` is a live block from this library's (or glibc's) allocation functions.
+unsafe fn class_layout_at(object: *const u8) -> Option<Layout> {
+    if let Some(size) = CACHES.heap_object_size(object) {
+        return Layout::from_size_align(size, MALLOC_ALIGN).ok();
+    }
+    // SAFETY: a block the heap does not own is glibc's (the caller's contract).
+    class_layout_of(unsafe { glibc::usable_size(object) })
+}
+
+/// The bytes the block at `object` holds.
+///
+/// # Safety
+/// As for [`class_layout_at`].
+unsafe fn usable_size_at(object: *const u8) -> usize {
+    match CACHES.heap_object_size(object) {
+        Some(size) => size,
+        // SAFETY: a block the heap does not own is glibc's (the caller's contract).
+        None => unsafe { glibc::usable_size(object) },
+    }
 }
 
 /// Sets `errno` to `code`.
@@ -80,11 +107,10 @@ pub unsafe extern "C" fn free(object: *mut c_void) {
     if checking::on() {
         checking::before_free(object);
     }
-    // SAFETY: a live block of glibc's allocator: every block is one (the caller's contract).
-    let usable = unsafe { glibc::usable_size(object) };
-    match class_layout_of(usable) {
-        // SAFETY: a chunk of exactly the class's size, as the caches make them: the class's
-        // layout is one the caches could have allocated it with.
+    // SAFETY: a live block (the caller's contract).
+    match unsafe { class_layout_at(object) } {
+        // SAFETY: an object of the heap's class, or a chunk of exactly the class's size, as the
+        // caches make them: the class's layout is one the caches could have allocated it with.
         Some(layout) => unsafe { CACHES.dealloc(object, layout) },
         // SAFETY: a chunk of glibc's that no class holds.
         None => unsafe { glibc::free(object) },
@@ -96,6 +122,7 @@ pub unsafe extern "C" fn free(object: *mut c_void) {
 /// process with a message on standard error (`abort`, as glibc does on the ones it finds).
 mod checking {
     use super::{CACHES, class_layout_of, glibc};
+    use core::alloc::Layout;
     use core::sync::atomic::{AtomicU8, Ordering::Relaxed};
 
     /// Not read yet, off, on.
@@ -154,6 +181,14 @@ mod checking {
     pub(super) fn before_free(object: *const u8) {
         if !(object as usize).is_multiple_of(glibc::MALLOC_ALIGN) {
             report("free of a pointer no allocation returned", object);
+        }
+        if let Some(size) = CACHES.heap_object_size(object) {
+            let layout = Layout::from_size_align(size, glibc::MALLOC_ALIGN)
+                .expect("a class's layout");
+            if CACHES.caches_object(object, layout) {
+                report("double free: the object is cached already", object);
+            }
+            return;
         }
         // SAFETY: the caller's pointer, aligned, which it says is a live block; the word before
         // a block this library or glibc returned is readable. A pointer into another mapping
@@ -227,9 +262,8 @@ pub unsafe extern "C" fn realloc(object: *mut c_void, size: usize) -> *mut c_voi
     if checking::on() {
         checking::before_free(object);
     }
-    // SAFETY: a live block of glibc's allocator (the caller's contract).
-    let usable = unsafe { glibc::usable_size(object) };
-    let moved = match class_layout_of(usable) {
+    // SAFETY: a live block (the caller's contract).
+    let moved = match unsafe { class_layout_at(object) } {
         // SAFETY: as in `free`, the chunk could have been allocated with this layout; the new
         // size, rounded up to 16, fits in `isize` (checked above).
         Some(layout) => unsafe { CACHES.realloc(object, layout, size) },
@@ -329,8 +363,8 @@ pub unsafe extern "C" fn malloc_usable_size(object: *mut c_void) -> usize {
     if object.is_null() {
         return 0;
     }
-    // SAFETY: a live block of glibc's allocator (the caller's contract).
-    unsafe { glibc::usable_size(object.cast()) }
+    // SAFETY: a live block (the caller's contract).
+    unsafe { usable_size_at(object.cast()) }
 }
 
 /// 1 if the per-CPU caches serve this process, 0 if every call goes to glibc's allocator (no
@@ -352,8 +386,9 @@ fn released(outcome: Result<usize, thiscpu::allocator::ReleaseError>) -> usize {
     }
 }
 
-/// Gives every CPU's cached objects back to glibc's allocator, and glibc's free pages back to
-/// the system (`malloc_trim(0)`); returns the bytes of objects given back.
+/// Gives every CPU's cached objects back (to the own heap, or to glibc's allocator for its
+/// chunks), the pages of the heap's free spans back to the system, and glibc's free pages too
+/// (`malloc_trim(0)`); returns the bytes of objects given back.
 #[unsafe(no_mangle)]
 pub extern "C" fn thiscpu_malloc_release() -> usize {
     let bytes = released(CACHES.release());

@@ -12,7 +12,10 @@
 //!
 //! So: every usable size from 24 to 1,032 bytes (64 classes, the range of glibc's per-thread
 //! cache), then four per doubling up to 4,104 (the usable size of a 4 KiB request), which round
-//! up by less than a quarter: 72 classes.
+//! up by less than a quarter. Below them, one class of 16 bytes for the requests of at most
+//! 16, which the own heap packs at a stride of 16 where glibc's smallest chunk is 32 (from
+//! glibc it is a 24-byte chunk like any other): a million short `String`s take half the
+//! memory. 73 classes.
 
 use core::alloc::Layout;
 
@@ -25,7 +28,10 @@ pub const MAX_CACHED_SIZE: usize = 4104;
 pub(crate) const CACHED_ALIGN: usize = 16;
 
 /// Number of size classes.
-pub(crate) const CLASSES: usize = 72;
+pub(crate) const CLASSES: usize = 73;
+
+/// The smallest class: requests of at most 16 bytes.
+const SMALLEST: usize = 16;
 
 /// The largest class of 16-byte steps: the usable size of glibc's largest per-thread cached
 /// chunk (1,040 bytes).
@@ -34,9 +40,10 @@ const LAST_STEP: usize = 1032;
 /// Every class's object size, smallest first.
 pub(crate) const CLASS_SIZES: [usize; CLASSES] = {
     let mut sizes = [0usize; CLASSES];
-    let mut class = 0;
-    while 16 * class + 24 <= LAST_STEP {
-        sizes[class] = 16 * class + 24;
+    sizes[0] = SMALLEST;
+    let mut class = 1;
+    while 16 * class + 8 <= LAST_STEP {
+        sizes[class] = 16 * class + 8;
         class += 1;
     }
     let large = [1288, 1544, 1800, 2056, 2568, 3080, 3592, 4104];
@@ -49,17 +56,17 @@ pub(crate) const CLASS_SIZES: [usize; CLASSES] = {
     sizes
 };
 
-/// The class of each size, indexed by `(size + 7) / 16`: sizes from `16 i - 8` to `16 i + 8`
-/// share entry `i`, and every class boundary is one of those `16 i + 8`. Entry 0 (requests of
-/// at most 8 bytes) is the smallest class. The table ends at `MAX_CACHED_SIZE`: an index past
-/// it is a size no class holds.
-const CLASS_OF: [u8; (MAX_CACHED_SIZE + 7) / 16 + 1] = {
-    let mut table = [0u8; (MAX_CACHED_SIZE + 7) / 16 + 1];
+/// The class of each size, indexed by `(size + 7) / 8`: sizes from `8 i - 7` to `8 i` share
+/// entry `i`, and every class boundary is a multiple of 8. Entry 0 (requests of no bytes) is
+/// the smallest class. The table ends at `MAX_CACHED_SIZE`: an index past it is a size no class
+/// holds.
+const CLASS_OF: [u8; MAX_CACHED_SIZE.div_ceil(8) + 1] = {
+    let mut table = [0u8; MAX_CACHED_SIZE.div_ceil(8) + 1];
     let mut index = 0;
     let mut class = 0;
     while index < table.len() {
         // The largest size of this entry.
-        while CLASS_SIZES[class] < 16 * index + 8 {
+        while CLASS_SIZES[class] < 8 * index {
             class += 1;
         }
         table[index] = class as u8;
@@ -90,7 +97,7 @@ pub(crate) fn class_of(layout: Layout) -> Option<usize> {
     // The table's bounds are the size limit: one comparison for both. A layout's size is at
     // most `isize::MAX`, so adding 7 cannot wrap.
     CLASS_OF
-        .get((layout.size() + 7) >> 4)
+        .get((layout.size() + 7) >> 3)
         .map(|&class| class as usize)
 }
 
@@ -138,7 +145,11 @@ mod tests {
 
     #[test]
     fn small_sizes_get_what_glibc_would_give_them() {
-        for size in 1..=LAST_STEP {
+        for size in 1..=SMALLEST {
+            let class = CLASS_SIZES[class_of(Layout::from_size_align(size, 1).unwrap()).unwrap()];
+            assert_eq!(class, SMALLEST, "{size}");
+        }
+        for size in SMALLEST + 1..=LAST_STEP {
             let glibc_usable = ((size + 8 + 15) & !15).max(32) - 8;
             let class = CLASS_SIZES[class_of(Layout::from_size_align(size, 1).unwrap()).unwrap()];
             assert_eq!(class, glibc_usable, "{size}");

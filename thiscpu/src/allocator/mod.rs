@@ -174,7 +174,7 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
 
     /// Caches at most `per_cpu` bytes on each CPU (0 caches nothing: every call goes to the
     /// inner allocator), and as much again in the transfer lists between the CPUs. Each size
-    /// class holds up to `per_cpu / 72` bytes per CPU, so small settings leave the largest
+    /// class holds up to `per_cpu / 73` bytes per CPU, so small settings leave the largest
     /// classes uncached.
     ///
     /// ```

@@ -35,7 +35,7 @@
 use super::classes::{CLASS_SIZES, CLASSES};
 use super::transfer::Batch;
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use core::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 /// Bytes of one span: the objects of one size class. 64 KiB holds 15 objects of the largest
 /// class and 2,048 of the smallest.
@@ -221,21 +221,31 @@ pub(super) fn start() -> Option<&'static Heap> {
     Some(&HEAP)
 }
 
+/// Whether `lock_for_fork` took the locks, for the handlers after the fork: the heap may have
+/// started on another thread in between, and its locks are then not the forking thread's to
+/// release.
+static LOCKED_FOR_FORK: AtomicBool = AtomicBool::new(false);
+
 extern "C" fn lock_for_fork() {
     if let Some(heap) = started() {
         for class in &heap.classes {
             class.lock.lock();
         }
         heap.pages.lock.lock();
+        LOCKED_FOR_FORK.store(true, Ordering::Relaxed);
     }
 }
 
 extern "C" fn unlock_after_fork() {
-    if let Some(heap) = started() {
-        heap.pages.lock.unlock();
-        for class in &heap.classes {
-            class.lock.unlock();
-        }
+    if LOCKED_FOR_FORK.swap(false, Ordering::Relaxed) {
+        unlock_all(&HEAP);
+    }
+}
+
+fn unlock_all(heap: &Heap) {
+    heap.pages.lock.unlock();
+    for class in &heap.classes {
+        class.lock.unlock();
     }
 }
 

@@ -184,8 +184,8 @@ mod checking {
             report("free of a pointer no allocation returned", object);
         }
         if let Some(size) = CACHES.heap_object_size(object) {
-            let layout = Layout::from_size_align(size, glibc::MALLOC_ALIGN)
-                .expect("a class's layout");
+            let layout =
+                Layout::from_size_align(size, glibc::MALLOC_ALIGN).expect("a class's layout");
             if CACHES.caches_object(object, layout) {
                 report("double free: the object is cached already", object);
             }

@@ -27,7 +27,7 @@ const fn thiscpu_alloc() -> ThiscpuAlloc {
     thiscpu::PerCpuAlloc::new()
 }
 /// What the thiscpu rows call, for the tables' legend.
-pub const THISCPU_WHAT: &str = "thiscpu::PerCpuAlloc over glibc malloc";
+pub const THISCPU_WHAT: &str = "thiscpu::PerCpuAlloc, own heap (glibc malloc above 4 KiB)";
 
 /// Set in the environment of a child process of `bench alloc` to `ALLOCATOR/TASK/SIZE`.
 pub const CHILD_ENV: &str = "THISCPU_BENCH_ALLOC_CHILD";

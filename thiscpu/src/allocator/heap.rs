@@ -33,6 +33,7 @@
 //! class is also read without a lock, by [`Heap::object_size`].
 
 use super::classes::{CLASS_SIZES, CLASSES};
+use super::heap_lock::Lock;
 use super::transfer::Batch;
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
@@ -79,51 +80,6 @@ struct SpanRecord {
     /// Whether the span's pages were given back to the system (while it is free).
     returned: AtomicU32,
     _pad: [u32; 5],
-}
-
-/// A lock that spins briefly and then sleeps on the word (0 free, 1 held, 2 held with
-/// sleepers). Not a guard type: the fork handlers take and release every lock across calls.
-#[derive(Debug)]
-struct Lock(AtomicU32);
-
-impl Lock {
-    const fn new() -> Lock {
-        Lock(AtomicU32::new(0))
-    }
-
-    fn lock(&self) {
-        if self
-            .0
-            .compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
-            self.lock_contended();
-        }
-    }
-
-    #[cold]
-    fn lock_contended(&self) {
-        for _ in 0..100 {
-            core::hint::spin_loop();
-            if self.0.load(Ordering::Relaxed) == 0
-                && self
-                    .0
-                    .compare_exchange(0, 1, Ordering::Acquire, Ordering::Relaxed)
-                    .is_ok()
-            {
-                return;
-            }
-        }
-        while self.0.swap(2, Ordering::Acquire) != 0 {
-            crate::os::wait(&self.0, 2);
-        }
-    }
-
-    fn unlock(&self) {
-        if self.0.swap(0, Ordering::Release) == 2 {
-            crate::os::wake(&self.0, 1);
-        }
-    }
 }
 
 /// A size class's spans with room, under its lock.
@@ -294,14 +250,14 @@ impl Heap {
         // A fresh value per element, not a shared one: each class gets its own atomics.
         #[allow(clippy::declare_interior_mutable_const)]
         const CLASS: ClassSpans = ClassSpans {
-            lock: Lock::new(),
+            lock: Lock::over(AtomicU32::new(0)),
             with_room: AtomicUsize::new(0),
             spans: AtomicUsize::new(0),
         };
         Heap {
             classes: [CLASS; CLASSES],
             pages: Pages {
-                lock: Lock::new(),
+                lock: Lock::over(AtomicU32::new(0)),
                 free: AtomicUsize::new(0),
                 free_count: AtomicUsize::new(0),
                 returned: AtomicUsize::new(0),

@@ -75,7 +75,15 @@ mod classes;
 mod export;
 mod fork_stamp;
 mod heap;
+mod heap_lock;
 mod transfer;
+
+/// What `heap_lock` is written with: `core`'s atomics (the heap is a static, built in a
+/// constant) and the system's futex, in every build; its model check supplies loom's.
+mod lock_word {
+    pub(super) use crate::os::{wait, wake};
+    pub(super) use core::sync::atomic::{AtomicU32, Ordering};
+}
 
 pub use classes::{MAX_CACHED_SIZE, size_classes};
 #[cfg(feature = "prometheus-client")]

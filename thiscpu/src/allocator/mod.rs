@@ -1423,6 +1423,7 @@ mod tests {
 
     #[test]
     fn release_gives_back_everything_cached() {
+        let _heap = heap_to_myself();
         for own_heap in [false, true] {
             let allocator = counting(DEFAULT_CACHE_BYTES).with_own_heap(own_heap);
             release_gives_back_everything(allocator);
@@ -1796,6 +1797,17 @@ mod tests {
         );
     }
 
+    /// Held by the tests that fill and empty many of the heap's spans, which the whole process
+    /// shares: one of them running beside another would reuse the other's freed spans, and
+    /// neither would see its own figures.
+    static HEAP_TESTS: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+    fn heap_to_myself() -> std::sync::MutexGuard<'static, ()> {
+        HEAP_TESTS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Allocates `count` objects of each size on each of `threads` threads, checks that they
     /// are distinct, aligned and the heap's (where it serves this process), and frees them.
     fn heap_round(allocator: &PerCpuAlloc, sizes: &[usize], count: usize, threads: usize) {
@@ -1854,6 +1866,7 @@ mod tests {
 
     #[test]
     fn heap_objects_are_distinct_aligned_and_sized() {
+        let _heap = heap_to_myself();
         let allocator = PerCpuAlloc::new();
         for _ in 0..3 {
             heap_round(&allocator, &[1, 24, 100, 1000, 4104], 3000, 4);
@@ -1875,6 +1888,7 @@ mod tests {
 
     #[test]
     fn heap_objects_keep_their_bytes_through_realloc() {
+        let _heap = heap_to_myself();
         let allocator = PerCpuAlloc::new();
         let layout = Layout::from_size_align(40, 8).unwrap();
         // SAFETY: a non-zero layout; every pointer is reallocated or freed with the layout it
@@ -1899,6 +1913,7 @@ mod tests {
 
     #[test]
     fn empty_spans_give_their_pages_back_at_a_release() {
+        let _heap = heap_to_myself();
         let allocator = PerCpuAlloc::new();
         heap_round(&allocator, &[256], 40_000, 2);
         if !allocator.stats().caching {

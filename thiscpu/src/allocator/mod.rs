@@ -1501,25 +1501,34 @@ mod tests {
 
     #[test]
     fn realloc_keeps_the_bytes_and_moves_only_between_classes() {
-        let allocator = counting(DEFAULT_CACHE_BYTES);
-        let layout = Layout::from_size_align(20, 8).unwrap();
-        // SAFETY: non-zero layouts; each object is freed with the layout it has.
-        unsafe {
-            let object = allocator.alloc(layout);
-            for i in 0..20 {
-                object.add(i).write(i as u8);
+        // The second time with the own heap, whose objects the inner allocator's `realloc`
+        // does not know.
+        for own_heap in [false, true] {
+            let allocator = counting(DEFAULT_CACHE_BYTES).with_own_heap(own_heap);
+            let layout = Layout::from_size_align(20, 8).unwrap();
+            // SAFETY: non-zero layouts; each object is freed with the layout it has.
+            unsafe {
+                let object = allocator.alloc(layout);
+                for i in 0..20 {
+                    object.add(i).write(i as u8);
+                }
+                let same = allocator.realloc(object, layout, 24);
+                assert_eq!(same, object, "20 and 24 bytes share the 24-byte class");
+                let grown = allocator.realloc(same, Layout::from_size_align(24, 8).unwrap(), 5000);
+                for i in 0..20 {
+                    assert_eq!(grown.add(i).read(), i as u8);
+                }
+                let shrunk =
+                    allocator.realloc(grown, Layout::from_size_align(5000, 8).unwrap(), 10);
+                for i in 0..10 {
+                    assert_eq!(shrunk.add(i).read(), i as u8);
+                }
+                let moved = allocator.realloc(shrunk, Layout::from_size_align(10, 8).unwrap(), 500);
+                for i in 0..10 {
+                    assert_eq!(moved.add(i).read(), i as u8);
+                }
+                allocator.dealloc(moved, Layout::from_size_align(500, 8).unwrap());
             }
-            let same = allocator.realloc(object, layout, 24);
-            assert_eq!(same, object, "20 and 24 bytes share the 24-byte class");
-            let grown = allocator.realloc(same, Layout::from_size_align(24, 8).unwrap(), 5000);
-            for i in 0..20 {
-                assert_eq!(grown.add(i).read(), i as u8);
-            }
-            let shrunk = allocator.realloc(grown, Layout::from_size_align(5000, 8).unwrap(), 10);
-            for i in 0..10 {
-                assert_eq!(shrunk.add(i).read(), i as u8);
-            }
-            allocator.dealloc(shrunk, Layout::from_size_align(10, 8).unwrap());
         }
     }
 
@@ -1884,31 +1893,6 @@ mod tests {
             allocator.heap_object_size(&*boxed as *const u64 as *const u8),
             None
         );
-    }
-
-    #[test]
-    fn heap_objects_keep_their_bytes_through_realloc() {
-        let _heap = heap_to_myself();
-        let allocator = PerCpuAlloc::new();
-        let layout = Layout::from_size_align(40, 8).unwrap();
-        // SAFETY: a non-zero layout; every pointer is reallocated or freed with the layout it
-        // has then, once.
-        unsafe {
-            let object = allocator.alloc(layout);
-            for at in 0..40 {
-                object.add(at).write(at as u8);
-            }
-            let large = allocator.realloc(object, layout, 10_000);
-            assert!(!large.is_null());
-            let large_layout = Layout::from_size_align(10_000, 8).unwrap();
-            let small = allocator.realloc(large, large_layout, 30);
-            assert!(!small.is_null());
-            let middle = allocator.realloc(small, Layout::from_size_align(30, 8).unwrap(), 500);
-            for at in 0..30 {
-                assert_eq!(middle.add(at).read(), at as u8);
-            }
-            allocator.dealloc(middle, Layout::from_size_align(500, 8).unwrap());
-        }
     }
 
     #[test]

@@ -20,7 +20,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicU8, Ordering::Relaxed};
 
-/// thiscpu's per-CPU allocator front, over glibc's allocator.
+/// thiscpu's per-CPU allocator, its own heap behind it and glibc's allocator for large objects.
 pub type ThiscpuAlloc = thiscpu::PerCpuAlloc;
 /// A new [`ThiscpuAlloc`], with the library's defaults.
 const fn thiscpu_alloc() -> ThiscpuAlloc {

@@ -1,6 +1,7 @@
 //! The per-CPU caches of a [`super::PerCpuAlloc`]: one range of fresh zeroed address space
 //! (`os::reserve_zeroed`, not the inner allocator) that holds a header and, for every possible
-//! CPU, a region of its own. The inner allocator holds only the cached objects.
+//! CPU, a region of its own. The allocator behind the caches (here `inner`: the own heap, or the
+//! inner allocator) holds only the cached objects.
 //!
 //! A CPU's region holds, each part starting on a line of its own:
 //! - a stack head (`count`, `stopped`) per size class, as tcmalloc's slab keeps one per class;

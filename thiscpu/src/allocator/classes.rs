@@ -23,8 +23,9 @@ use core::alloc::Layout;
 /// request); larger requests go to the inner allocator.
 pub const MAX_CACHED_SIZE: usize = 4104;
 
-/// The largest alignment served from the caches. Every cached object is an allocation of its
-/// class size aligned to this by the inner allocator, whatever alignment its user asked for.
+/// The largest alignment served from the caches. Every cached object is aligned to this,
+/// whatever alignment its user asked for: the heap's strides are multiples of it, and the inner
+/// allocator is asked for it.
 pub(crate) const CACHED_ALIGN: usize = 16;
 
 /// Number of size classes.

@@ -1,5 +1,6 @@
-//! `PerCpuAlloc`: a per-CPU cache of small objects in front of any global allocator, in the
-//! manner of tcmalloc's per-CPU caches, for `#[global_allocator]` in one line.
+//! `PerCpuAlloc`: a per-CPU cache of small objects in front of a heap of its own, and of any
+//! global allocator for the rest, in the manner of tcmalloc's per-CPU caches, for
+//! `#[global_allocator]` in one line.
 //!
 //! ```
 //! #[global_allocator]
@@ -23,13 +24,21 @@
 //! object and pushing the rest onto its CPU's stack. So objects freed on one CPU serve
 //! allocations on another, a batch at a time: a producer thread and a consumer thread on two
 //! CPUs move their objects through the list rather than through the inner allocator. The list
-//! is guarded by a try-lock; a call that finds it taken, or a list that is full, sends the
-//! objects to the inner allocator (a spill) or asks it for one (a miss), as the caches do
-//! without the list. Every cached object is an allocation of its class's
-//! size aligned to 16 by the inner allocator, so any path may give it back there: larger or
-//! more aligned requests, a process without rseq, a CPU whose cache is being released, and a
-//! thread that a debugger single-steps (after [`crate::ops::ABORT_LIMIT`] aborts in a row)
-//! all go straight to the inner allocator.
+//! is guarded by a try-lock; a call that finds it taken, or a list that is full, gives the
+//! batch back to the heap behind the caches (a spill) or takes one from it (a miss).
+//!
+//! The heap ([`with_own_heap`](PerCpuAlloc::with_own_heap), on for [`PerCpuAlloc::new`]) is
+//! one per process: spans of 64 KiB, each holding objects of one class at a stride of the
+//! class size rounded up to 16, cut from 4 MiB chunks aligned to their size; a record per span
+//! in the chunk's first page, found by masking an object's address, and a bit per chunk that
+//! says whether the heap owns an address. Each class has a lock and a list of its spans with
+//! room; a span whose objects all came back becomes free for any class, and past 4 MiB of free
+//! spans its pages go back to the system at once. Without the heap (or while the system
+//! refuses it a chunk), the inner allocator makes the classes' objects, with the class's size
+//! and an alignment of 16. Either way any path may give an object back where it came from:
+//! larger or more aligned requests go to the inner allocator, and a process without rseq, a CPU
+//! whose cache is being released, and a thread that a debugger single-steps (after
+//! [`crate::ops::ABORT_LIMIT`] aborts in a row) bypass the caches.
 //!
 //! # Bounds
 //! Each CPU caches at most [`with_cache_bytes`](PerCpuAlloc::with_cache_bytes) bytes
@@ -43,7 +52,9 @@
 //! CPU's cache back, [`release_idle`](PerCpuAlloc::release_idle) those of CPUs that did not
 //! use theirs since the last call, without running anything there (a stop flag and a
 //! membarrier fence of the CPU, as [`crate::Pool::drain_cpu`]); `release` also empties the
-//! transfer lists, and `release_idle` those no batch went in or out of since its previous call.
+//! transfer lists, and `release_idle` those no batch went in or out of since its previous call;
+//! both then give the pages of the heap's free spans back to the system. The heap maps chunks as
+//! it needs them and never unmaps them: its address space is its peak.
 //!
 //! # Odd states
 //! - Before the process has decided how rseq is registered, and inside that decision (which
@@ -59,12 +70,19 @@
 //!   parent's release from a live one with one load, whichever thread ids its kernel hands out.
 //!   A call that passes through during a live release makes no system call, save one in 1,024
 //!   per CPU that asks whether the releaser still exists (a thread that died holding it).
+//!   The heap's locks are taken before a fork and released after it in both processes, so the
+//!   child never finds one held by a thread it does not have.
+//! - A thread preempted while it holds a class's heap lock makes the misses and spills of that
+//!   class on other CPUs wait for it (a brief spin, then a sleep on the lock's word); hits and
+//!   frees into a cache never wait.
 //!
 //! # When not to use it
-//! Programs whose allocations are mostly larger than [`MAX_CACHED_SIZE`]. Objects made on
-//! one CPU and freed on another move between the caches through the transfer lists, a batch
-//! at a time, but each batch still costs a lock and a walk of its chain: the caches help most
-//! when objects are freed near where they were made.
+//! Programs whose allocations are mostly larger than [`MAX_CACHED_SIZE`]. Programs checked by
+//! AddressSanitizer or a heap profiler hooked into `malloc`: the heap's objects never reach
+//! the inner allocator ([`with_inner`](PerCpuAlloc::with_inner) keeps them there). Objects
+//! made on one CPU and freed on another move between the caches through the transfer lists, a
+//! batch at a time, but each batch still costs a lock and a walk of its chain: the caches help
+//! most when objects are freed near where they were made.
 //!
 //! # Safety
 //! The `GlobalAlloc` implementation hands out and takes back raw memory; the caches' sections
@@ -376,8 +394,8 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
     /// Gives `object`, of `class`, back: the fast path's one try, then the slow path.
     ///
     /// # Safety
-    /// `object` is an allocation of `class`'s layout by the inner allocator, owned by the
-    /// caller, who gives it up.
+    /// `object` is an object of `class` from the backing (the own heap's, or the inner
+    /// allocator's allocation of the class's layout), owned by the caller, who gives it up.
     #[inline(always)]
     unsafe fn give(&self, object: *mut u8, class: usize) {
         if let Some(caches) = self.started() {
@@ -415,8 +433,8 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
         class: usize,
     ) {
         caches.count(at, Tally::Spills);
-        // SAFETY: the object is an allocation of the class's layout by the inner allocator,
-        // which the caller gives up.
+        // SAFETY: the object is an object of the class from the backing, which the caller
+        // gives up.
         let refused = unsafe { caches.hand_over(class, object) };
         // SAFETY: objects of the class (the given one, or ones a committed pop took out of a
         // cache), that no list took.
@@ -673,8 +691,8 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
         let Some(caches) = self.started() else {
             return Ok(0);
         };
-        // SAFETY: every object in a transfer list is an allocation of its class's layout by
-        // the inner allocator (only cached objects are handed over).
+        // SAFETY: every object in a transfer list is an object of its class from the backing
+        // (only cached objects are handed over).
         let mut released = unsafe { caches.empty_transfers(&self.backing(), chosen_list) } as usize;
         let mut first_failure = None;
         for cpu in 0..caches.cpus {
@@ -885,8 +903,9 @@ unsafe impl<A: GlobalAlloc> GlobalAlloc for PerCpuAlloc<A> {
             }
             return moved;
         }
-        // SAFETY: `ptr` is an allocation of `held` by the inner allocator (a class's layout
-        // for a cached size, `inner_layout` otherwise, both aligned alike); what it returns is
+        // SAFETY: `ptr` is not the heap's (a class's object that is went above), so it is an
+        // allocation of `held` by the inner allocator (a class's layout for a cached size,
+        // `inner_layout` otherwise, both aligned alike); what it returns is
         // one of `to_size` with the same alignment: the class's layout when the new size is
         // cached, `inner_layout` of the new layout when not. Null leaves `ptr` as it was.
         unsafe { self.inner.realloc(ptr, held, to_size) }

@@ -1907,11 +1907,14 @@ mod tests {
             allocator.heap_object_size(&on_the_stack as *const u64 as *const u8),
             None
         );
-        let boxed = Box::new(0u64);
-        assert_eq!(
-            allocator.heap_object_size(&*boxed as *const u64 as *const u8),
-            None
-        );
+        // From the system's allocator itself: a `Box` would come from the heap in a build whose
+        // global allocator is a `PerCpuAlloc`.
+        let layout = Layout::new::<u64>();
+        // SAFETY: a non-zero layout; freed with it below.
+        let foreign = unsafe { System.alloc(layout) };
+        assert_eq!(allocator.heap_object_size(foreign), None);
+        // SAFETY: made just above with this layout.
+        unsafe { System.dealloc(foreign, layout) };
     }
 
     #[test]

@@ -77,9 +77,7 @@ struct SpanRecord {
     /// pages), 0 at the ends.
     next: AtomicUsize,
     prev: AtomicUsize,
-    /// Whether the span's pages were given back to the system (while it is free).
-    returned: AtomicU32,
-    _pad: [u32; 5],
+    _pad: [u32; 6],
 }
 
 /// A size class's spans with room, under its lock.
@@ -439,7 +437,6 @@ impl Heap {
         record.carved.store(0, Ordering::Relaxed);
         record.live.store(0, Ordering::Relaxed);
         record.free.store(0, Ordering::Relaxed);
-        record.returned.store(0, Ordering::Relaxed);
         record.class.store(class as u32 + 1, Ordering::Release);
         Some(record)
     }
@@ -522,7 +519,6 @@ impl Heap {
         unsafe {
             crate::os::return_pages(NonNull::new(start as *mut u8).expect("a span"), SPAN_BYTES)
         };
-        record.returned.store(1, Ordering::Relaxed);
         record
             .next
             .store(pages.returned.load(Ordering::Relaxed), Ordering::Relaxed);

@@ -266,20 +266,20 @@ FN="sh /guest.sh run"
 # identity, the registration and its fallback, the topology, mm_cid, the counter as the
 # smallest user of a section, and thiscpu in a library loaded with dlopen (its own area is
 # initial-exec TLS there). Each guest runs these under both registrations. The rest of the
-# suite:
-# - smp2 on a kernel whose rseq feature size exceeds 32 (7.x, KM_ENFORCE=1): under both, since
-#   thiscpu's own area is registered in the optimized mode there and glibc 2.36's in the legacy
-#   mode;
-# - smp2 on older kernels: under glibc's alone, since both areas are legacy-mode areas there
-#   and differ only in where they lie, which the tests above check under each;
-# - the topology guests: under thiscpu's own alone (the optimized mode on 7.x), since the
-#   topology and the registrar are independent.
+# suite runs under one registration per guest, since the topology and the registrar are
+# independent:
+# - smp2: under glibc's (a legacy-mode area on every kernel: glibc 2.36 registers 32 bytes);
+# - the topology guests: under thiscpu's own (the optimized mode on 7.x, KM_ENFORCE=1).
+# So on 7.x the whole suite runs in each mode: the legacy one in smp2, the optimized one in
+# numa-hotplug (with rseq_debug, which checks the area at every return to user space); on
+# older kernels both areas are legacy-mode areas and differ only in where they lie, which the
+# tests above check under each.
 REGISTRATION_TESTS="identity registration fallback topology mm_cid counter shared_library"
 
 # The tests of the optional features (metrics backends, serde): they exercise the same per-CPU
 # operations as the others, through other crates' interfaces, and nothing in them depends on
-# the kernel or the topology, so one guest runs them (the newest kernel's smp2, under both
-# registrations; KM_FEATURES=1), besides every host step.
+# the kernel or the topology, so one guest runs them (the newest kernel's smp2, under glibc's
+# registration; KM_FEATURES=1), besides every host step.
 FEATURE_TESTS="metrics metrics_layer prometheus_client serde"
 
 # Test executables declared to have nothing to run here, each with why: the host counts them
@@ -308,13 +308,9 @@ library_tests() {
                 case " $FEATURE_TESTS " in *" $name "*) continue ;; esac
             fi
             # The registrar that runs the rest of the suite here (see REGISTRATION_TESTS).
-            rest=both
-            if [ "$KM_TOPOLOGY" != smp2 ]; then
-                rest=own
-            elif [ "$KM_ENFORCE" != 1 ]; then
-                rest=glibc
-            fi
-            if [ "$rest" != both ] && [ "$rest" != "$1" ]; then
+            rest=glibc
+            [ "$KM_TOPOLOGY" = smp2 ] || rest=own
+            if [ "$rest" != "$1" ]; then
                 case " $REGISTRATION_TESTS " in *" $name "*) ;; *) continue ;; esac
             fi
         fi

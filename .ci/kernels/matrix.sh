@@ -3,10 +3,10 @@
 # the topology checks of .ci/kernels/guest.sh on Debian's x86_64 kernels of several series
 # (.ci/kernels/setup.sh), each booted in qemu-system-x86_64 in several CPU topologies:
 #
-#   smp2     2 CPUs, one node; on 7.x every test under both registrations, on older kernels
-#            (where both registrations are legacy-mode areas) the registration's tests under
-#            both and the rest under glibc's (see REGISTRATION_TESTS and FEATURE_TESTS in
-#            guest.sh)
+#   smp2     2 CPUs, one node; the registration's tests under both registrations and the rest
+#            under glibc's, a legacy-mode area on every kernel (the numa-hotplug guest runs the
+#            rest under thiscpu's own, the optimized mode on 7.x; see REGISTRATION_TESTS and
+#            FEATURE_TESTS in guest.sh)
 #   numa-hotplug
 #            4 possible CPUs in 2 NUMA nodes (CPUs 0 and 2, 1 and 3), each with 1 GiB; 2 online
 #            at boot (-smp 4 and the kernel's maxcpus=2), one in each node; CPUs 1-3 go offline
@@ -342,8 +342,8 @@ guest_verdict() {
 # The guests whose vCPUs share one host thread (tcg-single, see accel) use one host CPU each,
 # so two of them run at a time, each on its own host CPU, and the next boots as soon as one
 # ends (not when both have); the others (KVM, or one host thread per vCPU) boot alone. Guest
-# plans are kept as "DIR TOPO" pairs and set up again for the verdict. The longest first: the smp2 guests (the whole suite; on the newest kernel under both
-# registrations), newest kernel first, then the others.
+# plans are kept as "DIR TOPO" pairs and set up again for the verdict. The smp2 guests first
+# (the whole suite, and the debugger's test), newest kernel first, then the others.
 single=()
 plans=()
 for ((k = ${#kernel_dirs[@]} - 1; k >= 0; k--)); do

@@ -288,7 +288,8 @@ SKIPPED_TESTS="model:built-only-with---cfg-thiscpu_model-(the-model-step)
 model_decision:built-only-with---cfg-thiscpu_model-(the-model-step)
 model_rwlock:built-only-with---cfg-thiscpu_model-(the-model-step)
 model_alloc:built-only-with---cfg-thiscpu_model-(the-model-step)
-model_heap_lock:built-only-with---cfg-thiscpu_model-(the-model-step)"
+model_heap_lock:built-only-with---cfg-thiscpu_model-(the-model-step)
+model_capacity:built-only-with---cfg-thiscpu_model-(the-model-step)"
 
 # Every test executable but the debugger's: single-stepping through sections under TCG takes
 # tens of seconds, so it runs once per kernel (smp2, below) rather than in every guest twice.

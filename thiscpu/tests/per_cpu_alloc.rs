@@ -594,7 +594,8 @@ fn storm<H: Heap>(heap: &H, workers: usize, duration: Duration, mut watch: impl 
 // --- the tests -------------------------------------------------------------------------------
 
 /// The global allocator under the storm: every object keeps its canary, every address is
-/// aligned, zeroed allocations are zeros, and the caches stay within their cap.
+/// aligned, zeroed allocations are zeros, the capacities stay within the cap, and no CPU holds
+/// more than its classes' most objects.
 #[test]
 fn the_storm_keeps_every_object_of_the_global_allocator_intact() {
     let _serial = common::serial();
@@ -602,11 +603,12 @@ fn the_storm_keeps_every_object_of_the_global_allocator_intact() {
     let mut most = 0;
     storm(&GLOBAL, 4, storm_duration(), || {
         let stats = GLOBAL.stats();
-        for cpu in stats.per_cpu {
+        assert!(stats.capacity_bytes <= cap, "{stats:?} above the cap {cap}");
+        for cpu in &stats.per_cpu {
             assert!(
-                cpu.cached_bytes <= stats.capacity_bytes && cpu.cached_bytes <= cap,
-                "{cpu:?} above the capacity {} (the cap: {cap})",
-                stats.capacity_bytes
+                cpu.cached_bytes <= stats.bound_bytes,
+                "{cpu:?} above the bound {}",
+                stats.bound_bytes
             );
             most = most.max(cpu.cached_bytes);
         }
@@ -633,11 +635,15 @@ fn the_storm_loses_and_duplicates_nothing_of_a_counted_allocator() {
     start_caches(&heap, &ledger);
     storm(&heap, 4, storm_duration(), || {
         let stats = heap.stats();
-        for cpu in stats.per_cpu {
+        assert!(
+            stats.capacity_bytes <= CAP as u64,
+            "{stats:?} above the cap {CAP}"
+        );
+        for cpu in &stats.per_cpu {
             assert!(
-                cpu.cached_bytes <= stats.capacity_bytes && cpu.cached_bytes <= CAP as u64,
-                "{cpu:?} above the capacity {} (the cap: {CAP})",
-                stats.capacity_bytes
+                cpu.cached_bytes <= stats.bound_bytes,
+                "{cpu:?} above the bound {}",
+                stats.bound_bytes
             );
         }
     });

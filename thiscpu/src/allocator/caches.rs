@@ -8,7 +8,9 @@
 //! - the tallies of hits, misses and spills, written only by restartable sequences on that
 //!   CPU (a thread that cannot commit one adds it atomically to a word beside them instead);
 //! - the pass-through count and the releaser's notes, updated atomically;
-//! - each class's slots: `capacity[class]` object addresses.
+//! - each class's slots: room for its most objects (`Capacities::most`), of which a push uses
+//!   up to the class's capacity now (`Capacities::limit`, moved between the classes as the
+//!   program asks, see `capacity`).
 //!
 //! A pop and a push are one guarded stack section each (`ops::stack_pop`, `ops::stack_push`,
 //! the pool's): check `stopped`, read `count`, move one address, commit the count with one
@@ -46,13 +48,15 @@
 //! as zero until written (zero is an empty stack, an unset flag and a zero counter), so a CPU
 //! that never caches costs address space only. Not from the inner allocator: `alloc_zeroed`
 //! may zero what it returns by writing it (`System` does for an alignment above 16), which
-//! makes every page of every CPU resident at the first allocation. Each class holds at most
-//! `per_cpu_bytes / CLASSES` bytes, so a CPU never caches more than `per_cpu_bytes`.
+//! makes every page of every CPU resident at the first allocation. The classes' capacities add
+//! up to at most `per_cpu_bytes`, so a CPU's cache settles within it; at any moment it holds at
+//! most its classes' most objects (see `capacity`).
 //!
 //! # Safety
 //! The sections index the slots without bounds checks, from addresses computed here; the
 //! releaser reads and writes a stopped and fenced CPU's stacks. Each block states why it holds.
 
+use super::capacity::Capacities;
 use super::classes::{CLASS_SIZES, CLASSES, class_layout};
 use super::fork_stamp;
 use super::transfer::{self, Batch, MAX_BATCH, Transfer};
@@ -85,9 +89,6 @@ fn holder_word(thread: i32, generation: u32) -> u64 {
 fn holder_thread(word: u64) -> i32 {
     fork_stamp::mark(word) as i32
 }
-
-/// The most objects one class caches per CPU.
-const MAX_SLOTS_PER_CLASS: usize = 2048;
 
 /// The alignment of each part of a region: a cache line on every supported machine.
 const LINE: usize = 128;
@@ -130,7 +131,10 @@ pub(super) struct Caches {
     counters_offset: usize,
     tallies_offset: usize,
     slot_offsets: [usize; CLASSES],
-    capacities: [u64; CLASSES],
+    /// Each class's capacity per CPU, and the most it may grow to.
+    capacity: Capacities<CLASSES>,
+    /// Each class's transfer list's slots: its first share of a CPU's budget.
+    transfer_capacities: [u64; CLASSES],
     /// The length of the whole range, header included, as `os::reserve_zeroed` was asked.
     length: usize,
     /// The holder of the release lock (`holder_word`), 0 if none.
@@ -138,7 +142,7 @@ pub(super) struct Caches {
     /// Each class's transfer list: batches of objects between CPUs' caches, in the range
     /// after this header, `CLASSES` of them, zeroed (an empty, unlocked list).
     transfers: *const Transfer,
-    /// Each list's slots, after the lists: `capacities[class]` each (`transfer_slots`).
+    /// Each list's slots, after the lists: `transfer_capacities[class]` each.
     transfer_slots: [*const Slot; CLASSES],
     /// Liveness checks of a holder (system calls) made on this allocator's behalf.
     #[cfg(test)]
@@ -185,11 +189,11 @@ impl Caches {
     /// Reserves and initialises the caches of `cpus` CPUs holding at most `per_cpu_bytes`
     /// each. `None` if the system refuses the address space, or if nothing would be cached.
     pub(super) fn allocate(cpus: usize, per_cpu_bytes: usize) -> Option<*const Caches> {
-        let mut capacities = [0u64; CLASSES];
-        for (capacity, size) in capacities.iter_mut().zip(CLASS_SIZES) {
-            *capacity = (per_cpu_bytes / CLASSES / size).min(MAX_SLOTS_PER_CLASS) as u64;
-        }
-        if capacities.iter().all(|&capacity| capacity == 0) || cpus == 0 {
+        let capacity = Capacities::new(CLASS_SIZES, per_cpu_bytes);
+        let most: [u64; CLASSES] = core::array::from_fn(|class| capacity.most(class));
+        let transfer_capacities: [u64; CLASSES] =
+            core::array::from_fn(|class| capacity.limit(class));
+        if most.iter().all(|&most| most == 0) || cpus == 0 {
             return None;
         }
         let heads = CLASSES * size_of::<StackHead>();
@@ -197,16 +201,16 @@ impl Caches {
         let tallies_offset = round_up(counters_offset + size_of::<SlowCounters>(), LINE);
         let mut slot_offsets = [0usize; CLASSES];
         let mut end = round_up(tallies_offset + TALLIES * size_of::<SectionWord>(), LINE);
-        for (offset, &capacity) in slot_offsets.iter_mut().zip(&capacities) {
+        for (offset, &most) in slot_offsets.iter_mut().zip(&most) {
             *offset = end;
-            end += capacity as usize * size_of::<Slot>();
+            end += most as usize * size_of::<Slot>();
         }
         let stride = end.next_power_of_two();
         let stride_shift = stride.trailing_zeros();
         let transfers_offset = round_up(size_of::<Caches>(), LINE);
         let mut transfer_slot_offsets = [0usize; CLASSES];
         let mut header = round_up(transfers_offset + CLASSES * size_of::<Transfer>(), LINE);
-        for (offset, &capacity) in transfer_slot_offsets.iter_mut().zip(&capacities) {
+        for (offset, &capacity) in transfer_slot_offsets.iter_mut().zip(&transfer_capacities) {
             *offset = header;
             header += capacity as usize * size_of::<Slot>();
         }
@@ -231,7 +235,8 @@ impl Caches {
                 counters_offset,
                 tallies_offset,
                 slot_offsets,
-                capacities,
+                capacity,
+                transfer_capacities,
                 length,
                 releasing: AtomicU64::new(0),
                 transfers: start.wrapping_add(transfers_offset).cast(),
@@ -252,7 +257,7 @@ impl Caches {
             // refers to them yet.
             unsafe {
                 made.transfers.cast_mut().add(class).write(Transfer::new());
-                for slot in 0..made.capacities[class] as usize {
+                for slot in 0..made.transfer_capacities[class] as usize {
                     made.transfer_slots[class]
                         .cast_mut()
                         .add(slot)
@@ -269,7 +274,7 @@ impl Caches {
                 for class in 0..CLASSES {
                     made.head(cpu, class).cast_mut().write(StackHead::default());
                     let slots = made.slots(cpu, class).cast::<Slot>();
-                    for slot in 0..made.capacities[class] as usize {
+                    for slot in 0..made.capacity.most(class) as usize {
                         slots.add(slot).write(Slot::new(0));
                     }
                 }
@@ -298,7 +303,7 @@ impl Caches {
             // SAFETY: made in place by `allocate`, and dropped once, here.
             unsafe {
                 core::ptr::drop_in_place(this.transfers.cast_mut().add(class));
-                for slot in 0..this.capacities[class] as usize {
+                for slot in 0..this.transfer_capacities[class] as usize {
                     core::ptr::drop_in_place(this.transfer_slots[class].cast_mut().add(slot));
                 }
             }
@@ -312,7 +317,7 @@ impl Caches {
                 for class in 0..CLASSES {
                     core::ptr::drop_in_place(this.head(cpu, class).cast_mut());
                     let slots = this.slots(cpu, class).cast::<Slot>();
-                    for slot in 0..this.capacities[class] as usize {
+                    for slot in 0..this.capacity.most(class) as usize {
                         core::ptr::drop_in_place(slots.add(slot));
                     }
                 }
@@ -389,7 +394,7 @@ impl Caches {
 
     /// Slot `slot` of CPU `cpu`'s stack for `class` (all in bounds).
     fn slot_ref(&self, cpu: usize, class: usize, slot: usize) -> &Slot {
-        assert!(cpu < self.cpus && class < CLASSES && slot < self.capacities[class] as usize);
+        assert!(cpu < self.cpus && class < CLASSES && slot < self.capacity.most(class) as usize);
         // SAFETY: inside the class's slots (checked), initialised, accessed atomically here.
         unsafe { &*self.slots(cpu, class).cast::<Slot>().add(slot) }
     }
@@ -422,22 +427,50 @@ impl Caches {
         object: *mut u8,
     ) -> StackOutcome {
         let cpu = at.index() as usize;
-        // SAFETY: as in `pop_at`; the capacity is the number of slots the class has.
+        // SAFETY: as in `pop_at`; the class's capacity is at most the slots its region has
+        // (`Capacities::limit`), whichever capacity the section compares the count with.
         unsafe {
             ops::stack_push(
                 at,
                 self.head(cpu, class),
                 self.slots(cpu, class),
-                self.capacities[class],
+                self.capacity.limit(class),
                 object as usize,
             )
         }
     }
 
-    /// How many objects a full cache hands to `class`'s transfer list at once: half its
-    /// capacity, so that the frees after a spill find room, at most `MAX_BATCH`.
+    /// How many objects an empty cache of `class` takes at once: half its capacity, at most
+    /// `MAX_BATCH`.
     pub(super) fn batch_length(&self, class: usize) -> usize {
-        (self.capacities[class] as usize / 2).clamp(1, MAX_BATCH)
+        (self.capacity.limit(class) as usize / 2).clamp(1, MAX_BATCH)
+    }
+
+    /// How many objects a full cache hands to `class`'s transfer list at once: half its
+    /// capacity, so that the frees after a spill find room, at most what the list holds.
+    fn hand_over_length(&self, class: usize) -> usize {
+        self.batch_length(class)
+            .min(self.transfer_capacities[class] as usize)
+            .max(1)
+    }
+
+    /// `class` missed or spilled on some CPU: it may grow (see `capacity`).
+    pub(super) fn ask_for_room(&self, class: usize) {
+        self.capacity.ask(class);
+    }
+
+    /// The most bytes one CPU's cache can hold: every class's most objects.
+    pub(super) fn bound_bytes(&self) -> u64 {
+        CLASS_SIZES
+            .iter()
+            .enumerate()
+            .map(|(class, &size)| self.capacity.most(class) * size as u64)
+            .sum()
+    }
+
+    /// Growths of a class's capacity since the start.
+    pub(super) fn growths(&self) -> u64 {
+        self.capacity.growths()
     }
 
     /// `class`'s transfer list's slots: one CPU's share of the class, so that the layer adds at
@@ -445,7 +478,7 @@ impl Caches {
     fn transfer_slots(&self, class: usize) -> transfer::Slots {
         transfer::Slots {
             first: self.transfer_slots[class],
-            capacity: self.capacities[class] as usize,
+            capacity: self.transfer_capacities[class] as usize,
         }
     }
 
@@ -460,7 +493,7 @@ impl Caches {
     pub(super) unsafe fn hand_over(&self, class: usize, object: *mut u8) -> Batch {
         let mut batch = Batch::new();
         batch.push(object);
-        while batch.len() < self.batch_length(class) {
+        while batch.len() < self.hand_over_length(class) {
             let Some(at) = ops::position() else { break };
             if at.index() as usize >= self.cpus {
                 break;
@@ -617,7 +650,7 @@ impl Caches {
     pub(super) fn holds(&self, class: usize, object: usize) -> bool {
         let on_a_cpu = (0..self.cpus).any(|cpu| {
             let count = self.head_ref(cpu, class).count.load(Ordering::Relaxed);
-            let count = count.min(self.capacities[class]) as usize;
+            let count = count.min(self.capacity.most(class)) as usize;
             (0..count).any(|slot| self.slot_ref(cpu, class, slot).load(Ordering::Relaxed) == object)
         });
         on_a_cpu
@@ -638,13 +671,9 @@ impl Caches {
         (objects, bytes)
     }
 
-    /// The most bytes one CPU can cache.
+    /// The bytes of one CPU's capacities now: what its cache settles within.
     pub(super) fn capacity_bytes(&self) -> u64 {
-        CLASS_SIZES
-            .iter()
-            .zip(self.capacities)
-            .map(|(&size, capacity)| size as u64 * capacity)
-            .sum()
+        self.capacity.used_bytes()
     }
 
     /// A fingerprint of CPU `cpu`'s cache: its counts and its slow paths' counters. Unchanged
@@ -886,7 +915,7 @@ impl Caches {
             // Pushes by other threads on `cpu` meanwhile may refill the stack: stop after a
             // full stack's worth beyond what was there.
             let limit =
-                self.head_ref(cpu, class).count.load(Ordering::Relaxed) + self.capacities[class];
+                self.head_ref(cpu, class).count.load(Ordering::Relaxed) + self.capacity.most(class);
             let mut tries = 0;
             let mut taken = 0;
             while taken < limit && tries < 4 * limit + 16 {

@@ -53,7 +53,11 @@ mod series {
     };
     pub(super) const CAPACITY_BYTES: Series = Series {
         name: "thiscpu_alloc_capacity_bytes",
-        help: "The most bytes one CPU's cache holds",
+        help: "The bytes of one CPU's capacities now, moved between size classes, within the budget",
+    };
+    pub(super) const CAPACITY_GROWTHS: Series = Series {
+        name: "thiscpu_alloc_capacity_growths_total",
+        help: "Growths of a size class's capacity, taken from the budget's room or from quieter classes",
     };
     pub(super) const TRANSFER_BYTES: Series = Series {
         name: "thiscpu_alloc_transfer_bytes",
@@ -110,6 +114,7 @@ macro_rules! series_table {
 | `thiscpu_alloc_spills_total` | counter | `cpu` | [`CpuAllocStats::spills`] |
 | `thiscpu_alloc_passed_through_total` | counter | `cpu` | [`CpuAllocStats::passed_through`] |
 | `thiscpu_alloc_capacity_bytes` | gauge | | [`AllocStats::capacity_bytes`] (per CPU) |
+| `thiscpu_alloc_capacity_growths_total` | counter | | [`AllocStats::capacity_growths`] |
 | `thiscpu_alloc_transfer_bytes` | gauge | | [`AllocStats::transfer_bytes`] |
 | `thiscpu_alloc_transfer_objects` | gauge | | [`AllocStats::transfer_objects`] |
 | `thiscpu_alloc_batches_handed_over_total` | counter | | [`AllocStats::batches_handed_over`] |
@@ -176,6 +181,8 @@ mod facade {
                 per_cpu,
                 caching,
                 capacity_bytes,
+                bound_bytes: _,
+                capacity_growths,
                 counting_hits: _,
                 transfer_objects,
                 transfer_bytes,
@@ -186,6 +193,7 @@ mod facade {
             describe();
             metrics::gauge!(CACHING.name).set(f64::from(u8::from(*caching)));
             metrics::gauge!(CAPACITY_BYTES.name).set(*capacity_bytes as f64);
+            metrics::counter!(CAPACITY_GROWTHS.name).absolute(*capacity_growths);
             metrics::gauge!(TRANSFER_BYTES.name).set(*transfer_bytes as f64);
             metrics::gauge!(TRANSFER_OBJECTS.name).set(*transfer_objects as f64);
             metrics::counter!(BATCHES_HANDED_OVER.name).absolute(*batches_handed_over);
@@ -248,6 +256,7 @@ mod facade {
             &MISSES,
             &SPILLS,
             &PASSED_THROUGH,
+            &CAPACITY_GROWTHS,
             &BATCHES_HANDED_OVER,
             &BATCHES_TAKEN,
         ] {
@@ -363,6 +372,8 @@ mod registry {
             per_cpu,
             caching,
             capacity_bytes,
+            bound_bytes: _,
+            capacity_growths,
             counting_hits: _,
             transfer_objects,
             transfer_bytes,
@@ -383,6 +394,7 @@ mod registry {
             cpu.passed_through
         })?;
         gauge(&mut encoder, &CAPACITY_BYTES, capacity_bytes)?;
+        counter(&mut encoder, &CAPACITY_GROWTHS, *capacity_growths)?;
         gauge(&mut encoder, &TRANSFER_BYTES, transfer_bytes)?;
         gauge(&mut encoder, &TRANSFER_OBJECTS, transfer_objects)?;
         counter(&mut encoder, &BATCHES_HANDED_OVER, *batches_handed_over)?;
@@ -487,7 +499,8 @@ mod serialize {
 
     /// With the `serde` feature, the statistics serialize as their fields, under their names:
     /// `{"per_cpu": [{"cpu", "hits", "misses", "spills", "passed_through", "cached_objects",
-    /// "cached_bytes"}, ..], "caching", "capacity_bytes", "counting_hits", "transfer_objects",
+    /// "cached_bytes"}, ..], "caching", "capacity_bytes", "bound_bytes", "capacity_growths",
+    /// "counting_hits", "transfer_objects",
     /// "transfer_bytes", "batches_handed_over", "batches_taken", "heap": {"mapped_bytes",
     /// "in_use_bytes", "free_resident_bytes", "returned_bytes", "returned_total_bytes"}}`,
     /// with `null` for hits that are not counted.
@@ -507,6 +520,8 @@ mod serialize {
                 per_cpu,
                 caching,
                 capacity_bytes,
+                bound_bytes,
+                capacity_growths,
                 counting_hits,
                 transfer_objects,
                 transfer_bytes,
@@ -514,10 +529,12 @@ mod serialize {
                 batches_taken,
                 heap,
             } = self;
-            let mut state = serializer.serialize_struct("AllocStats", 9)?;
+            let mut state = serializer.serialize_struct("AllocStats", 11)?;
             state.serialize_field("per_cpu", per_cpu)?;
             state.serialize_field("caching", caching)?;
             state.serialize_field("capacity_bytes", capacity_bytes)?;
+            state.serialize_field("bound_bytes", bound_bytes)?;
+            state.serialize_field("capacity_growths", capacity_growths)?;
             state.serialize_field("counting_hits", counting_hits)?;
             state.serialize_field("transfer_objects", transfer_objects)?;
             state.serialize_field("transfer_bytes", transfer_bytes)?;
@@ -644,6 +661,10 @@ mod tests {
             stats.capacity_bytes as f64,
         );
         for (name, value) in [
+            (
+                "thiscpu_alloc_capacity_growths_total",
+                stats.capacity_growths,
+            ),
             ("thiscpu_alloc_transfer_bytes", stats.transfer_bytes),
             ("thiscpu_alloc_transfer_objects", stats.transfer_objects),
             (
@@ -798,6 +819,8 @@ mod tests {
             "per_cpu": per_cpu,
             "caching": stats.caching,
             "capacity_bytes": stats.capacity_bytes,
+            "bound_bytes": stats.bound_bytes,
+            "capacity_growths": stats.capacity_growths,
             "counting_hits": stats.counting_hits,
             "transfer_objects": stats.transfer_objects,
             "transfer_bytes": stats.transfer_bytes,

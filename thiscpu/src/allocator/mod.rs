@@ -89,12 +89,18 @@
 //! are in `caches`. Each block states why it holds.
 
 mod caches;
+mod capacity;
 mod classes;
 mod export;
 mod fork_stamp;
 mod heap;
 mod heap_lock;
 mod transfer;
+
+/// What `capacity` is written with: `core`'s atomics; its model check supplies loom's.
+mod capacity_words {
+    pub(super) use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+}
 
 /// What `heap_lock` is written with: `core`'s atomics (the heap is a static, built in a
 /// constant) and the system's futex, in every build; its model check supplies loom's.
@@ -198,10 +204,12 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
         }
     }
 
-    /// Caches at most `per_cpu` bytes on each CPU (0 caches nothing: every call goes to the
+    /// Caches up to `per_cpu` bytes on each CPU (0 caches nothing: every call goes to the
     /// inner allocator), and as much again in the transfer lists between the CPUs. Each size
-    /// class holds up to `per_cpu / 73` bytes per CPU, so small settings leave the largest
-    /// classes uncached.
+    /// class starts with `per_cpu / 73` bytes per CPU and grows, up to `per_cpu / 8`, from the
+    /// share of the classes the program uses least; small settings leave the largest classes
+    /// uncached. See [`AllocStats::capacity_bytes`] and [`AllocStats::bound_bytes`] for what a
+    /// CPU holds.
     ///
     /// ```
     /// static ALLOCATOR: thiscpu::PerCpuAlloc =
@@ -336,6 +344,7 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
     #[inline(never)]
     fn miss(&self, caches: &Caches, at: ops::Position<ByCpu>, class: usize) -> *mut u8 {
         caches.count(at, Tally::Misses);
+        caches.ask_for_room(class);
         let backing = self.backing();
         if let Some(object) = caches.take_over_batch(class, &backing) {
             return object;
@@ -433,6 +442,7 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
         class: usize,
     ) {
         caches.count(at, Tally::Spills);
+        caches.ask_for_room(class);
         // SAFETY: the object is an object of the class from the backing, which the caller
         // gives up.
         let refused = unsafe { caches.hand_over(class, object) };
@@ -521,6 +531,8 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
                 per_cpu: Vec::new(),
                 caching: false,
                 capacity_bytes: 0,
+                bound_bytes: 0,
+                capacity_growths: 0,
                 counting_hits: self.count_hits,
                 transfer_objects: 0,
                 transfer_bytes: 0,
@@ -549,6 +561,8 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
             per_cpu,
             caching: true,
             capacity_bytes: caches.capacity_bytes(),
+            bound_bytes: caches.bound_bytes(),
+            capacity_growths: caches.growths(),
             counting_hits: self.count_hits,
             transfer_objects: transfer.objects,
             transfer_bytes: transfer.bytes,
@@ -932,6 +946,7 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
             }
             (StackOutcome::Refused, _) => {
                 caches.count(at, Tally::Misses);
+                caches.ask_for_room(class);
                 None
             }
             // A watch mark is cleared, so that `release_idle` sees the CPU in use; this once the
@@ -970,11 +985,22 @@ pub struct AllocStats {
     /// Whether the caches are in use (false before the first allocation, and for good in a
     /// process without rseq).
     pub caching: bool,
-    /// The most bytes one CPU can cache (what [`PerCpuAlloc::with_cache_bytes`] allows, less
-    /// the rounding of each class's share to whole objects); 0 while `caching` is false: before
-    /// the first allocation, and for good where the process has no rseq (every request then
-    /// goes to the inner allocator, so nothing can be cached).
+    /// The bytes of one CPU's capacities now: how many objects each size class may cache on a
+    /// CPU, times their size, added up. At most what [`PerCpuAlloc::with_cache_bytes`] allows
+    /// (each class starts with an equal share of it, and capacity moves to the classes that
+    /// keep missing or spilling from those that ask least); a CPU's cache settles within it.
+    /// 0 while `caching` is false: before the first allocation, and for good where the process
+    /// has no rseq (every request then goes to the inner allocator, so nothing can be cached).
     pub capacity_bytes: u64,
+    /// The most bytes one CPU's cache can hold at any moment: each class's most objects (an
+    /// eighth of the budget, at most 2,048 objects), times their size. A class whose capacity
+    /// was lent to another keeps the objects it held above its new capacity until it is next
+    /// asked for them (or a release takes them), so a CPU may briefly hold more than
+    /// `capacity_bytes`, never more than this. 0 while `caching` is false.
+    pub bound_bytes: u64,
+    /// Growths of a size class's capacity since the start: how often capacity moved to the
+    /// classes the program uses.
+    pub capacity_growths: u64,
     /// Whether hits are counted ([`PerCpuAlloc::counting_hits`]).
     pub counting_hits: bool,
     /// Objects in the transfer lists between CPUs now: batches that CPUs whose caches were
@@ -1104,7 +1130,6 @@ impl std::error::Error for ReleaseError {
 
 #[cfg(all(test, not(thiscpu_model)))]
 mod tests {
-    use super::classes::CLASSES;
     use super::*;
     use core::sync::atomic::{AtomicI64, AtomicU64};
 
@@ -1171,6 +1196,52 @@ mod tests {
         }
     }
 
+    /// Misses of a program that holds 100 objects of 1 KiB at a time, round after round, on one
+    /// CPU: its class starts with 14 slots (1 MiB over 73 classes), so that each round misses
+    /// 86 times, and grows as it misses and spills (to at most 128 slots), so that its later
+    /// rounds find the objects of the round before in the cache.
+    #[test]
+    fn a_class_in_heavy_use_grows_and_misses_less() {
+        let Ok(cpu) = crate::topology::pin_to(0) else {
+            return;
+        };
+        let allocator = counting(DEFAULT_CACHE_BYTES);
+        let layout = Layout::from_size_align(1024, 8).unwrap();
+        let mut misses = Vec::new();
+        let mut held = Vec::with_capacity(100);
+        for _ in 0..20 {
+            let before = allocator.stats().misses();
+            for _ in 0..100 {
+                // SAFETY: a non-zero layout.
+                let object = unsafe { allocator.alloc(layout) };
+                assert!(!object.is_null());
+                held.push(object);
+            }
+            misses.push(allocator.stats().misses() - before);
+            for object in held.drain(..) {
+                // SAFETY: allocated above with `layout`, freed once.
+                unsafe { allocator.dealloc(object, layout) };
+            }
+        }
+        drop(cpu);
+        let stats = allocator.stats();
+        if !stats.caching {
+            return;
+        }
+        eprintln!("misses by round: {misses:?}; {stats:?}");
+        assert!(stats.capacity_growths > 0, "{stats:?}");
+        assert!(
+            stats.capacity_bytes <= DEFAULT_CACHE_BYTES as u64,
+            "{stats:?}"
+        );
+        assert!(
+            misses[19] * 2 < misses[0],
+            "the last round missed {} times, the first {}",
+            misses[19],
+            misses[0]
+        );
+    }
+
     #[test]
     fn no_cpu_caches_more_than_its_bound() {
         for per_cpu in [0, 1000, 64 << 10, DEFAULT_CACHE_BYTES, 16 << 20] {
@@ -1181,8 +1252,9 @@ mod tests {
                 stats.capacity_bytes <= per_cpu as u64,
                 "{per_cpu}: {stats:?}"
             );
+            assert!(stats.bound_bytes <= per_cpu as u64 * 10, "{stats:?}");
             for cpu in &stats.per_cpu {
-                assert!(cpu.cached_bytes <= per_cpu as u64, "{per_cpu}: {cpu:?}");
+                assert!(cpu.cached_bytes <= stats.bound_bytes, "{per_cpu}: {cpu:?}");
             }
         }
     }
@@ -1213,7 +1285,8 @@ mod tests {
 
     #[test]
     fn a_full_cache_spills_to_the_inner_allocator() {
-        let allocator = counting(4104 * CLASSES);
+        // A budget whose eighth is one 4,104-byte object: the class's most.
+        let allocator = counting(4104 * 8);
         churn(&allocator, &[4096], 10, 3);
         let stats = allocator.stats();
         if !stats.caching {
@@ -1221,7 +1294,7 @@ mod tests {
         }
         assert!(
             stats.spills() >= 9,
-            "one 4,104-byte object cached per CPU: {stats:?}"
+            "at most one 4,104-byte object cached per CPU: {stats:?}"
         );
         assert!(stats.cached_bytes() <= 4104 * (stats.per_cpu.len() as u64 + 1));
     }
@@ -1306,7 +1379,8 @@ mod tests {
             println!("skipped: needs two CPUs");
             return;
         };
-        const OBJECTS: usize = 400;
+        // More than the class's most slots (1,820 of 72 bytes), however far it grew.
+        const OBJECTS: usize = 4000;
         let allocate = |cpu: u32| -> Vec<usize> {
             let _pinned = crate::topology::pin_to(cpu).unwrap();
             // SAFETY: a non-zero layout; every object is freed below, with it.
@@ -1362,15 +1436,16 @@ mod tests {
         assert_eq!(allocator.inner().live.load(Ordering::Relaxed), 0);
     }
 
-    /// Allocates and frees 400 objects of `layout` on the calling thread (pinned by the caller),
-    /// more than its CPU's cache holds: the cache spills batches to the class's transfer list.
+    /// Allocates and frees 4,000 objects of `layout` on the calling thread (pinned by the
+    /// caller), more than its CPU's cache can hold however far the class grew: the cache spills
+    /// batches to the class's transfer list.
     /// The caches and the objects the list holds then (some), or `None` without caches.
     fn spill_to_the_list(
         allocator: &PerCpuAlloc<Counting>,
         layout: Layout,
     ) -> Option<(&Caches, u64)> {
         // SAFETY: a non-zero layout; each object freed once, with it.
-        let objects: Vec<usize> = (0..400)
+        let objects: Vec<usize> = (0..4000)
             .map(|_| unsafe { allocator.alloc(layout) } as usize)
             .collect();
         for object in objects {

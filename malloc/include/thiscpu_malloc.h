@@ -32,6 +32,11 @@ size_t thiscpu_malloc_release(void);
  * the bytes given back. Call it now and then, from any thread. */
 size_t thiscpu_malloc_release_idle(void);
 
+/* Sets how many milliseconds a free span of the heap keeps its pages before the heap's next
+ * change gives them back to the system (1000 until changed); a negative value turns that off,
+ * leaving it to thiscpu_malloc_release(). Returns the previous setting (-1 for off). */
+int64_t thiscpu_malloc_set_idle_return_ms(int64_t ms);
+
 /* Misses and spills of every CPU's cache so far: the calls that reached glibc's allocator or
  * another CPU's objects. */
 uint64_t thiscpu_malloc_slow_calls(void);

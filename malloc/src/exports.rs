@@ -404,6 +404,21 @@ pub extern "C" fn thiscpu_malloc_release_idle() -> usize {
     released(CACHES.release_idle())
 }
 
+/// Sets how many milliseconds a free span of the heap keeps its pages before the heap's next
+/// change gives them back to the system (1,000 until changed); a negative value turns that off,
+/// leaving it to `thiscpu_malloc_release()`. Returns the previous setting (-1 for off).
+#[unsafe(no_mangle)]
+pub extern "C" fn thiscpu_malloc_set_idle_return_ms(ms: i64) -> i64 {
+    let previous = thiscpu::allocator::idle_return()
+        .map_or(-1, |after| after.as_millis().min(i64::MAX as u128) as i64);
+    thiscpu::allocator::set_idle_return(
+        u64::try_from(ms)
+            .ok()
+            .map(core::time::Duration::from_millis),
+    );
+    previous
+}
+
 /// Misses and spills of every CPU's cache so far: calls that went to glibc's allocator or to
 /// another CPU's objects. A program whose calls reach this library sees it grow.
 #[unsafe(no_mangle)]

@@ -26,6 +26,7 @@
 #pragma weak thiscpu_malloc_caching
 #pragma weak thiscpu_malloc_slow_calls
 #pragma weak thiscpu_malloc_release
+#pragma weak thiscpu_malloc_set_idle_return_ms
 void free_sized(void *, size_t) __attribute__((weak));
 
 #define THREADS 4
@@ -323,6 +324,9 @@ int main(int argc, char **argv) {
     uint64_t slow = thiscpu_malloc_slow_calls();
     size_t released = thiscpu_malloc_release();
     printf("caching %d, slow calls %llu, released %zu bytes\n", caching, (unsigned long long)slow, released);
+    int64_t idle = thiscpu_malloc_set_idle_return_ms(-1);
+    int64_t off = thiscpu_malloc_set_idle_return_ms(idle);
+    if (idle != 1000 || off != -1) fail("the idle return setting (ms)", (size_t)idle);
     if (caching && slow == 0) fail("the caches served nothing", 0);
     return failures ? 1 : 0;
 }

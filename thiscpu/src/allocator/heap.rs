@@ -23,6 +23,14 @@
 //! [`RETAINED_FREE_SPANS`] free spans, the rest give their pages back to the system at once;
 //! [`Heap::return_free_spans`] gives back all of them.
 //!
+//! # Idle spans
+//! The free spans are kept newest first, each stamped with when it was freed. Whenever a span
+//! leaves a class or a class takes one (under the pages' lock, a few times per 64 KiB the
+//! program's heap changes by), the spans free for longer than [`idle_return`] give their pages
+//! back, from the oldest: a program whose heap shrank for good returns that memory without a
+//! call to a release. A program that stops allocating altogether keeps its free spans (at most
+//! `RETAINED_FREE_SPANS` of them) until a release; no thread of the heap's own runs meanwhile.
+//!
 //! # Fork
 //! A `pthread_atfork` handler takes every lock before a fork and releases them after it in
 //! both processes, so a child never inherits a lock held by a thread it does not have.
@@ -37,6 +45,7 @@ use super::heap_lock::Lock;
 use super::transfer::Batch;
 use core::ptr::NonNull;
 use core::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use core::time::Duration;
 
 /// Bytes of one span: the objects of one size class. 64 KiB holds 15 objects of the largest
 /// class and 2,048 of the smallest.
@@ -59,6 +68,42 @@ const CHUNKS: usize = 1 << (ADDRESS_BITS - CHUNK_BYTES.trailing_zeros());
 /// them without a fault per page; past this, a freed span's pages go back at once.
 pub(super) const RETAINED_FREE_SPANS: usize = 64;
 
+/// Milliseconds a free span keeps its pages before the heap's next change gives them back;
+/// `u32::MAX` while the policy is off.
+static IDLE_RETURN_MS: AtomicU32 = AtomicU32::new(1000);
+
+/// How long a free span of the own heap keeps its pages before they go back to the system
+/// (`madvise(MADV_DONTNEED)`), or `None` if only a release gives them back. One setting for
+/// the process, since the heap is one: 1 second unless [`set_idle_return`] changed it.
+pub fn idle_return() -> Option<Duration> {
+    match IDLE_RETURN_MS.load(Ordering::Relaxed) {
+        u32::MAX => None,
+        ms => Some(Duration::from_millis(u64::from(ms))),
+    }
+}
+
+/// Sets how long a free span of the own heap keeps its pages before they go back to the
+/// system: `None` turns the policy off (only [`crate::PerCpuAlloc::release`] and
+/// `release_idle` give them back then, and past 4 MiB of free spans, a span's pages go back as
+/// it is freed). Rounded to whole milliseconds, at most about 49 days. The heap applies it when
+/// it next changes: as a span is freed or taken, not from a thread of its own.
+///
+/// ```
+/// use std::time::Duration;
+/// thiscpu::allocator::set_idle_return(Some(Duration::from_secs(10)));
+/// assert_eq!(thiscpu::allocator::idle_return(), Some(Duration::from_secs(10)));
+/// thiscpu::allocator::set_idle_return(None);
+/// assert_eq!(thiscpu::allocator::idle_return(), None);
+/// thiscpu::allocator::set_idle_return(Some(Duration::from_secs(1)));
+/// ```
+pub fn set_idle_return(after: Option<Duration>) {
+    let ms = match after {
+        None => u32::MAX,
+        Some(after) => after.as_millis().min(u128::from(u32::MAX - 1)) as u32,
+    };
+    IDLE_RETURN_MS.store(ms, Ordering::Relaxed);
+}
+
 /// One span's state. A record is zero while its span was never used.
 #[repr(C, align(64))]
 struct SpanRecord {
@@ -77,7 +122,9 @@ struct SpanRecord {
     /// pages), 0 at the ends.
     next: AtomicUsize,
     prev: AtomicUsize,
-    _pad: [u32; 6],
+    /// When the span was last freed (`os::coarse_millis`), while it is on the free spans.
+    freed_at: AtomicU32,
+    _pad: [u32; 5],
 }
 
 /// A size class's spans with room, under its lock.
@@ -432,6 +479,7 @@ impl Heap {
         let pages = &self.pages;
         pages.lock.lock();
         let record = self.pop_free().or_else(|| self.carve_fresh());
+        self.return_idle_spans();
         pages.lock.unlock();
         let record = record?;
         record.carved.store(0, Ordering::Relaxed);
@@ -503,10 +551,43 @@ impl Heap {
             return;
         }
         record
+            .freed_at
+            .store(crate::os::coarse_millis(), Ordering::Relaxed);
+        record
             .next
             .store(pages.free.load(Ordering::Relaxed), Ordering::Relaxed);
         pages.free.store(address_of(record), Ordering::Relaxed);
         pages.free_count.fetch_add(1, Ordering::Relaxed);
+        self.return_idle_spans();
+    }
+
+    /// Gives back the pages of the free spans freed longer than `idle_return()` ago: the
+    /// list's tail, since it is kept newest first. Under the pages' lock.
+    fn return_idle_spans(&self) {
+        let idle_ms = IDLE_RETURN_MS.load(Ordering::Relaxed);
+        let pages = &self.pages;
+        if idle_ms == u32::MAX || pages.free_count.load(Ordering::Relaxed) == 0 {
+            return;
+        }
+        let now = crate::os::coarse_millis();
+        let is_idle = |record: &SpanRecord| {
+            now.wrapping_sub(record.freed_at.load(Ordering::Relaxed)) >= idle_ms
+        };
+        // The link that holds the first idle span: the list's head, or a record's `next`.
+        let mut link = &pages.free;
+        while let Some(record) = record_at(link.load(Ordering::Relaxed)) {
+            if is_idle(record) {
+                break;
+            }
+            link = &record.next;
+        }
+        let mut idle = link.load(Ordering::Relaxed);
+        link.store(0, Ordering::Relaxed);
+        while let Some(record) = record_at(idle) {
+            idle = record.next.load(Ordering::Relaxed);
+            pages.free_count.fetch_sub(1, Ordering::Relaxed);
+            self.give_pages_back(record);
+        }
     }
 
     /// Gives a free span's pages back and puts it on the returned list. Under the pages'

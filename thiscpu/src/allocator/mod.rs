@@ -113,6 +113,7 @@ pub use classes::{MAX_CACHED_SIZE, size_classes};
 #[cfg(feature = "prometheus-client")]
 #[cfg_attr(docsrs, doc(cfg(feature = "prometheus-client")))]
 pub use export::AllocCollector;
+pub use heap::{idle_return, set_idle_return};
 
 use crate::fence::FenceUnavailable;
 use crate::ops::{self, ByCpu, StackOutcome};

@@ -235,6 +235,23 @@ pub(crate) unsafe fn return_pages(start: NonNull<u8>, length: usize) {
     }
 }
 
+/// Milliseconds of the system's coarse monotonic clock (a vDSO read, without a system call,
+/// at the resolution of the scheduler's tick), wrapping every 49 days: for ages compared with
+/// `wrapping_sub`.
+pub(crate) fn coarse_millis() -> u32 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: writes the clock's value into `now`, a valid timespec; the coarse monotonic
+    // clock exists on every kernel thiscpu runs on (2.6.32 and later), and should it fail,
+    // `now` stays zero, which ages nothing.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut now) };
+    (now.tv_sec as u64)
+        .wrapping_mul(1000)
+        .wrapping_add(now.tv_nsec as u64 / 1_000_000) as u32
+}
+
 /// Registers `before` to run before every `fork`, `parent` after it in the parent and `child`
 /// after it in the child.
 pub(crate) fn at_fork(before: extern "C" fn(), parent: extern "C" fn(), child: extern "C" fn()) {

@@ -4,7 +4,8 @@
 #            give back 90 % of the memory it added; 4 C threads (every exported call, objects
 #            freed by another thread, forks while they run); an address-space limit that must
 #            end in ENOMEM. Run with LD_PRELOAD and linked with the static library
-#   checking THISCPU_MALLOC_CHECK=1: the stress again, which must pass, and a double free, an
+#   checking THISCPU_MALLOC_CHECK=1: the stress again, which must pass, and a double free (of
+#            an object still cached, and of one a release gave back to its heap span), an
 #            unaligned free and a free of static storage (malloc/tests/checking.c), each of
 #            which must be reported before the process aborts
 #   programs python3 (a JSON round trip), sort (300,000 lines), git (the log of this
@@ -45,7 +46,7 @@ run timeout 300 "$work/stress-static" 10
 run env THISCPU_MALLOC_CHECK=1 LD_PRELOAD="$lib" timeout 300 "$work/stress-preload" 2
 run gcc -O2 -Wall -Wextra -Werror malloc/tests/checking.c -o "$work/checking"
 run env THISCPU_MALLOC_CHECK=1 LD_PRELOAD="$lib" "$work/checking" clean
-for mistake in double unaligned foreign; do
+for mistake in double released unaligned foreign; do
     status=0
     THISCPU_MALLOC_CHECK=1 LD_PRELOAD="$lib" "$work/checking" "$mistake" \
         >/dev/null 2>"$work/checking.$mistake" || status=$?

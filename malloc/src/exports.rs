@@ -177,11 +177,17 @@ mod checking {
     }
 
     /// Before `object` is freed: a pointer that no allocation can have returned (not aligned
-    /// to 16, or whose chunk size word is no chunk's), and an object the caches hold already
-    /// (freed twice, and not allocated again in between), end the process.
+    /// to 16, or whose chunk size word is no chunk's), and an object the caches or its heap
+    /// span hold already (freed twice, and not allocated again in between), end the process.
     pub(super) fn before_free(object: *const u8) {
         if !(object as usize).is_multiple_of(glibc::MALLOC_ALIGN) {
             report("free of a pointer no allocation returned", object);
+        }
+        if CACHES.heap_object_is_free(object) {
+            report(
+                "double free: the heap holds the object free already",
+                object,
+            );
         }
         if let Some(size) = CACHES.heap_object_size(object) {
             let layout =

@@ -28,7 +28,8 @@
 //!
 //! # The checking mode
 //! With `THISCPU_MALLOC_CHECK=1` in the environment, `free` and `realloc` first check that the
-//! pointer can be an allocation's and that the caches do not hold it already (a double free),
+//! pointer can be an allocation's and that neither the caches nor its heap span hold it already
+//! (a double free),
 //! and end the process with a message on standard error and `abort()` if not.
 //!
 //! # Where it does not apply

@@ -11,6 +11,7 @@
 
 /* Weak: the program is run with the library preloaded. */
 #pragma weak thiscpu_malloc_caching
+#pragma weak thiscpu_malloc_release
 
 /* Zeroes before 16-byte aligned storage: no chunk's size word. */
 static _Alignas(16) unsigned char not_a_chunk[64];
@@ -27,6 +28,19 @@ int main(int argc, char **argv) {
         char *volatile again = p; /* volatile: gcc would refuse the mistake at compile time */
         free(p);
         free(again);
+    } else if (strcmp(scenario, "released") == 0) {
+        /* The first free's object goes back past the caches to its heap span (the release
+         * empties the caches), where the second must still be found; the objects made with it
+         * keep its span in its class, so the object is on the span's free list. */
+        void *kept[64];
+        for (int i = 0; i < 64; i++) kept[i] = malloc(40);
+        char *p = kept[32];
+        char *volatile again = p;
+        free(p);
+        thiscpu_malloc_release();
+        free(again);
+        for (int i = 0; i < 64; i++)
+            if (i != 32) free(kept[i]);
     } else if (strcmp(scenario, "unaligned") == 0) {
         char *volatile inside = (char *)malloc(100) + 4;
         free(inside);
@@ -42,7 +56,7 @@ int main(int argc, char **argv) {
         printf("clean: caching %d\n", thiscpu_malloc_caching());
         return 0;
     } else {
-        fprintf(stderr, "usage: checking double|unaligned|foreign|clean\n");
+        fprintf(stderr, "usage: checking double|released|unaligned|foreign|clean\n");
         return 2;
     }
     printf("%s: not caught\n", scenario);

@@ -352,6 +352,47 @@ impl Heap {
             .then(|| CLASS_SIZES[class])
     }
 
+    /// Whether `address` lies in the heap where no live object starts: in a span that holds
+    /// no class (free, or the chunk's records), off the span's stride or past what it carved,
+    /// or at an object on the span's free list (given back, and not taken since). False for an
+    /// address the heap does not own, and for a live object, or one a cache or list holds.
+    /// Takes the span's class's lock and walks its free list: for checking modes.
+    pub(super) fn holds_no_object_at(&self, address: usize) -> bool {
+        if !self.owns(address) {
+            return false;
+        }
+        // SAFETY: the heap owns the address's chunk.
+        let record = unsafe { record_of(address) };
+        loop {
+            let Some(class) = (record.class.load(Ordering::Acquire) as usize).checked_sub(1) else {
+                return true;
+            };
+            let spans = &self.classes[class];
+            spans.lock.lock();
+            // The span may have left the class before the lock was taken.
+            if record.class.load(Ordering::Relaxed) as usize != class + 1 {
+                spans.lock.unlock();
+                continue;
+            }
+            let offset = address - span_start(record);
+            let index = offset / stride(class);
+            let mut free = !offset.is_multiple_of(stride(class))
+                || address & (CHUNK_BYTES - 1) < SPAN_BYTES
+                || index >= record.carved.load(Ordering::Relaxed) as usize;
+            let mut next = record.free.load(Ordering::Relaxed);
+            let mut steps = 0;
+            while !free && next != 0 && steps <= objects_per_span(class) {
+                free = next == address;
+                // SAFETY: a free object of this span holds the next one's address in its first
+                // word, written by `give` under this lock, which is held.
+                next = unsafe { (next as *const usize).read() };
+                steps += 1;
+            }
+            spans.lock.unlock();
+            return free;
+        }
+    }
+
     /// Takes up to `want` objects of `class` (at most the batch's room) into `batch`; fewer
     /// only if the system refuses a new chunk.
     pub(super) fn take(&self, class: usize, batch: &mut Batch, want: usize) {

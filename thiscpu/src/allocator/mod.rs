@@ -612,6 +612,40 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
         self.backing().heap?.object_size(ptr as usize)
     }
 
+    /// Whether `ptr` points into the own heap where no object is in use: an object its span
+    /// took back (freed, and not allocated again since), room the span never handed out, or a
+    /// span that holds no objects. A checking mode asks before it frees: an object freed twice
+    /// whose first free went back to its span (past the caches and the transfer lists, which
+    /// [`caches_object`](PerCpuAlloc::caches_object) looks in) is found here. False for an
+    /// address outside the heap, and for an object in use or cached.
+    ///
+    /// It takes the lock of the span's size class and walks the span's free list (up to a few
+    /// thousand objects), and reads nothing at `ptr` itself: for checking modes, not for the
+    /// fast path. Exact while no other thread allocates or frees that class; a moment stale
+    /// otherwise.
+    ///
+    /// ```
+    /// use std::alloc::{GlobalAlloc, Layout};
+    /// let allocator = thiscpu::PerCpuAlloc::new();
+    /// let layout = Layout::new::<[u64; 4]>();
+    /// // SAFETY: a non-zero layout; the object is freed once, with it.
+    /// unsafe {
+    ///     let object = allocator.alloc(layout);
+    ///     assert!(!allocator.heap_object_is_free(object));
+    ///     allocator.dealloc(object, layout);
+    ///     // Back in a cache, or in its span if a release took it there.
+    ///     let _ = allocator.release();
+    ///     if allocator.heap_object_size(object).is_some() {
+    ///         assert!(allocator.heap_object_is_free(object));
+    ///     }
+    /// }
+    /// ```
+    pub fn heap_object_is_free(&self, ptr: *const u8) -> bool {
+        self.backing()
+            .heap
+            .is_some_and(|heap| heap.holds_no_object_at(ptr as usize))
+    }
+
     /// Gives CPU `cpu`'s cached objects back to the inner allocator while threads there go on
     /// allocating; returns the bytes given back.
     ///
@@ -1991,6 +2025,46 @@ mod tests {
         assert_eq!(allocator.heap_object_size(foreign), None);
         // SAFETY: made just above with this layout.
         unsafe { System.dealloc(foreign, layout) };
+    }
+
+    /// Of a class this process's other threads rarely use (3,592 bytes), since an allocation
+    /// of another allocator of the process may take the freed object back from its span
+    /// meanwhile; not where the global allocator shares the heap and serves every test thread.
+    #[test]
+    #[cfg_attr(thiscpu_global_alloc, ignore = "the global allocator shares the heap")]
+    fn an_object_its_span_took_back_is_free_and_its_neighbours_are_not() {
+        let _heap = heap_to_myself();
+        let allocator = PerCpuAlloc::new();
+        let layout = Layout::from_size_align(3500, 8).unwrap();
+        // SAFETY: a non-zero layout; each object is freed once below, with it.
+        let objects: Vec<*mut u8> = (0..64)
+            .map(|_| unsafe { allocator.alloc(layout) })
+            .collect();
+        if !allocator.stats().caching || allocator.heap_object_size(objects[32]).is_none() {
+            return;
+        }
+        assert!(
+            objects
+                .iter()
+                .all(|&object| !allocator.heap_object_is_free(object))
+        );
+        // SAFETY: made above, freed once.
+        unsafe { allocator.dealloc(objects[32], layout) };
+        // Cached: not the span's yet.
+        assert!(!allocator.heap_object_is_free(objects[32]));
+        assert!(allocator.release().is_ok());
+        assert!(allocator.heap_object_is_free(objects[32]));
+        assert!(!allocator.heap_object_is_free(objects[31]));
+        // Off the stride, and outside the heap.
+        assert!(allocator.heap_object_is_free(objects[31].wrapping_add(8)));
+        let on_the_stack = 0u64;
+        assert!(!allocator.heap_object_is_free(&on_the_stack as *const u64 as *const u8));
+        for (n, &object) in objects.iter().enumerate() {
+            if n != 32 {
+                // SAFETY: made above, freed once.
+                unsafe { allocator.dealloc(object, layout) };
+            }
+        }
     }
 
     #[test]

@@ -8,6 +8,7 @@
 #   KM_TIMEOUT    seconds one check may take before it counts as hung
 #   KM_TESTS      the test executables to run, space-separated (default: all)
 #   KM_FEATURES   1 in the one guest that runs the optional features' tests (FEATURE_TESTS)
+#   KM_REST       (smp2) the registration the rest of the suite runs under: glibc, or none
 #   KM_ENFORCE    1 on kernels that enforce the read-only ID fields of an optimized-mode area
 #                 (Linux 7.x): a deliberate write to `cpu_id` must kill the process
 #   KM_RSEQ_DEBUG 1 when the kernel was booted with rseq_debug=1, which enforces them in the
@@ -268,12 +269,14 @@ FN="sh /guest.sh run"
 # initial-exec TLS there). Each guest runs these under both registrations. The rest of the
 # suite runs under one registration per guest, since the topology and the registrar are
 # independent:
-# - smp2: under glibc's (a legacy-mode area on every kernel: glibc 2.36 registers 32 bytes);
+# - smp2: under glibc's (a legacy-mode area on every kernel: glibc 2.36 registers 32 bytes),
+#   or not at all where matrix.sh says KM_REST=none: a kernel without the optimized mode whose
+#   numa-hotplug guest runs it;
 # - the topology guests: under thiscpu's own (the optimized mode on 7.x, KM_ENFORCE=1).
 # So on 7.x the whole suite runs in each mode: the legacy one in smp2, the optimized one in
 # numa-hotplug (with rseq_debug, which checks the area at every return to user space); on
 # older kernels both areas are legacy-mode areas and differ only in where they lie, which the
-# tests above check under each.
+# tests above check under each, so the numa-hotplug guest's run is the kernel's one.
 REGISTRATION_TESTS="identity registration fallback topology mm_cid counter shared_library"
 
 # The tests of the optional features (metrics backends, serde): they exercise the same per-CPU
@@ -309,7 +312,7 @@ library_tests() {
                 case " $FEATURE_TESTS " in *" $name "*) continue ;; esac
             fi
             # The registrar that runs the rest of the suite here (see REGISTRATION_TESTS).
-            rest=glibc
+            rest=${KM_REST:-glibc}
             [ "$KM_TOPOLOGY" = smp2 ] || rest=own
             if [ "$rest" != "$1" ]; then
                 case " $REGISTRATION_TESTS " in *" $name "*) ;; *) continue ;; esac

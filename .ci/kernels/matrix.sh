@@ -3,10 +3,11 @@
 # the topology checks of .ci/kernels/guest.sh on Debian's x86_64 kernels of several series
 # (.ci/kernels/setup.sh), each booted in qemu-system-x86_64 in several CPU topologies:
 #
-#   smp2     2 CPUs, one node; the registration's tests under both registrations and the rest
-#            under glibc's, a legacy-mode area on every kernel (the numa-hotplug guest runs the
-#            rest under thiscpu's own, the optimized mode on 7.x; see REGISTRATION_TESTS and
-#            FEATURE_TESTS in guest.sh)
+#   smp2     2 CPUs, one node; the registration's tests under both registrations and, on 7.x
+#            (or a kernel without a numa-hotplug guest), the rest under glibc's, a legacy-mode
+#            area on every kernel (the numa-hotplug guest runs the rest under thiscpu's own,
+#            the optimized mode on 7.x and a legacy-mode area like glibc's before; see
+#            REGISTRATION_TESTS and FEATURE_TESTS in guest.sh)
 #   numa-hotplug
 #            4 possible CPUs in 2 NUMA nodes (CPUs 0 and 2, 1 and 3), each with 1 GiB; 2 online
 #            at boot (-smp 4 and the kernel's maxcpus=2), one in each node; CPUs 1-3 go offline
@@ -286,6 +287,18 @@ guest_plan() {
     # The optional features' tests (see FEATURE_TESTS in guest.sh): the newest kernel's smp2.
     if [ "$topo" = smp2 ] && [ "$dir" = "${kernel_dirs[-1]}" ]; then
         append+=" KM_FEATURES=1"
+    fi
+    # The rest of the suite in smp2 (see REGISTRATION_TESTS in guest.sh): under glibc's area;
+    # none on a kernel without the optimized mode whose numa-hotplug guest runs it under
+    # thiscpu's own, since both areas are legacy-mode areas there and differ only in where
+    # they lie, which the registration's tests check under each.
+    if [ "$topo" = smp2 ]; then
+        rest=glibc
+        if [ "$enforce" != 1 ] && [[ " $topologies " == *" numa-hotplug "* ]] &&
+            { [ "$dir" = "${kernel_dirs[0]}" ] || [ "$dir" = "${kernel_dirs[-1]}" ]; }; then
+            rest=none
+        fi
+        append+=" KM_REST=$rest"
     fi
     return 0
 }

@@ -11,7 +11,7 @@
 
 /// What `capacity` is written with: loom's atomics.
 mod capacity_words {
-    pub(crate) use loom::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    pub(crate) use loom::sync::atomic::{AtomicU64, Ordering};
 }
 
 #[path = "../src/allocator/capacity.rs"]
@@ -54,10 +54,10 @@ fn growths_at_once_keep_the_budget_and_the_bounds() {
         let capacities = Arc::new(Capacities::with_largest_share(SIZES, BUDGET, 2));
         let other = Arc::clone(&capacities);
         let grower = loom::thread::spawn(move || {
-            other.grow(0);
+            other.grow(0, 0);
             check_bounds(&other);
         });
-        capacities.grow(1);
+        capacities.grow(1, 0);
         check_bounds(&capacities);
         grower.join().unwrap();
         check_settled(&capacities);
@@ -73,11 +73,11 @@ fn a_growth_that_takes_room_races_one_that_finds_it() {
         // (an ask may be lost then; the asks only choose whom to take from).
         let other = Arc::clone(&capacities);
         let grower = loom::thread::spawn(move || {
-            other.ask(1);
-            other.grow(1);
+            other.ask(1, 0);
+            other.grow(1, 0);
             check_bounds(&other);
         });
-        capacities.grow(0);
+        capacities.grow(0, 0);
         check_bounds(&capacities);
         grower.join().unwrap();
         check_settled(&capacities);

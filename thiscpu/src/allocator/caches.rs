@@ -456,7 +456,7 @@ impl Caches {
 
     /// `class` missed or spilled on some CPU: it may grow (see `capacity`).
     pub(super) fn ask_for_room(&self, class: usize) {
-        self.capacity.ask(class);
+        self.capacity.ask(class, crate::os::fork_generation());
     }
 
     /// The most bytes one CPU's cache can hold: every class's most objects.

@@ -8,7 +8,11 @@
 //! room was taken (the asks then halve, so that old asks count less), never below a class's
 //! floor of a quarter of its first share. One thread moves capacity at a time; a thread that
 //! finds another moving skips its turn rather than wait: growth is a slow-path nicety, never a
-//! reason to block.
+//! reason to block. The mover's word holds the fork generation it moved in (`os::fork_generation`,
+//! passed in by the caller), so that the child of a `fork` made while a thread of the parent
+//! was moving, which has no such thread, takes the word over rather than never growing again;
+//! it counts the budget's bytes afresh, since the parent's thread may have stopped between two
+//! of its stores.
 //!
 //! The capacity is one number per class for every CPU: the fast path loads it as it loaded the
 //! fixed one, and a push compares the count with it inside its section. A push that loaded the
@@ -21,7 +25,7 @@
 //! file with loom's atomics and checks the budget and the bounds in every interleaving of
 //! threads that grow classes at once.
 
-use super::capacity_words::{AtomicBool, AtomicU64, Ordering};
+use super::capacity_words::{AtomicU64, Ordering};
 
 /// Asks (misses and spills) of one class between two growths of it.
 pub(crate) const ASKS_PER_GROWTH: u64 = 16;
@@ -47,8 +51,8 @@ pub(crate) struct Capacities<const N: usize> {
     /// The bytes of all capacities, at most `budget`; written only by the mover.
     used: AtomicU64,
     budget: u64,
-    /// Held by the one thread that moves capacity.
-    moving: AtomicBool,
+    /// 0, or the fork generation plus one of the one thread that moves capacity.
+    moving: AtomicU64,
     /// Growths since the start.
     growths: AtomicU64,
 }
@@ -82,7 +86,7 @@ impl<const N: usize> Capacities<N> {
             asks: [0; N].map(AtomicU64::new),
             used: AtomicU64::new(used),
             budget,
-            moving: AtomicBool::new(false),
+            moving: AtomicU64::new(0),
             growths: AtomicU64::new(0),
         }
     }
@@ -109,21 +113,41 @@ impl<const N: usize> Capacities<N> {
     }
 
     /// `class` missed or spilled: counts the ask, and grows the class at every
-    /// `ASKS_PER_GROWTH`th. True if it grew.
-    pub(crate) fn ask(&self, class: usize) -> bool {
+    /// `ASKS_PER_GROWTH`th. True if it grew. `generation` is the process's fork generation.
+    pub(crate) fn ask(&self, class: usize, generation: u32) -> bool {
         let asks = self.asks[class].fetch_add(1, Ordering::Relaxed) + 1;
-        asks.is_multiple_of(ASKS_PER_GROWTH) && self.grow(class)
+        asks.is_multiple_of(ASKS_PER_GROWTH) && self.grow(class, generation)
+    }
+
+    /// Makes the calling thread, of fork generation `generation`, the mover; false if a thread
+    /// of this generation is. A word of another generation was left by a thread of a parent
+    /// process that a `fork` did not copy: it is taken over, and the budget's bytes counted
+    /// again from the capacities.
+    fn become_mover(&self, generation: u32) -> bool {
+        let mine = u64::from(generation) + 1;
+        let held = self.moving.load(Ordering::Relaxed);
+        if held == mine
+            || self
+                .moving
+                .compare_exchange(held, mine, Ordering::Acquire, Ordering::Relaxed)
+                .is_err()
+        {
+            return false;
+        }
+        if held != 0 {
+            let used: u64 = (0..N)
+                .map(|class| self.limits[class].load(Ordering::Relaxed) * self.sizes[class])
+                .sum();
+            self.used.store(used, Ordering::Relaxed);
+        }
+        true
     }
 
     /// Grows `class` by a quarter (at least one slot, at most to its most), taking the bytes
     /// from the budget's room or else from the classes that asked least, or by what they can
     /// give if that is less; true if it grew. Skips when another thread is moving capacity.
-    pub(crate) fn grow(&self, class: usize) -> bool {
-        if self
-            .moving
-            .compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed)
-            .is_err()
-        {
+    pub(crate) fn grow(&self, class: usize, generation: u32) -> bool {
+        if !self.become_mover(generation) {
             return false;
         }
         let size = self.sizes[class];
@@ -142,7 +166,7 @@ impl<const N: usize> Capacities<N> {
             self.used.fetch_add(step * size, Ordering::Relaxed);
             self.growths.fetch_add(1, Ordering::Relaxed);
         }
-        self.moving.store(false, Ordering::Release);
+        self.moving.store(0, Ordering::Release);
         step > 0
     }
 
@@ -225,7 +249,7 @@ mod tests {
         let capacities = Capacities::new(SIZES, BUDGET);
         let mut grew = 0;
         for _ in 0..ASKS_PER_GROWTH * 40 {
-            grew += u64::from(capacities.ask(9));
+            grew += u64::from(capacities.ask(9, 0));
             let total = checked_total(&capacities);
             assert!(total <= BUDGET as u64);
             assert_eq!(total, capacities.used_bytes());
@@ -239,7 +263,7 @@ mod tests {
     #[test]
     fn a_class_stops_at_its_most_slots() {
         let capacities = Capacities::new(SIZES, BUDGET);
-        while capacities.grow(0) {}
+        while capacities.grow(0, 0) {}
         assert_eq!(capacities.limit(0), capacities.most(0));
         assert_eq!(capacities.limit(0), (BUDGET / 8 / 16) as u64);
         assert!(checked_total(&capacities) <= BUDGET as u64);
@@ -251,10 +275,10 @@ mod tests {
         // Every class but 15 asks (short of a growth); 15 never does.
         for class in 0..15 {
             for _ in 0..ASKS_PER_GROWTH - 1 {
-                capacities.ask(class);
+                capacities.ask(class, 0);
             }
         }
-        assert!(capacities.grow(2));
+        assert!(capacities.grow(2, 0));
         for class in 0..15 {
             assert!(
                 capacities.limit(class) >= first(class),
@@ -278,7 +302,7 @@ mod tests {
         }
         let used = checked_total(&capacities);
         capacities.used.store(used, Ordering::Relaxed);
-        while capacities.grow(15) {}
+        while capacities.grow(15, 0) {}
         assert_eq!(capacities.limit(15), capacities.most(15));
         assert!(checked_total(&capacities) <= BUDGET as u64);
         assert_eq!(checked_total(&capacities), capacities.used_bytes());
@@ -287,9 +311,25 @@ mod tests {
     #[test]
     fn a_thread_that_finds_another_moving_skips() {
         let capacities = Capacities::new(SIZES, BUDGET);
-        capacities.moving.store(true, Ordering::Relaxed);
-        assert!(!capacities.grow(2));
+        capacities.moving.store(1, Ordering::Relaxed);
+        assert!(!capacities.grow(2, 0));
         assert_eq!(capacities.limit(2), first(2));
         assert_eq!(capacities.growths(), 0);
+    }
+
+    /// The child of a fork made while a parent's thread moved capacity: the word names the
+    /// parent's generation, and the bytes that thread counted may be half updated.
+    #[test]
+    fn a_mover_left_by_a_fork_is_taken_over_and_the_bytes_counted_again() {
+        let capacities = Capacities::new(SIZES, BUDGET);
+        capacities.moving.store(1, Ordering::Relaxed);
+        capacities
+            .used
+            .store(BUDGET as u64 + 4096, Ordering::Relaxed);
+        assert!(capacities.grow(2, 1));
+        assert_eq!(capacities.moving.load(Ordering::Relaxed), 0);
+        let total = checked_total(&capacities);
+        assert!(total <= BUDGET as u64);
+        assert_eq!(capacities.used_bytes(), total);
     }
 }

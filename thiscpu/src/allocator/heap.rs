@@ -26,8 +26,8 @@
 //! # Idle spans
 //! The free spans are kept newest first, each stamped with when it was freed. Whenever a span
 //! leaves a class or a class takes one (under the pages' lock, a few times per 64 KiB the
-//! program's heap changes by), the spans free for longer than [`idle_return`] give their pages
-//! back, from the oldest: a program whose heap shrank for good returns that memory without a
+//! program's heap changes by, and at most once per quarter of the setting), the spans free for
+//! longer than [`idle_return`] give their pages back, from the oldest: a program whose heap shrank for good returns that memory without a
 //! call to a release. A program that stops allocating altogether keeps its free spans (at most
 //! `RETAINED_FREE_SPANS` of them) until a release; no thread of the heap's own runs meanwhile.
 //!
@@ -154,6 +154,8 @@ struct Pages {
     chunks: AtomicUsize,
     /// Bytes of pages given back since the start.
     returned_bytes: AtomicU64,
+    /// When the free spans were last looked over for idle ones (`os::coarse_millis`).
+    swept_at: AtomicU32,
 }
 
 /// The heap's figures at one moment.
@@ -311,6 +313,7 @@ impl Heap {
                 next_span: AtomicUsize::new(0),
                 chunks: AtomicUsize::new(0),
                 returned_bytes: AtomicU64::new(0),
+                swept_at: AtomicU32::new(0),
             },
             owned: AtomicUsize::new(0),
             state: AtomicU8::new(UNSTARTED),
@@ -520,7 +523,7 @@ impl Heap {
         let pages = &self.pages;
         pages.lock.lock();
         let record = self.pop_free().or_else(|| self.carve_fresh());
-        self.return_idle_spans();
+        self.return_idle_spans(crate::os::coarse_millis());
         pages.lock.unlock();
         let record = record?;
         record.carved.store(0, Ordering::Relaxed);
@@ -591,26 +594,30 @@ impl Heap {
             self.give_pages_back(record);
             return;
         }
-        record
-            .freed_at
-            .store(crate::os::coarse_millis(), Ordering::Relaxed);
+        let now = crate::os::coarse_millis();
+        record.freed_at.store(now, Ordering::Relaxed);
         record
             .next
             .store(pages.free.load(Ordering::Relaxed), Ordering::Relaxed);
         pages.free.store(address_of(record), Ordering::Relaxed);
         pages.free_count.fetch_add(1, Ordering::Relaxed);
-        self.return_idle_spans();
+        self.return_idle_spans(now);
     }
 
-    /// Gives back the pages of the free spans freed longer than `idle_return()` ago: the
-    /// list's tail, since it is kept newest first. Under the pages' lock.
-    fn return_idle_spans(&self) {
+    /// Gives back the pages of the free spans freed longer than `idle_return()` ago (`now`
+    /// is the clock's time): the list's tail, since it is kept newest first. Looks at most
+    /// once per quarter of that time, so that a program that frees and takes spans often does
+    /// not walk the list at every one. Under the pages' lock.
+    fn return_idle_spans(&self, now: u32) {
         let idle_ms = IDLE_RETURN_MS.load(Ordering::Relaxed);
         let pages = &self.pages;
-        if idle_ms == u32::MAX || pages.free_count.load(Ordering::Relaxed) == 0 {
+        if idle_ms == u32::MAX
+            || pages.free_count.load(Ordering::Relaxed) == 0
+            || now.wrapping_sub(pages.swept_at.load(Ordering::Relaxed)) < idle_ms / 4
+        {
             return;
         }
-        let now = crate::os::coarse_millis();
+        pages.swept_at.store(now, Ordering::Relaxed);
         let is_idle = |record: &SpanRecord| {
             now.wrapping_sub(record.freed_at.load(Ordering::Relaxed)) >= idle_ms
         };

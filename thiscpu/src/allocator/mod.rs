@@ -99,7 +99,7 @@ mod transfer;
 
 /// What `capacity` is written with: `core`'s atomics; its model check supplies loom's.
 mod capacity_words {
-    pub(super) use core::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    pub(super) use core::sync::atomic::{AtomicU64, Ordering};
 }
 
 /// What `heap_lock` is written with: `core`'s atomics (the heap is a static, built in a

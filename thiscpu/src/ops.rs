@@ -422,6 +422,56 @@ pub(crate) unsafe fn stack_pop<S: Spread>(
     unsafe { section_by!(S, stack_pop, [], at.offset, at.index, head, slots) }
 }
 
+/// Guarded pop from the stack of the CPU the calling thread runs on, which the section reads
+/// itself after arming (no position is read before it, and none is checked): CPU `c`'s stack
+/// is at `head` and `slots` plus `c << shift` bytes, for every `c < cpus`. Returns the item,
+/// or 0 if the section did not commit: the thread has no registered area or runs on a CPU
+/// from `cpus` up, the stack is stopped or empty, or the kernel aborted the section.
+///
+/// # Safety
+/// For every CPU `c < cpus`, `head + (c << shift)` and `slots + (c << shift)` are CPU `c`'s
+/// stack, whose count and slots only sections running on `c` write, or a drainer after a
+/// fence of `c` while `stopped` is set; no stacked item is 0.
+#[inline(always)]
+pub(crate) unsafe fn stack_pop_here(
+    cpus: u64,
+    shift: u32,
+    head: *const StackHead,
+    slots: *const usize,
+) -> usize {
+    // SAFETY: forwarded contract; the area offset names the calling thread's area.
+    unsafe { arch::stack_pop_here(arch::area_offset(), cpus, shift, head, slots) }
+}
+
+/// Guarded push onto the stack of the CPU the calling thread runs on, found as in
+/// [`stack_pop_here`]. `Aborted` also when the thread has no registered area or runs on a CPU
+/// from `cpus` up.
+///
+/// # Safety
+/// As for [`stack_pop_here`], every CPU's slots valid for `capacity` words.
+#[inline(always)]
+pub(crate) unsafe fn stack_push_here(
+    cpus: u64,
+    shift: u32,
+    head: *const StackHead,
+    slots: *mut usize,
+    capacity: u64,
+    item: usize,
+) -> StackOutcome {
+    // SAFETY: forwarded contract; the area offset names the calling thread's area.
+    unsafe {
+        arch::stack_push_here(
+            arch::area_offset(),
+            cpus,
+            shift,
+            head,
+            slots,
+            capacity,
+            item,
+        )
+    }
+}
+
 static ABORTS: AtomicU64 = AtomicU64::new(0);
 static ABORT_FALLBACKS: AtomicU64 = AtomicU64::new(0);
 

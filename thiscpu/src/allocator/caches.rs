@@ -12,10 +12,15 @@
 //!   up to the class's capacity now (`Capacities::limit`, moved between the classes as the
 //!   program asks, see `capacity`).
 //!
-//! A pop and a push are one guarded stack section each (`ops::stack_pop`, `ops::stack_push`,
-//! the pool's): check `stopped`, read `count`, move one address, commit the count with one
-//! store. The count is the only word they commit, so it is exact: an aborted push leaves an
-//! address in a slot no count covers, an aborted pop changes nothing.
+//! A pop and a push are one guarded stack section each: check `stopped`, read `count`, move
+//! one address, commit the count with one store. The count is the only word they commit, so it
+//! is exact: an aborted push leaves an address in a slot no count covers, an aborted pop
+//! changes nothing. The fast path's sections (`ops::stack_pop_here`, `ops::stack_push_here`)
+//! read the CPU inside themselves and find its stack from it: a class's head and slots lie at
+//! the same place in every CPU's region and the regions are a power of two apart, so the
+//! caller passes CPU 0's addresses and the stride, and reads no CPU before the section. The
+//! slow path's (`ops::stack_pop`, `ops::stack_push`, the pool's) check a CPU read before them,
+//! which the slow path also needs for its tallies.
 //!
 //! # Releasing a CPU's cache
 //! Under the release lock, the releaser stores `RELEASING` into `stopped` on every class of
@@ -434,6 +439,48 @@ impl Caches {
                 at,
                 self.head(cpu, class),
                 self.slots(cpu, class),
+                self.capacity.limit(class),
+                object as usize,
+            )
+        }
+    }
+
+    /// An object of `class` popped from the cache of the CPU the calling thread runs on, read
+    /// inside the section; `None` if the section did not commit (see `ops::stack_pop_here`: an
+    /// empty or stopped cache, an abort, a thread without rseq): the slow path says which.
+    #[inline(always)]
+    pub(super) fn pop_here(&self, class: usize) -> Option<*mut u8> {
+        // SAFETY: CPU `c`'s head and slots for `class` lie `c << stride_shift` bytes after CPU
+        // 0's (`head`, `slots`) for every `c < self.cpus`, in regions the caches own, and only
+        // sections running on `c` or a releaser that set `stopped` and fenced `c` write them;
+        // cached objects are never null.
+        let object = unsafe {
+            ops::stack_pop_here(
+                self.cpus as u64,
+                self.stride_shift,
+                self.head(0, class),
+                self.slots(0, class),
+            )
+        };
+        (object != 0).then_some(object as *mut u8)
+    }
+
+    /// One try at pushing `object` onto the cache of the CPU the calling thread runs on, read
+    /// inside the section (see `ops::stack_push_here`).
+    ///
+    /// # Safety
+    /// `object` is an allocation of `class`'s layout by the backing that the caller owns, and
+    /// gives up if the push commits.
+    #[inline(always)]
+    pub(super) unsafe fn push_here(&self, class: usize, object: *mut u8) -> StackOutcome {
+        // SAFETY: as in `pop_here`; the class's capacity is at most the slots its region has
+        // (`Capacities::limit`), whichever capacity the section compares the count with.
+        unsafe {
+            ops::stack_push_here(
+                self.cpus as u64,
+                self.stride_shift,
+                self.head(0, class),
+                self.slots(0, class),
                 self.capacity.limit(class),
                 object as usize,
             )

@@ -326,14 +326,8 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
         if !caches.is_null() {
             // SAFETY: as in `started`.
             let caches = unsafe { &*caches };
-            let at = ops::position_as_is::<ByCpu>();
-            if (at.index() as usize) < caches.cpus {
-                // SAFETY: `at` was just read on this thread; its index is below the CPUs.
-                match unsafe { caches.pop_at(at, class) } {
-                    (StackOutcome::Committed, object) => return object as *mut u8,
-                    (StackOutcome::Refused, _) => return self.miss(caches, at, class),
-                    _ => {}
-                }
+            if let Some(object) = caches.pop_here(class) {
+                return object;
             }
         }
         self.take_slow(class)
@@ -409,18 +403,12 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
     #[inline(always)]
     unsafe fn give(&self, object: *mut u8, class: usize) {
         if let Some(caches) = self.started() {
-            let at = ops::position_as_is::<ByCpu>();
-            if (at.index() as usize) < caches.cpus {
-                // SAFETY: `at` was just read on this thread, its index is below the CPUs, and
-                // the object is the caller's to give.
-                match unsafe { caches.push_at(at, class, object) } {
-                    StackOutcome::Committed => return,
-                    StackOutcome::Refused => {
-                        // SAFETY: the push did not commit: the object is still the caller's.
-                        return unsafe { self.spill(caches, at, object, class) };
-                    }
-                    _ => {}
-                }
+            // SAFETY: the object is the caller's to give.
+            match unsafe { caches.push_here(class, object) } {
+                StackOutcome::Committed => return,
+                // SAFETY: the push did not commit: the object is still the caller's.
+                StackOutcome::Refused => return unsafe { self.spill_here(caches, object, class) },
+                _ => {}
             }
         }
         // SAFETY: forwarded contract (the push did not commit: the object is still ours).
@@ -450,6 +438,25 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
         // SAFETY: objects of the class (the given one, or ones a committed pop took out of a
         // cache), that no list took.
         unsafe { self.backing().give_batch(class, refused) }
+    }
+
+    /// The cache of the CPU the push ran on was full: `spill` there, if the thread is still on
+    /// a CPU with a cache (the tally goes to the CPU it is on now, and the objects to the
+    /// class's transfer list, which every CPU shares), or else the slow path.
+    ///
+    /// # Safety
+    /// As for [`PerCpuAlloc::give`].
+    #[cold]
+    #[inline(never)]
+    unsafe fn spill_here(&self, caches: &Caches, object: *mut u8, class: usize) {
+        let at = ops::position_as_is::<ByCpu>();
+        if (at.index() as usize) < caches.cpus {
+            // SAFETY: forwarded contract; `at` was just read on this thread, below the CPUs.
+            unsafe { self.spill(caches, at, object, class) }
+        } else {
+            // SAFETY: forwarded contract.
+            unsafe { self.give_slow(object, class) }
+        }
     }
 
     /// # Safety

@@ -753,6 +753,144 @@ pub(crate) unsafe fn stack_pop<const FIELD: usize>(
     (StackOutcome::Committed, item)
 }
 
+// The allocator's stacks, indexed inside the section: as on x86_64, the section reads
+// `cpu_id` itself after arming and finds that CPU's stack `cpu << shift` bytes after CPU 0's,
+// so nothing is read before it or checked in it. An unregistered area reads -1 (or -2), which
+// the unsigned comparison with `cpus` sends out like a CPU without a stack. `stopped` is loaded
+// with `ldar` and a push commits with `stlr`, as above; both take a bare base register, so the
+// count is the head's first word.
+const _: () = assert!(StackHead::COUNT == 0);
+
+/// Guarded pop from the stack of the CPU the section runs on (see `ops::stack_pop_here`): the
+/// item, or 0 if the section left or aborted. The item comes back in a register: the early
+/// exits go to the end label with the register still 0, and the abort handler clears it.
+///
+/// # Safety
+/// `offset` names the calling thread's area; for every CPU `c < cpus`, `head + (c << shift)`
+/// and `slots + (c << shift)` (bytes) are CPU `c`'s stack, whose count and slots only
+/// sections running on `c` write, or a drainer after a fence of `c` while `stopped` is set.
+#[inline(always)]
+pub(crate) unsafe fn stack_pop_here(
+    offset: AreaOffset,
+    cpus: u64,
+    shift: u32,
+    head: *const StackHead,
+    slots: *const usize,
+) -> usize {
+    let item: usize;
+    // SAFETY: the caller's contract; the section arms itself before it reads `cpu_id`, writes
+    // nothing but the count (its commit) and the area's `rseq_cs`, and indexes only stacks of
+    // CPUs below `cpus`; its early exits go to its end (listed as an exit point) and its abort
+    // handler only clears the item and branches there too.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "4f"),
+            "mov {item}, xzr",
+            rseq_arm!(),
+            "ldr {cpu:w}, [{base}]",
+            "cmp {cpu}, {cpus}",
+            "b.hs 4f",
+            "lsl {cpu}, {cpu}, {shift}",
+            "add {base}, {head}, {cpu}",
+            "add {n}, {base}, #{stopped_at}",
+            "ldar {n}, [{n}]",
+            "cbnz {n}, 4f",
+            inject!(3),
+            "ldr {n}, [{base}]",
+            "cbz {n}, 4f",
+            "sub {n}, {n}, #1",
+            "add {cpu}, {slots}, {cpu}",
+            "ldr {item}, [{cpu}, {n}, lsl #3]",
+            inject!(2),
+            "str {n}, [{base}]",
+            "4:",
+            rseq_abort!("5", "mov {item}, xzr", "b 4b");
+            off = in(reg) offset.0,
+            cpus = in(reg) cpus,
+            shift = in(reg) u64::from(shift),
+            head = in(reg) head,
+            slots = in(reg) slots,
+            base = out(reg) _,
+            cpu = out(reg) _,
+            n = out(reg) _,
+            item = out(reg) item,
+            cs = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS - offset::CPU_ID,
+            stopped_at = const StackHead::STOPPED,
+            options(nostack),
+        );
+    }
+    item
+}
+
+/// Guarded push onto the stack of the CPU the section runs on (see `ops::stack_push_here`),
+/// committed with `stlr`.
+///
+/// # Safety
+/// As for [`stack_pop_here`], with every CPU's slots valid for `capacity` words.
+#[inline(always)]
+pub(crate) unsafe fn stack_push_here(
+    offset: AreaOffset,
+    cpus: u64,
+    shift: u32,
+    head: *const StackHead,
+    slots: *mut usize,
+    capacity: u64,
+    item: usize,
+) -> StackOutcome {
+    // SAFETY: the caller's contract; the section arms itself before it reads `cpu_id` and
+    // indexes only stacks of CPUs below `cpus`; its three early exits are listed as exit
+    // points; the slot store lands beyond the committed count (n < capacity is checked
+    // first), so an aborted push leaves nothing visible.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{outside}"),
+            rseq_exit_point!("2", "{stopped}"),
+            rseq_exit_point!("2", "{refused}"),
+            rseq_arm!(),
+            "ldr {cpu:w}, [{base}]",
+            "cmp {cpu}, {cpus}",
+            "b.hs {outside}",
+            "lsl {cpu}, {cpu}, {shift}",
+            "add {base}, {head}, {cpu}",
+            "add {n}, {base}, #{stopped_at}",
+            "ldar {n}, [{n}]",
+            "cbnz {n}, {stopped}",
+            inject!(3),
+            "ldr {n}, [{base}]",
+            "cmp {n}, {capacity}",
+            "b.hs {refused}",
+            "add {cpu}, {slots}, {cpu}",
+            "str {item}, [{cpu}, {n}, lsl #3]",
+            inject!(1),
+            "add {n}, {n}, #1",
+            "stlr {n}, [{base}]",
+            "4:",
+            rseq_abort!("5", "b {outside}");
+            off = in(reg) offset.0,
+            cpus = in(reg) cpus,
+            shift = in(reg) u64::from(shift),
+            head = in(reg) head,
+            slots = in(reg) slots,
+            capacity = in(reg) capacity,
+            item = in(reg) item,
+            base = out(reg) _,
+            cpu = out(reg) _,
+            n = out(reg) _,
+            cs = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS - offset::CPU_ID,
+            stopped_at = const StackHead::STOPPED,
+            stopped = label { return StackOutcome::Stopped; },
+            refused = label { return StackOutcome::Refused; },
+            outside = label { return StackOutcome::Aborted; },
+            options(nostack),
+        );
+    }
+    StackOutcome::Committed
+}
+
 /// Whether `offset` can be an initial-exec TLS offset (checked by the contract's tests): with
 /// Variant I TLS the static TLS blocks lie above the 16-byte thread control block.
 #[cfg(test)]

@@ -217,3 +217,149 @@ fn a_stale_index_aborts() {
     assert_eq!(outcome, Outcome::Aborted);
     assert_eq!(word, 0);
 }
+
+/// Stacks for the sections that find their CPU's stack themselves: one per CPU,
+/// `1 << STACK_SHIFT` bytes (`STACK_WORDS` words) apart, each a head and `STACK_SLOTS` slots.
+const STACK_SHIFT: u32 = 7;
+const STACK_WORDS: usize = 16;
+const STACK_SLOTS: u64 = 4;
+
+struct HereStacks {
+    words: Vec<u64>,
+    cpus: usize,
+}
+
+impl HereStacks {
+    fn new(cpus: usize) -> HereStacks {
+        HereStacks {
+            words: vec![0; cpus * STACK_WORDS],
+            cpus,
+        }
+    }
+
+    /// CPU 0's head and slots.
+    fn base(&mut self) -> (*const StackHead, *mut usize) {
+        let words = self.words.as_mut_ptr();
+        (words.cast(), words.wrapping_add(2).cast())
+    }
+
+    /// One push onto the stack of the CPU the thread runs on, seen by the section as one of
+    /// `cpus`; retried while the kernel aborts it.
+    fn push(&mut self, cpus: usize, item: usize) -> StackOutcome {
+        assert!(cpus <= self.cpus);
+        let (head, slots) = self.base();
+        for _ in 0..10_000 {
+            // SAFETY: CPU `c`'s head and slots (4 of them) are `c << STACK_SHIFT` bytes after
+            // CPU 0's, inside `words` for every `c < cpus`; only this thread uses them.
+            let outcome = unsafe {
+                stack_push_here(
+                    area_offset(),
+                    cpus as u64,
+                    STACK_SHIFT,
+                    head,
+                    slots,
+                    STACK_SLOTS,
+                    item,
+                )
+            };
+            if outcome != StackOutcome::Aborted || cpus == 0 {
+                return outcome;
+            }
+        }
+        StackOutcome::Aborted
+    }
+
+    /// One pop, as `push`: the item, or 0 after an abort, an empty or a stopped stack.
+    fn pop(&mut self, cpus: usize) -> usize {
+        assert!(cpus <= self.cpus);
+        let (head, slots) = self.base();
+        // SAFETY: as in `push`.
+        unsafe { stack_pop_here(area_offset(), cpus as u64, STACK_SHIFT, head, slots) }
+    }
+
+    /// CPU `cpu`'s words: count, stopped, then the slots.
+    fn of(&self, cpu: usize) -> &[u64] {
+        &self.words[cpu * STACK_WORDS..][..STACK_WORDS]
+    }
+}
+
+#[test]
+fn here_sections_use_the_stack_of_the_cpu_they_run_on() {
+    if !register() {
+        return;
+    }
+    let cpu = *crate::topology::allowed_cpus().unwrap().last().unwrap();
+    let _pin = crate::topology::pin_to(cpu).unwrap();
+    let cpu = cpu as usize;
+    let cpus = crate::topology::possible_cpus();
+    let mut stacks = HereStacks::new(cpus);
+    for item in 1..=STACK_SLOTS as usize {
+        assert_eq!(stacks.push(cpus, item), StackOutcome::Committed);
+    }
+    assert_eq!(stacks.push(cpus, 99), StackOutcome::Refused);
+    assert_eq!(stacks.of(cpu)[..6], [4, 0, 1, 2, 3, 4]);
+    for other in (0..cpus).filter(|&other| other != cpu) {
+        assert!(
+            stacks.of(other).iter().all(|&word| word == 0),
+            "CPU {other}"
+        );
+    }
+    let mut armed = false;
+    for _ in 0..10_000 {
+        let item = stacks.pop(cpus);
+        if item == 0 {
+            continue;
+        }
+        assert_eq!(stacks.push(cpus, item), StackOutcome::Committed);
+        if let Some(cs) = last_descriptor() {
+            check_descriptor(cs);
+            armed = true;
+            break;
+        }
+    }
+    assert!(armed, "no push ended with its descriptor still armed");
+
+    // A stopped stack refuses both, and neither touches it.
+    stacks.words[cpu * STACK_WORDS + 1] = 1;
+    assert_eq!(stacks.push(cpus, 99), StackOutcome::Stopped);
+    assert_eq!(stacks.pop(cpus), 0);
+    assert_eq!(stacks.of(cpu)[..6], [4, 1, 1, 2, 3, 4]);
+    stacks.words[cpu * STACK_WORDS + 1] = 0;
+
+    // A CPU from `cpus` up has no stack: nothing is read or written.
+    assert_eq!(stacks.push(cpu, 99), StackOutcome::Aborted);
+    assert_eq!(stacks.pop(cpu), 0);
+    assert_eq!(stacks.of(cpu)[..6], [4, 0, 1, 2, 3, 4]);
+
+    // An area that no thread registered reads `cpu_id` as -1: no stack either.
+    let blank = AreaOffset(blank_area_offset() + AREA_OFFSET_FIELD as isize);
+    let (head, slots) = stacks.base();
+    // SAFETY: as in `HereStacks::push`; the blank area is this thread's too.
+    let (pushed, popped) = unsafe {
+        (
+            stack_push_here(
+                blank,
+                cpus as u64,
+                STACK_SHIFT,
+                head,
+                slots,
+                STACK_SLOTS,
+                99,
+            ),
+            stack_pop_here(blank, cpus as u64, STACK_SHIFT, head, slots),
+        )
+    };
+    assert_eq!((pushed, popped), (StackOutcome::Aborted, 0));
+    assert_eq!(stacks.of(cpu)[..6], [4, 0, 1, 2, 3, 4]);
+
+    let mut popped = Vec::new();
+    for _ in 0..10_000 {
+        match stacks.pop(cpus) {
+            0 if stacks.of(cpu)[0] == 0 => break,
+            0 => {}
+            item => popped.push(item),
+        }
+    }
+    assert_eq!(popped, [4, 3, 2, 1]);
+    assert_eq!(stacks.pop(cpus), 0);
+}

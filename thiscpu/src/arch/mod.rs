@@ -109,7 +109,7 @@ pub mod model;
 #[cfg(thiscpu_model)]
 pub(crate) use model::{
     active_field, field_at, load_add_store, load_cbeq_load_store, load_cbne_store, stack_pop,
-    stack_push,
+    stack_pop_here, stack_push, stack_push_here,
 };
 
 use crate::abi::Rseq;
@@ -304,6 +304,17 @@ const _: () = {
         stack_push::<CPU_ID>;
     let _: unsafe fn(AreaOffset, u32, *const StackHead, *const usize) -> (StackOutcome, usize) =
         stack_pop::<CPU_ID>;
+    let _: unsafe fn(
+        AreaOffset,
+        u64,
+        u32,
+        *const StackHead,
+        *mut usize,
+        u64,
+        usize,
+    ) -> StackOutcome = stack_push_here;
+    let _: unsafe fn(AreaOffset, u64, u32, *const StackHead, *const usize) -> usize =
+        stack_pop_here;
 };
 
 // What the tests check is the assembly's (offsets in static TLS, sections the kernel aborts).

@@ -501,3 +501,65 @@ pub(crate) unsafe fn stack_pop<const FIELD: usize>(
         (StackOutcome::Aborted, 0)
     }
 }
+
+/// See `ops::stack_pop_here`: the model's CPU, read before a section that checks it, as the
+/// architecture files' sections read it inside themselves.
+///
+/// # Safety
+/// As for the architecture file's, with the slots `crate::sync` `AtomicUsize`s.
+pub(crate) unsafe fn stack_pop_here(
+    area: AreaOffset,
+    cpus: u64,
+    shift: u32,
+    head: *const StackHead,
+    slots: *const usize,
+) -> usize {
+    let cpu = field_at::<{ offset::CPU_ID }>(area);
+    if cpu < 0 || cpu as u64 >= cpus {
+        return 0;
+    }
+    let at = (cpu as usize) << shift;
+    // SAFETY: CPU `cpu`'s stack, below `cpus` (the caller's contract).
+    match unsafe {
+        stack_pop::<{ offset::CPU_ID }>(
+            area,
+            cpu as u32,
+            head.wrapping_byte_add(at),
+            slots.wrapping_byte_add(at),
+        )
+    } {
+        (StackOutcome::Committed, item) => item,
+        _ => 0,
+    }
+}
+
+/// See `ops::stack_push_here`, and [`stack_pop_here`].
+///
+/// # Safety
+/// As for the architecture file's, with the slots `crate::sync` `AtomicUsize`s.
+pub(crate) unsafe fn stack_push_here(
+    area: AreaOffset,
+    cpus: u64,
+    shift: u32,
+    head: *const StackHead,
+    slots: *mut usize,
+    capacity: u64,
+    item: usize,
+) -> StackOutcome {
+    let cpu = field_at::<{ offset::CPU_ID }>(area);
+    if cpu < 0 || cpu as u64 >= cpus {
+        return StackOutcome::Aborted;
+    }
+    let at = (cpu as usize) << shift;
+    // SAFETY: CPU `cpu`'s stack, below `cpus` (the caller's contract).
+    unsafe {
+        stack_push::<{ offset::CPU_ID }>(
+            area,
+            cpu as u32,
+            head.wrapping_byte_add(at),
+            slots.wrapping_byte_add(at),
+            capacity,
+            item,
+        )
+    }
+}

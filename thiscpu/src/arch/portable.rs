@@ -189,3 +189,35 @@ pub(crate) unsafe fn stack_pop<const FIELD: usize>(
 ) -> (StackOutcome, usize) {
     (StackOutcome::Aborted, 0)
 }
+
+/// Reports a pop that did not commit: see `load_add_store`.
+///
+/// # Safety
+/// None needed: nothing is read or written.
+#[inline(always)]
+pub(crate) unsafe fn stack_pop_here(
+    _offset: AreaOffset,
+    _cpus: u64,
+    _shift: u32,
+    _head: *const StackHead,
+    _slots: *const usize,
+) -> usize {
+    0
+}
+
+/// Reports an abort: see `load_add_store`.
+///
+/// # Safety
+/// None needed: nothing is read or written.
+#[inline(always)]
+pub(crate) unsafe fn stack_push_here(
+    _offset: AreaOffset,
+    _cpus: u64,
+    _shift: u32,
+    _head: *const StackHead,
+    _slots: *mut usize,
+    _capacity: u64,
+    _item: usize,
+) -> StackOutcome {
+    StackOutcome::Aborted
+}

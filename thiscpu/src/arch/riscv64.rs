@@ -746,6 +746,151 @@ pub(crate) unsafe fn stack_pop<const FIELD: usize>(
     (StackOutcome::Committed, item)
 }
 
+// The allocator's stacks, indexed inside the section: as on x86_64, the section reads
+// `cpu_id` itself after arming and finds that CPU's stack `cpu << shift` bytes after CPU 0's,
+// so nothing is read before it or checked in it. An unregistered area reads -1 (or -2), which
+// the unsigned comparison with `cpus` sends out like a CPU without a stack. The ordering is the
+// guarded stacks' above. As in `stack_pop`, the popped item goes through a local and the exits
+// are Rust labels: the abort handler leaves with `tail`, which takes a symbol, not a numbered
+// label that would let it come back to the end of the section with a register output.
+
+/// Guarded pop from the stack of the CPU the section runs on (see `ops::stack_pop_here`): the
+/// item, or 0 if the section left or aborted.
+///
+/// # Safety
+/// `offset` names the calling thread's area; for every CPU `c < cpus`, `head + (c << shift)`
+/// and `slots + (c << shift)` (bytes) are CPU `c`'s stack, whose count and slots only
+/// sections running on `c` write, or a drainer after a fence of `c` while `stopped` is set.
+#[inline(always)]
+pub(crate) unsafe fn stack_pop_here(
+    offset: AreaOffset,
+    cpus: u64,
+    shift: u32,
+    head: *const StackHead,
+    slots: *const usize,
+) -> usize {
+    let mut item = 0usize;
+    let out: *mut usize = &mut item;
+    // SAFETY: the caller's contract; the section arms itself before it reads `cpu_id`, writes
+    // nothing but the count (its commit), the area's `rseq_cs` and the local `item` (harmless
+    // if it aborts: the exits return 0), and indexes only stacks of CPUs below `cpus`; its
+    // early exits are listed as exit points.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{none}"),
+            rseq_arm!(),
+            "lwu {cpu}, 0({base})",
+            "bgeu {cpu}, {cpus}, {none}",
+            "sll {cpu}, {cpu}, {shift}",
+            "add {base}, {head}, {cpu}",
+            "ld {n}, {stopped_at}({base})",
+            "fence r, rw",
+            "bnez {n}, {none}",
+            inject!(3),
+            "ld {n}, {count_at}({base})",
+            "beqz {n}, {none}",
+            "addi {n}, {n}, -1",
+            "add {cpu}, {slots}, {cpu}",
+            "slli {slot}, {n}, 3",
+            "add {slot}, {slot}, {cpu}",
+            "ld {slot}, 0({slot})",
+            "sd {slot}, 0({out})",
+            inject!(2),
+            "sd {n}, {count_at}({base})",
+            "4:",
+            rseq_abort!("5", "tail {none}");
+            off = in(reg) offset.0,
+            cpus = in(reg) cpus,
+            shift = in(reg) u64::from(shift),
+            head = in(reg) head,
+            slots = in(reg) slots,
+            out = in(reg) out,
+            base = out(reg) _,
+            cpu = out(reg) _,
+            n = out(reg) _,
+            slot = out(reg) _,
+            cs = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS - offset::CPU_ID,
+            stopped_at = const StackHead::STOPPED,
+            count_at = const StackHead::COUNT,
+            none = label { return 0; },
+            options(nostack),
+        );
+    }
+    item
+}
+
+/// Guarded push onto the stack of the CPU the section runs on (see `ops::stack_push_here`),
+/// committed as a store-release.
+///
+/// # Safety
+/// As for [`stack_pop_here`], with every CPU's slots valid for `capacity` words.
+#[inline(always)]
+pub(crate) unsafe fn stack_push_here(
+    offset: AreaOffset,
+    cpus: u64,
+    shift: u32,
+    head: *const StackHead,
+    slots: *mut usize,
+    capacity: u64,
+    item: usize,
+) -> StackOutcome {
+    // SAFETY: the caller's contract; the section arms itself before it reads `cpu_id` and
+    // indexes only stacks of CPUs below `cpus`; its three early exits are listed as exit
+    // points; the slot store lands beyond the committed count (n < capacity is checked
+    // first), so an aborted push leaves nothing visible.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{outside}"),
+            rseq_exit_point!("2", "{stopped}"),
+            rseq_exit_point!("2", "{refused}"),
+            rseq_arm!(),
+            "lwu {cpu}, 0({base})",
+            "bgeu {cpu}, {cpus}, {outside}",
+            "sll {cpu}, {cpu}, {shift}",
+            "add {base}, {head}, {cpu}",
+            "ld {n}, {stopped_at}({base})",
+            "fence r, rw",
+            "bnez {n}, {stopped}",
+            inject!(3),
+            "ld {n}, {count_at}({base})",
+            "bgeu {n}, {capacity}, {refused}",
+            "add {cpu}, {slots}, {cpu}",
+            "slli {slot}, {n}, 3",
+            "add {slot}, {slot}, {cpu}",
+            "sd {item}, 0({slot})",
+            inject!(1),
+            "addi {n}, {n}, 1",
+            "fence rw, w",
+            "sd {n}, {count_at}({base})",
+            "4:",
+            rseq_abort!("5", "tail {outside}");
+            off = in(reg) offset.0,
+            cpus = in(reg) cpus,
+            shift = in(reg) u64::from(shift),
+            head = in(reg) head,
+            slots = in(reg) slots,
+            capacity = in(reg) capacity,
+            item = in(reg) item,
+            base = out(reg) _,
+            cpu = out(reg) _,
+            n = out(reg) _,
+            slot = out(reg) _,
+            cs = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS - offset::CPU_ID,
+            stopped_at = const StackHead::STOPPED,
+            count_at = const StackHead::COUNT,
+            stopped = label { return StackOutcome::Stopped; },
+            refused = label { return StackOutcome::Refused; },
+            outside = label { return StackOutcome::Aborted; },
+            options(nostack),
+        );
+    }
+    StackOutcome::Committed
+}
+
 /// Whether `offset` can be an initial-exec TLS offset (checked by the contract's tests): with
 /// Variant I TLS and the thread pointer at the end of the thread control block, the static TLS
 /// blocks start at the thread pointer and lie above it.

@@ -740,6 +740,154 @@ pub(crate) unsafe fn stack_pop<const FIELD: usize>(
     (outcome_from_code(code), item)
 }
 
+// The allocator's stacks, indexed inside the section. The sections above check a CPU that
+// the caller read before them; these read `cpu_id` themselves, after arming, and find that
+// CPU's stack from it: every CPU's stack for one class lies at the same place in its region,
+// and the regions follow one another at `1 << shift` bytes. A CPU read inside an armed section
+// is the CPU the section runs on until it ends or aborts, so nothing is checked and nothing is
+// read twice. An area that is not registered reads `cpu_id` as -1 (or -2), which the unsigned
+// comparison with `cpus` sends out of the section like a CPU without a region. The register
+// that arms the section holds the CPU after it (`rseq_arm!` with one register fewer: the
+// allocator's fast path, where these run, is short of registers).
+
+/// Guarded pop from the stack of the CPU the section runs on: `cpu = area.cpu_id; if cpu >=
+/// cpus leave; head += cpu << shift; slots += cpu << shift; if head.stopped != 0 leave; n =
+/// head.count; if n == 0 leave; item = slots[n - 1]; commit head.count = n - 1`. Returns the
+/// item, or 0 if the section left or aborted (no object is 0).
+///
+/// # Safety
+/// `offset` names the calling thread's area; for every CPU `c < cpus`, `head + (c << shift)`
+/// and `slots + (c << shift)` (bytes) are CPU `c`'s stack, whose count and slots only
+/// sections running on `c` write, or a drainer after a fence of `c` while `stopped` is set.
+#[inline(always)]
+pub(crate) unsafe fn stack_pop_here(
+    offset: AreaOffset,
+    cpus: u64,
+    shift: u32,
+    head: *const StackHead,
+    slots: *const usize,
+) -> usize {
+    let item: usize;
+    // SAFETY: the caller's contract; the section arms itself before it reads `cpu_id`, writes
+    // nothing but the count (its commit) and the area's `rseq_cs`, and indexes only stacks of
+    // CPUs below `cpus`; its early exit (label 6, with the abort handler outside the section)
+    // is listed as an exit point, and both only clear the item and go back to label 4.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "6f"),
+            "lea {cpu}, [rip + 3b]",
+            "mov qword ptr fs:[{off} + {rseq_cs}], {cpu}",
+            "2:",
+            "mov {cpu:e}, dword ptr fs:[{off} + {cpu_id}]",
+            "cmp {cpu}, {cpus}",
+            "jae 6f",
+            "shl {cpu}, cl",
+            "cmp qword ptr [{head} + {cpu} + {stopped_at}], 0",
+            "jne 6f",
+            inject!(3),
+            "mov {n}, qword ptr [{head} + {cpu} + {count_at}]",
+            "test {n}, {n}",
+            "jz 6f",
+            "sub {n}, 1",
+            "lea {item}, [{slots} + {cpu}]",
+            "mov {item}, qword ptr [{item} + 8 * {n}]",
+            inject!(2),
+            "mov qword ptr [{head} + {cpu} + {count_at}], {n}",
+            "4:",
+            rseq_abort!("5", "xor {item:e}, {item:e}", "jmp 4b"),
+            ".pushsection __rseq_failure, \"ax\"",
+            "6:",
+            "xor {item:e}, {item:e}",
+            "jmp 4b",
+            ".popsection";
+            off = in(reg) offset.0,
+            cpus = in(reg) cpus,
+            in("ecx") shift,
+            head = in(reg) head,
+            slots = in(reg) slots,
+            cpu = out(reg) _,
+            n = out(reg) _,
+            item = out(reg) item,
+            rseq_cs = const offset::RSEQ_CS,
+            cpu_id = const offset::CPU_ID,
+            stopped_at = const StackHead::STOPPED,
+            count_at = const StackHead::COUNT,
+            options(nostack),
+        );
+    }
+    item
+}
+
+/// Guarded push onto the stack of the CPU the section runs on: `cpu = area.cpu_id; if cpu >=
+/// cpus leave(Aborted); head += cpu << shift; slots += cpu << shift; if head.stopped != 0
+/// leave(Stopped); n = head.count; if n >= capacity leave(Refused); slots[n] = item; commit
+/// head.count = n + 1`.
+///
+/// # Safety
+/// As for [`stack_pop_here`], with every CPU's slots valid for `capacity` words.
+#[inline(always)]
+pub(crate) unsafe fn stack_push_here(
+    offset: AreaOffset,
+    cpus: u64,
+    shift: u32,
+    head: *const StackHead,
+    slots: *mut usize,
+    capacity: u64,
+    item: usize,
+) -> StackOutcome {
+    // SAFETY: the caller's contract; the section arms itself before it reads `cpu_id` and
+    // indexes only stacks of CPUs below `cpus`; its three early exits are listed as exit
+    // points; the slot store lands beyond the committed count (n < capacity is checked
+    // first), so an aborted push leaves nothing visible.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{outside}"),
+            rseq_exit_point!("2", "{stopped}"),
+            rseq_exit_point!("2", "{refused}"),
+            "lea {cpu}, [rip + 3b]",
+            "mov qword ptr fs:[{off} + {rseq_cs}], {cpu}",
+            "2:",
+            "mov {cpu:e}, dword ptr fs:[{off} + {cpu_id}]",
+            "cmp {cpu}, {cpus}",
+            "jae {outside}",
+            "shl {cpu}, cl",
+            "cmp qword ptr [{head} + {cpu} + {stopped_at}], 0",
+            "jne {stopped}",
+            inject!(3),
+            "mov {n}, qword ptr [{head} + {cpu} + {count_at}]",
+            "cmp {n}, {capacity}",
+            "jae {refused}",
+            "add {slots}, {cpu}",
+            "mov qword ptr [{slots} + 8 * {n}], {item}",
+            inject!(1),
+            "add {n}, 1",
+            "mov qword ptr [{head} + {cpu} + {count_at}], {n}",
+            "4:",
+            rseq_abort!("5", "jmp {outside}");
+            off = in(reg) offset.0,
+            cpus = in(reg) cpus,
+            in("ecx") shift,
+            head = in(reg) head,
+            slots = inout(reg) slots => _,
+            capacity = in(reg) capacity,
+            item = in(reg) item,
+            cpu = out(reg) _,
+            n = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS,
+            cpu_id = const offset::CPU_ID,
+            stopped_at = const StackHead::STOPPED,
+            count_at = const StackHead::COUNT,
+            stopped = label { return StackOutcome::Stopped; },
+            refused = label { return StackOutcome::Refused; },
+            outside = label { return StackOutcome::Aborted; },
+            options(nostack),
+        );
+    }
+    StackOutcome::Committed
+}
+
 /// The outcome whose discriminant a section left in its code register.
 #[inline(always)]
 fn outcome_from_code(code: u32) -> StackOutcome {

@@ -32,7 +32,7 @@
 //! class size rounded up to 16, cut from 4 MiB chunks aligned to their size; a record per span
 //! in the chunk's first page, found by masking an object's address, and a bit per chunk that
 //! says whether the heap owns an address. Each class has a lock and a list of its spans with
-//! room; a span whose objects all came back becomes free for any class, and past 4 MiB of free
+//! room; a span whose objects all came back becomes free for any class, and past 64 MiB of free
 //! spans its pages go back to the system at once. Without the heap (or while the system
 //! refuses it a chunk), the inner allocator makes the classes' objects, with the class's size
 //! and an alignment of 16. Either way any path may give an object back where it came from:
@@ -2084,7 +2084,7 @@ mod tests {
         }
         assert!(allocator.release().is_ok());
         let heap = allocator.stats().heap;
-        // The free spans kept resident (up to 4 MiB) went back; other tests of this process
+        // The free spans kept resident (up to 64 MiB) went back; other tests of this process
         // may have freed a span or two since.
         assert!(heap.free_resident_bytes < 1 << 20, "{heap:?}");
         assert!(heap.returned_total_bytes >= 8 << 20, "{heap:?}");

@@ -32,19 +32,22 @@
 //! `RETAINED_FREE_SPANS` of them) until a release; no thread of the heap's own runs meanwhile.
 //!
 //! # Fork
-//! A `pthread_atfork` handler takes every lock before a fork and releases them after it in
-//! both processes, so a child never inherits a lock held by a thread it does not have.
+//! The process's heap (`process_heap`) has a `pthread_atfork` handler that takes every lock
+//! before a fork ([`Heap::lock_all`]) and releases them after it in both processes, so a child
+//! never inherits a lock held by a thread it does not have.
 //!
 //! The records' fields are atomics accessed with relaxed loads and stores: every field but the
 //! class is read and written only under the lock that owns the span (its class's, or the
 //! pages' while it is free), whose acquiring and releasing order them between holders; the
-//! class is also read without a lock, by [`Heap::object_size`].
+//! class and the count carved are also read without a lock, by [`Heap::object_size`].
+//! tests/model_heap.rs compiles this file with loom's atomics (through `heap_words`) and checks
+//! the spans' changes between classes and the free spans over their interleavings.
 
 use super::classes::{CLASS_SIZES, CLASSES};
 use super::heap_lock::Lock;
+use super::heap_words::{self, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use super::transfer::Batch;
 use core::ptr::NonNull;
-use core::sync::atomic::{AtomicBool, AtomicU8, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use core::time::Duration;
 
 /// Bytes of one span: the objects of one size class. 64 KiB holds 15 objects of the largest
@@ -58,6 +61,9 @@ const SPANS_PER_CHUNK: usize = CHUNK_BYTES / SPAN_BYTES;
 const RECORD_BYTES: usize = 64;
 const _: () = assert!(SPANS_PER_CHUNK * RECORD_BYTES <= 4096);
 const _: () = assert!(size_of::<SpanRecord>() == RECORD_BYTES);
+/// A word of the ownership map: `core`'s atomic in every build, since the map is zeroed
+/// memory from the system. A chunk's bit is set once, before any object of it is handed out.
+type MapWord = core::sync::atomic::AtomicU64;
 /// The address bits the ownership map covers: the user half of a 48-bit address space, the
 /// largest any supported system hands out without being asked for more (a chunk above it is
 /// given back, and the heap does without it).
@@ -76,7 +82,7 @@ pub(super) const RETAINED_FREE_SPANS: usize = 1024;
 
 /// Milliseconds a free span keeps its pages before the heap's next change gives them back;
 /// `u32::MAX` while the policy is off.
-static IDLE_RETURN_MS: AtomicU32 = AtomicU32::new(1000);
+static IDLE_RETURN_MS: core::sync::atomic::AtomicU32 = core::sync::atomic::AtomicU32::new(1000);
 
 /// How long a free span of the own heap keeps its pages before they go back to the system
 /// (`madvise(MADV_DONTNEED)`), or `None` if only a release gives them back. One setting for
@@ -130,7 +136,22 @@ struct SpanRecord {
     prev: AtomicUsize,
     /// When the span was last freed (`os::coarse_millis`), while it is on the free spans.
     freed_at: AtomicU32,
-    _pad: [u32; 5],
+}
+
+impl SpanRecord {
+    /// A record of a span never used: what a fresh chunk's zeroed page reads as.
+    fn unused() -> SpanRecord {
+        SpanRecord {
+            class: AtomicU32::new(0),
+            carved: AtomicU32::new(0),
+            live: AtomicU32::new(0),
+            listed: AtomicU32::new(0),
+            free: AtomicUsize::new(0),
+            next: AtomicUsize::new(0),
+            prev: AtomicUsize::new(0),
+            freed_at: AtomicU32::new(0),
+        }
+    }
 }
 
 /// A size class's spans with room, under its lock.
@@ -179,83 +200,14 @@ pub(super) struct HeapFigures {
     pub(super) returned_total: u64,
 }
 
-const UNSTARTED: u8 = 0;
-const STARTING: u8 = 1;
-const READY: u8 = 2;
-const FAILED: u8 = 3;
-
-/// The heap: one per process, shared by every allocator that uses one.
+/// A heap of small objects. The process has one (`process_heap`); the model checks make
+/// their own.
 #[derive(Debug)]
 pub(super) struct Heap {
     classes: [ClassSpans; CLASSES],
     pages: Pages,
-    /// The ownership map: one bit per chunk of the address space.
+    /// The ownership map: one bit per chunk of the address space, 0 until `reserve_map`.
     owned: AtomicUsize,
-    state: AtomicU8,
-}
-
-static HEAP: Heap = Heap::new();
-
-/// The heap, if it was started.
-#[inline]
-pub(super) fn started() -> Option<&'static Heap> {
-    (HEAP.state.load(Ordering::Acquire) == READY).then_some(&HEAP)
-}
-
-/// The heap, starting it on first use; `None` if the system refused its ownership map, or
-/// while another thread starts it (which may allocate, and come back here).
-#[cold]
-pub(super) fn start() -> Option<&'static Heap> {
-    if cfg!(thiscpu_model) {
-        // The model checker runs the caches' protocol against the inner allocator alone.
-        return None;
-    }
-    if let Some(heap) = started() {
-        return Some(heap);
-    }
-    if HEAP
-        .state
-        .compare_exchange(UNSTARTED, STARTING, Ordering::Acquire, Ordering::Relaxed)
-        .is_err()
-    {
-        return None;
-    }
-    let Some(map) = crate::os::reserve_zeroed(CHUNKS / 8) else {
-        HEAP.state.store(FAILED, Ordering::Release);
-        return None;
-    };
-    HEAP.owned.store(map.as_ptr() as usize, Ordering::Release);
-    crate::os::at_fork(lock_for_fork, unlock_after_fork, unlock_after_fork);
-    HEAP.state.store(READY, Ordering::Release);
-    Some(&HEAP)
-}
-
-/// Whether `lock_for_fork` took the locks, for the handlers after the fork: the heap may have
-/// started on another thread in between, and its locks are then not the forking thread's to
-/// release.
-static LOCKED_FOR_FORK: AtomicBool = AtomicBool::new(false);
-
-extern "C" fn lock_for_fork() {
-    if let Some(heap) = started() {
-        for class in &heap.classes {
-            class.lock.lock();
-        }
-        heap.pages.lock.lock();
-        LOCKED_FOR_FORK.store(true, Ordering::Relaxed);
-    }
-}
-
-extern "C" fn unlock_after_fork() {
-    if LOCKED_FOR_FORK.swap(false, Ordering::Relaxed) {
-        unlock_all(&HEAP);
-    }
-}
-
-fn unlock_all(heap: &Heap) {
-    heap.pages.lock.unlock();
-    for class in &heap.classes {
-        class.lock.unlock();
-    }
 }
 
 /// The stride of `class`'s objects in a span.
@@ -299,36 +251,65 @@ fn address_of(record: &SpanRecord) -> usize {
 }
 
 impl Heap {
-    const fn new() -> Heap {
-        // A fresh value per element, not a shared one: each class gets its own atomics.
-        #[allow(clippy::declare_interior_mutable_const)]
-        const CLASS: ClassSpans = ClassSpans {
-            lock: Lock::over(AtomicU32::new(0)),
-            with_room: AtomicUsize::new(0),
-            spans: AtomicUsize::new(0),
+    heap_words::constructor! {
+        /// An empty heap, without its ownership map: no chunk is its until `reserve_map`.
+        pub(super) fn new() -> Heap {
+            Heap {
+                classes: heap_words::array_of!(
+                    ClassSpans,
+                    CLASSES,
+                    ClassSpans {
+                        lock: Lock::over(AtomicU32::new(0)),
+                        with_room: AtomicUsize::new(0),
+                        spans: AtomicUsize::new(0),
+                    }
+                ),
+                pages: Pages {
+                    lock: Lock::over(AtomicU32::new(0)),
+                    free: AtomicUsize::new(0),
+                    free_count: AtomicUsize::new(0),
+                    returned: AtomicUsize::new(0),
+                    returned_count: AtomicUsize::new(0),
+                    chunk: AtomicUsize::new(0),
+                    next_span: AtomicUsize::new(0),
+                    chunks: AtomicUsize::new(0),
+                    returned_bytes: AtomicU64::new(0),
+                    swept_at: AtomicU32::new(0),
+                },
+                owned: AtomicUsize::new(0),
+            }
+        }
+    }
+
+    /// Reserves the ownership map, which the heap needs before its first chunk; false if the
+    /// system refused it. Called once, before the heap is shared.
+    pub(super) fn reserve_map(&self) -> bool {
+        let Some(map) = crate::os::reserve_zeroed(CHUNKS / 8) else {
+            return false;
         };
-        Heap {
-            classes: [CLASS; CLASSES],
-            pages: Pages {
-                lock: Lock::over(AtomicU32::new(0)),
-                free: AtomicUsize::new(0),
-                free_count: AtomicUsize::new(0),
-                returned: AtomicUsize::new(0),
-                returned_count: AtomicUsize::new(0),
-                chunk: AtomicUsize::new(0),
-                next_span: AtomicUsize::new(0),
-                chunks: AtomicUsize::new(0),
-                returned_bytes: AtomicU64::new(0),
-                swept_at: AtomicU32::new(0),
-            },
-            owned: AtomicUsize::new(0),
-            state: AtomicU8::new(UNSTARTED),
+        self.owned.store(map.as_ptr() as usize, Ordering::Release);
+        true
+    }
+
+    /// Takes every lock of the heap, in the order the heap nests them: for a fork.
+    pub(super) fn lock_all(&self) {
+        for class in &self.classes {
+            class.lock.lock();
+        }
+        self.pages.lock.lock();
+    }
+
+    /// Releases every lock `lock_all` took.
+    pub(super) fn unlock_all(&self) {
+        self.pages.lock.unlock();
+        for class in &self.classes {
+            class.lock.unlock();
         }
     }
 
     /// The word of the ownership map that holds `chunk_index`'s bit.
-    fn owned_word(&self, chunk_index: usize) -> &AtomicU64 {
-        let map = self.owned.load(Ordering::Acquire) as *const AtomicU64;
+    fn owned_word(&self, chunk_index: usize) -> &MapWord {
+        let map = self.owned.load(Ordering::Acquire) as *const MapWord;
         // SAFETY: the map is `CHUNKS / 8` zeroed bytes, mapped for the process's life before
         // the heap was published, and `chunk_index < CHUNKS` (the callers check).
         unsafe { &*map.add(chunk_index / 64) }
@@ -583,6 +564,15 @@ impl Heap {
             }
             return None;
         }
+        if !heap_words::RECORDS_START_ZEROED {
+            for span in 0..SPANS_PER_CHUNK {
+                // SAFETY: the chunk's first page is the records', just mapped and not yet
+                // reachable by any other thread (its bit is set below).
+                unsafe {
+                    ((chunk + span * RECORD_BYTES) as *mut SpanRecord).write(SpanRecord::unused())
+                };
+            }
+        }
         #[cfg(thiscpu_lsan)]
         super::caches::leak_roots::register(chunk as *const u8, CHUNK_BYTES);
         self.owned_word(chunk_index)
@@ -696,5 +686,159 @@ impl Heap {
             returned: (pages.returned_count.load(Ordering::Relaxed) * SPAN_BYTES) as u64,
             returned_total: pages.returned_bytes.load(Ordering::Relaxed),
         }
+    }
+
+    /// Checks every record of the chunk spans are carved from against the lists and counts
+    /// that describe it, under every lock, and returns how many objects its spans have handed
+    /// out and not taken back. Complete for a heap of one chunk, as the model checks make;
+    /// panics on the first inconsistency. (Only where the heap maps chunks.)
+    #[cfg(all(test, thiscpu_linux))]
+    #[cfg_attr(thiscpu_model, allow(dead_code))]
+    pub(super) fn audit(&self) -> usize {
+        self.lock_all();
+        let pages = &self.pages;
+        assert_eq!(
+            pages.chunks.load(Ordering::Relaxed),
+            1,
+            "the audit covers one chunk"
+        );
+        let list = |head: &AtomicUsize| {
+            let mut records = std::vec::Vec::new();
+            let mut next = head.load(Ordering::Relaxed);
+            while let Some(record) = record_at(next) {
+                assert!(records.len() < SPANS_PER_CHUNK, "a list that loops");
+                records.push(next);
+                next = record.next.load(Ordering::Relaxed);
+            }
+            records
+        };
+        let free = list(&pages.free);
+        let returned = list(&pages.returned);
+        assert_eq!(free.len(), pages.free_count.load(Ordering::Relaxed));
+        assert_eq!(returned.len(), pages.returned_count.load(Ordering::Relaxed));
+        let with_room: std::vec::Vec<_> = self.classes.iter().map(|c| list(&c.with_room)).collect();
+        for (class, records) in with_room.iter().enumerate() {
+            let mut prev = 0;
+            for &address in records {
+                let record = record_at(address).expect("a record");
+                assert_eq!(
+                    record.prev.load(Ordering::Relaxed),
+                    prev,
+                    "a broken back link"
+                );
+                assert_eq!(record.class.load(Ordering::Relaxed) as usize, class + 1);
+                prev = address;
+            }
+        }
+        let chunk = pages.chunk.load(Ordering::Relaxed);
+        let mut in_class = [0usize; CLASSES];
+        let mut live_objects = 0;
+        for span in 1..pages.next_span.load(Ordering::Relaxed) {
+            // SAFETY: a span of the heap's current chunk.
+            let record = unsafe { record_of(chunk + span * SPAN_BYTES) };
+            let address = address_of(record);
+            let listed = record.listed.load(Ordering::Relaxed) == 1;
+            let Some(class) = (record.class.load(Ordering::Relaxed) as usize).checked_sub(1) else {
+                assert!(!listed, "a free span on a class's list");
+                let on_free_lists = free.iter().chain(&returned).filter(|&&r| r == address);
+                assert_eq!(on_free_lists.count(), 1, "a free span not on one free list");
+                continue;
+            };
+            in_class[class] += 1;
+            let start = span_start(record);
+            let carved = record.carved.load(Ordering::Relaxed) as usize;
+            let live = record.live.load(Ordering::Relaxed) as usize;
+            let mut free_objects = std::vec::Vec::new();
+            let mut next = record.free.load(Ordering::Relaxed);
+            while next != 0 {
+                let offset = next.wrapping_sub(start);
+                assert!(
+                    offset < SPAN_BYTES
+                        && offset.is_multiple_of(stride(class))
+                        && offset / stride(class) < carved,
+                    "a free list entry that is not a carved object of its span"
+                );
+                assert!(!free_objects.contains(&next), "an object free twice");
+                free_objects.push(next);
+                // SAFETY: a free object of this span, under its class's lock.
+                next = unsafe { (next as *const usize).read() };
+            }
+            assert_eq!(live + free_objects.len(), carved, "objects lost or made up");
+            assert!(live > 0, "a span of a class with no object out");
+            let has_room = !free_objects.is_empty() || carved < objects_per_span(class);
+            assert_eq!(
+                listed, has_room,
+                "a span listed with no room, or unlisted with room"
+            );
+            assert_eq!(
+                with_room[class].contains(&address),
+                listed,
+                "the listed mark and the list disagree"
+            );
+            live_objects += live;
+        }
+        for (class, spans) in self.classes.iter().enumerate() {
+            assert_eq!(spans.spans.load(Ordering::Relaxed), in_class[class]);
+        }
+        self.unlock_all();
+        live_objects
+    }
+}
+
+/// Where the heap maps chunks (elsewhere it never starts), with `core`'s atomics.
+#[cfg(all(test, thiscpu_linux, not(thiscpu_model)))]
+mod tests {
+    use super::*;
+
+    fn take(heap: &Heap, class: usize, count: usize) -> Vec<usize> {
+        let mut batch = Batch::new();
+        heap.take(class, &mut batch, count);
+        core::iter::from_fn(|| batch.pop().map(|object| object as usize)).collect()
+    }
+
+    fn give(heap: &Heap, class: usize, objects: &[usize]) {
+        let mut batch = Batch::new();
+        for &object in objects {
+            batch.push(object as *mut u8);
+        }
+        // SAFETY: every object was taken from `heap` for `class`, and is given up here.
+        unsafe { heap.give(class, &mut batch) };
+        assert_eq!(batch.len(), 0);
+    }
+
+    /// A heap of its own, on the system's memory, through every state a span has: carved,
+    /// full, emptied, reused by another class, and given back to the system.
+    #[test]
+    fn spans_change_state_as_their_objects_go_and_come_back() {
+        let heap = Heap::new();
+        assert!(heap.reserve_map());
+        let (largest, smallest) = (CLASSES - 1, 0);
+        let per_span = objects_per_span(largest);
+        let full = take(&heap, largest, per_span);
+        assert_eq!(heap.audit(), per_span);
+        assert!(
+            full.iter()
+                .all(|&object| heap.object_size(object) == Some(CLASS_SIZES[largest]))
+        );
+        let second = take(&heap, largest, 1);
+        assert_eq!(heap.figures().in_use, 2 * SPAN_BYTES as u64);
+        give(&heap, largest, &full);
+        assert_eq!(heap.audit(), 1);
+        assert!(
+            full.iter()
+                .all(|&object| heap.object_size(object).is_none())
+        );
+        assert_eq!(heap.figures().free_resident, SPAN_BYTES as u64);
+        // The emptied span serves the next class that needs one, from its start.
+        let small = take(&heap, smallest, 3);
+        assert!(small.contains(&full.iter().copied().min().unwrap()));
+        assert_eq!(heap.audit(), 4);
+        give(&heap, smallest, &small);
+        give(&heap, largest, &second);
+        assert_eq!(heap.audit(), 0);
+        assert_eq!(heap.figures().in_use, 0);
+        assert_eq!(heap.return_free_spans(), 2 * SPAN_BYTES as u64);
+        assert_eq!(heap.figures().returned, 2 * SPAN_BYTES as u64);
+        assert_eq!(heap.audit(), 0);
     }
 }

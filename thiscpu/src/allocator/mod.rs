@@ -95,11 +95,41 @@ mod export;
 mod fork_stamp;
 mod heap;
 mod heap_lock;
+mod process_heap;
 mod transfer;
 
 /// What `capacity` is written with: `core`'s atomics; its model check supplies loom's.
 mod capacity_words {
     pub(super) use core::sync::atomic::{AtomicU64, Ordering};
+}
+
+/// What `heap` is written with: `core`'s atomics, and constructors evaluated in constants (the
+/// process's heap is a static); its model check supplies loom's atomics, built at run time.
+mod heap_words {
+    pub(super) use core::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
+
+    /// Whether a fresh chunk's zeroed memory already reads as its spans' records: true for
+    /// `core`'s atomics, whose zero is a value.
+    pub(super) const RECORDS_START_ZEROED: bool = true;
+
+    /// Declares the function it is given `const`.
+    macro_rules! constructor {
+        ($(#[$attribute:meta])* $visibility:vis fn $($rest:tt)*) => {
+            $(#[$attribute])* $visibility const fn $($rest)*
+        };
+    }
+
+    /// An array of `$length` values of type `$element`, each a fresh `$value`.
+    macro_rules! array_of {
+        ($element:ty, $length:expr, $value:expr) => {{
+            // A constant repeated gives each element its own atomics.
+            #[allow(clippy::declare_interior_mutable_const)]
+            const ELEMENT: $element = $value;
+            [ELEMENT; $length]
+        }};
+    }
+
+    pub(super) use {array_of, constructor};
 }
 
 /// What `heap_lock` is written with: `core`'s atomics (the heap is a static, built in a
@@ -258,7 +288,11 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
     fn backing(&self) -> Backing<'_, A> {
         Backing {
             inner: &self.inner,
-            heap: if self.own_heap { heap::started() } else { None },
+            heap: if self.own_heap {
+                process_heap::started()
+            } else {
+                None
+            },
         }
     }
 
@@ -301,7 +335,7 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
         };
         if uses_rseq && self.own_heap {
             // A heap the system refuses leaves the inner allocator serving every class.
-            heap::start();
+            process_heap::start();
         }
         let made = uses_rseq
             .then(|| Caches::allocate(topology::possible_cpus(), self.cache_bytes))

@@ -7,8 +7,9 @@
 //! release wakes leaves every thread blocked, which loom reports as a deadlock.
 //!
 //! Every state change of the heap's spans happens under these locks, in this order, so their
-//! exclusion and progress are the heap's protocol; what the spans hold is checked by the
-//! allocator's stress tests (tests/per_cpu_alloc.rs, tests/heap_memory.rs, the C stress).
+//! exclusion and progress are the heap's protocol; the changes themselves are checked by
+//! tests/model_heap.rs, and what the spans hold by the allocator's stress tests
+//! (tests/per_cpu_alloc.rs, tests/heap_memory.rs, the C stress).
 //!
 //! Run with `RUSTFLAGS="--cfg thiscpu_model" cargo test -p thiscpu --release --test
 //! model_heap_lock`.

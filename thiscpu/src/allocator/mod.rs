@@ -660,9 +660,8 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
     /// [`caches_object`](PerCpuAlloc::caches_object) looks in) is found here. False for an
     /// address outside the heap, and for an object in use or cached.
     ///
-    /// It takes the lock of the span's size class and walks the span's free list (up to a few
-    /// thousand objects), and reads nothing at `ptr` itself: for checking modes, not for the
-    /// fast path. Exact while no other thread allocates or frees that class; a moment stale
+    /// It takes the lock of the span's size class and reads the object's bit in the span's free
+    /// bitmap, and nothing at `ptr` itself: for checking modes, not for the fast path. Exact while no other thread allocates or frees that class; a moment stale
     /// otherwise.
     ///
     /// ```

@@ -40,28 +40,8 @@ mod heap_words {
     pub(crate) use {array_of, constructor};
 }
 
-/// What the heap's lock is written with: loom's atomics and a futex modelled as in
-/// tests/model_heap_lock.rs.
-mod lock_word {
-    pub(crate) use loom::sync::atomic::{AtomicU32, Ordering};
-    use loom::sync::{Condvar, Mutex};
-
-    loom::lazy_static! {
-        static ref FUTEX: (Mutex<()>, Condvar) = (Mutex::new(()), Condvar::new());
-    }
-
-    pub(crate) fn wait(word: &AtomicU32, expected: u32) {
-        let queue = FUTEX.0.lock().unwrap();
-        if word.load(Ordering::SeqCst) == expected {
-            drop(FUTEX.1.wait(queue).unwrap());
-        }
-    }
-
-    pub(crate) fn wake(_word: &AtomicU32, _count: i32) {
-        let _queue = FUTEX.0.lock().unwrap();
-        FUTEX.1.notify_all();
-    }
-}
+#[path = "common/heap_lock_word.rs"]
+mod lock_word;
 
 /// The batches the heap fills and empties: the allocator's own holds its objects in the same
 /// way, in an array of addresses.

@@ -292,6 +292,7 @@ model_decision:built-only-with---cfg-thiscpu_model-(the-model-step)
 model_rwlock:built-only-with---cfg-thiscpu_model-(the-model-step)
 model_alloc:built-only-with---cfg-thiscpu_model-(the-model-step)
 model_heap_lock:built-only-with---cfg-thiscpu_model-(the-model-step)
+model_heap:built-only-with---cfg-thiscpu_model-(the-model-step)
 model_capacity:built-only-with---cfg-thiscpu_model-(the-model-step)"
 
 # Every test executable but the debugger's: single-stepping through sections under TCG takes

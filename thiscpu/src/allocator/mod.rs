@@ -661,10 +661,13 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
     /// address outside the heap, and for an object in use or cached.
     ///
     /// It takes the lock of the span's size class and reads the object's bit in the span's free
-    /// bitmap, and nothing at `ptr` itself: for checking modes, not for the fast path. Exact while no other thread allocates or frees that class; a moment stale
-    /// otherwise.
+    /// bitmap, and nothing at `ptr` itself: for checking modes, not for the fast path. Exact
+    /// while no other thread allocates or frees that class; a moment stale otherwise. (So the
+    /// example runs as a program of its own: beside other examples in one process, another
+    /// one's allocation can take the object back between the release and the question, as it
+    /// did in an arm64 guest.)
     ///
-    /// ```
+    /// ```standalone_crate
     /// use std::alloc::{GlobalAlloc, Layout};
     /// let allocator = thiscpu::PerCpuAlloc::new();
     /// let layout = Layout::new::<[u64; 4]>();

@@ -246,6 +246,17 @@ fn check_settled(heap: &Heap, held: &[Held]) {
     }
 }
 
+/// Runs `work` on a model thread of its own, with the heap. (Not on the model's main thread:
+/// loom did not run another thread between two steps of a lock-free read there, which hid a
+/// transient count carved of 0 that the same read on a spawned thread finds.)
+fn on_a_thread<T: Send + 'static>(
+    heap: &Arc<Heap>,
+    work: impl FnOnce(&Heap) -> T + Send + 'static,
+) -> loom::thread::JoinHandle<T> {
+    let heap = Arc::clone(heap);
+    loom::thread::spawn(move || work(&heap))
+}
+
 fn new_heap() -> Arc<Heap> {
     os::set_clock(0);
     let heap = Heap::new();
@@ -278,14 +289,8 @@ fn a_span_emptied_in_one_class_is_taken_by_another_whole() {
         let heap = new_heap();
         let kept = take(&heap, LARGE, 1, 1);
         let emptied = take(&heap, SMALL, 2, 2);
-        let giver = {
-            let heap = heap.clone();
-            loom::thread::spawn(move || give(&heap, &emptied))
-        };
-        let taker = {
-            let heap = heap.clone();
-            loom::thread::spawn(move || take(&heap, MIDDLE, 1, 3))
-        };
+        let giver = on_a_thread(&heap, move |heap| give(heap, &emptied));
+        let taker = on_a_thread(&heap, move |heap| take(heap, MIDDLE, 1, 3));
         giver.join().unwrap();
         let mut held = taker.join().unwrap();
         held.extend(kept);
@@ -302,19 +307,10 @@ fn a_holder_sees_its_object_live_while_its_span_gives_and_takes() {
         let heap = new_heap();
         let kept = take(&heap, SMALL, 1, 1);
         let given = take(&heap, SMALL, 2, 2);
-        let giver = {
-            let heap = heap.clone();
-            loom::thread::spawn(move || give(&heap, &given))
-        };
-        let taker = {
-            let heap = heap.clone();
-            loom::thread::spawn(move || take(&heap, SMALL, 2, 3))
-        };
-        let asker = {
-            let heap = heap.clone();
-            let kept = kept[0];
-            loom::thread::spawn(move || check_held(&heap, &kept))
-        };
+        let giver = on_a_thread(&heap, move |heap| give(heap, &given));
+        let taker = on_a_thread(&heap, move |heap| take(heap, SMALL, 2, 3));
+        let asked = kept[0];
+        let asker = on_a_thread(&heap, move |heap| check_held(heap, &asked));
         giver.join().unwrap();
         asker.join().unwrap();
         let mut held = taker.join().unwrap();
@@ -330,14 +326,8 @@ fn a_span_emptied_while_its_class_takes_hands_each_object_to_one_holder() {
     explore("emptied span, same class", || {
         let heap = new_heap();
         let emptied = take(&heap, SMALL, 2, 1);
-        let giver = {
-            let heap = heap.clone();
-            loom::thread::spawn(move || give(&heap, &emptied))
-        };
-        let taker = {
-            let heap = heap.clone();
-            loom::thread::spawn(move || take(&heap, SMALL, 2, 2))
-        };
+        let giver = on_a_thread(&heap, move |heap| give(heap, &emptied));
+        let taker = on_a_thread(&heap, move |heap| take(heap, SMALL, 2, 2));
         giver.join().unwrap();
         let held = taker.join().unwrap();
         check_settled(&heap, &held);
@@ -355,20 +345,11 @@ fn free_spans_given_back_while_a_class_takes_one_are_never_in_use() {
         give(&heap, &idle);
         let emptied = take(&heap, LARGE, 1, 2);
         os::set_clock(5_000);
-        let releaser = {
-            let heap = heap.clone();
-            loom::thread::spawn(move || {
-                heap.return_free_spans();
-            })
-        };
-        let taker = {
-            let heap = heap.clone();
-            loom::thread::spawn(move || take(&heap, MIDDLE, 1, 3))
-        };
-        let emptier = {
-            let heap = heap.clone();
-            loom::thread::spawn(move || give(&heap, &emptied))
-        };
+        let releaser = on_a_thread(&heap, |heap| {
+            heap.return_free_spans();
+        });
+        let taker = on_a_thread(&heap, move |heap| take(heap, MIDDLE, 1, 3));
+        let emptier = on_a_thread(&heap, move |heap| give(heap, &emptied));
         emptier.join().unwrap();
         releaser.join().unwrap();
         let held = taker.join().unwrap();

@@ -384,8 +384,9 @@ impl Heap {
 
     /// Whether `address` lies in the heap where no live object starts: in a span that holds
     /// no class (free, or the chunk's records), off the span's stride or past what it carved,
-    /// or at an object whose bit is set in the span's bitmap (given back, and not taken since). False for an
-    /// address the heap does not own, and for a live object, or one a cache or list holds.
+    /// or at an object whose bit is set in the span's bitmap (given back, and not taken since).
+    /// False for an address the heap does not own, and for a live object, or one a cache or
+    /// list holds.
     /// Takes the span's class's lock: for checking modes.
     pub(super) fn holds_no_object_at(&self, address: usize) -> bool {
         if !self.owns(address) {

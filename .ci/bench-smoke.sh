@@ -46,7 +46,10 @@ for allocator in ("glibc", "mimalloc", "jemalloc", "tcmalloc", "thiscpu"):
         if row is None and ("alloc", case) in alloc_left_out:
             continue  # remote frees need two CPUs
         assert row is not None, f"alloc/{case} at {threads} thread(s) produced no result"
-        assert row["median"] > 0, row
+        # bignum's peak grows by tens of KiB, less than the kernel's per-CPU RSS counters
+        # resolve, and reads 0 in some runs (see docs/allocator.md).
+        if prefix != "bignum-rss":
+            assert row["median"] > 0, row
 otel = {r["case"] for r in bench["results"] if r["bench"] == "otel"}
 for case in ("unbound/sdk", "unbound/thiscpu", "bound/sdk", "bound/thiscpu", "memory/resident"):
     assert case in otel, f"otel/{case} produced no result"

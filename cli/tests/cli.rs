@@ -1171,7 +1171,11 @@ fn alloc_family_measures_every_allocator_and_prints_its_parts() {
             );
             for row in rows {
                 assert_eq!(row["unit"], unit, "{row}");
-                assert!(row["median"].as_f64().unwrap() > 0.0, "{row}");
+                // bignum's peak grows by tens of KiB, less than the kernel's per-CPU RSS
+                // counters resolve, and reads 0 in some runs (see docs/allocator.md).
+                if prefix != "bignum-rss" {
+                    assert!(row["median"].as_f64().unwrap() > 0.0, "{row}");
+                }
                 if runs == 1 {
                     assert_eq!(row["threads"], 1, "{row}");
                 }

@@ -11,10 +11,11 @@
 # and each kernel is booted once for every check that concerns it (as .ci/riscv64/test.sh
 # does). Steps, each timed:
 #   setup      .ci/aarch64/setup.sh, and sid's arm64 kernel from .ci/kernels/setup.sh
-#   build      every test executable of the workspace, the command and the fast-path probe; the
-#              unit tests and tests/optimiser.rs built with --release (the miscompiled form of
-#              the rseq size clamp went wrong on aarch64 only); the static and the inject test
-#              executables. The workspace's own crates are compiled through Debian's
+#   build      every test executable of the library, the stress driver and thiscpu-opentelemetry
+#              (every feature; not the command's, see guest_packages in .ci/built-tests.sh), the
+#              command and the fast-path probe; the unit tests and tests/optimiser.rs built with
+#              --release (the miscompiled form of the rseq size clamp went wrong on aarch64
+#              only); the static and the inject test executables. The workspace's own crates are compiled through Debian's
 #              clippy-driver (same release as the compiler) with -D warnings, so this also lints
 #              them for aarch64 without a second pass over the dependencies
 #   fast-path  .ci/check_fast_path.py on the aarch64 probe, through aarch64-linux-gnu-objdump
@@ -129,16 +130,15 @@ cli_bin=$CARGO_TARGET_DIR/$triple/debug/thiscpu
 # What the build step built: the guests' runs pick their test executables from it (the lists of
 # tests are there too).
 source .ci/built-tests.sh
-workspace_listing=$CARGO_TARGET_DIR/workspace-tests.json
+tests_listing=$CARGO_TARGET_DIR/guest-tests.json
 release_listing=$CARGO_TARGET_DIR/release-tests.json
 static_listing=$CARGO_TARGET_DIR/static-tests.json
 inject_listing=$CARGO_TARGET_DIR/inject-tests.json
 build() {
-    # The command's tests need the command: this builds it too.
     mkdir -p "$CARGO_TARGET_DIR"
-    run cargo test --workspace --target "$triple" --no-run \
-        --message-format=json-render-diagnostics >"$workspace_listing"
-    [ -x "$cli_bin" ] || { echo "cargo test --no-run built no $cli_bin"; return 1; }
+    run cargo test "${guest_packages[@]}" --all-features --target "$triple" --no-run \
+        --message-format=json-render-diagnostics >"$tests_listing"
+    run cargo build -p thiscpu-cli --bin thiscpu --target "$triple"
     run cargo build --release -p thiscpu --example fast_path_probe --target "$triple"
     run cargo test --release "${library_packages[@]}" --lib --test optimiser --target "$triple" \
         --no-run --message-format=json-render-diagnostics >"$release_listing"
@@ -207,12 +207,12 @@ boot() {
 lts() {
     local manifest=$CARGO_TARGET_DIR/vm-lts.manifest
     : >"$manifest"
-    add_built "$manifest" "$workspace_listing" THISCPU_EXPECT_REGISTRAR=glibc -- \
+    add_built "$manifest" "$tests_listing" THISCPU_EXPECT_REGISTRAR=glibc -- \
         "${library_tests[@]}" thiscpu-opentelemetry
-    add_built "$manifest" "$workspace_listing" "${own[@]}" -- "${registration_tests[@]}"
+    add_built "$manifest" "$tests_listing" "${own[@]}" -- "${registration_tests[@]}"
     add_built "$manifest" "$release_listing" THISCPU_EXPECT_REGISTRAR=glibc -- \
         "${library_tests[@]}"
-    add_built "$manifest" "$workspace_listing" THISCPU_RSEQ=off THISCPU_EXPECT_REGISTRAR=none -- \
+    add_built "$manifest" "$tests_listing" THISCPU_RSEQ=off THISCPU_EXPECT_REGISTRAR=none -- \
         "${registration_tests[@]}"
     add_built "$manifest" "$static_listing" THISCPU_EXPECT_REGISTRAR=glibc -- \
         "${library_tests[@]}"
@@ -222,10 +222,11 @@ lts() {
 }
 step lts lts
 
-# Of the whole workspace, whose libraries the build step built with these features (the
-# command has no doctests).
+# Of the packages the build step built, with the same features (the command has no library,
+# and the documentation of the C library's crate has no example to run).
 doctests() {
-    THISCPU_EXPECT_REGISTRAR=glibc run cargo test --workspace --target "$triple" --doc
+    THISCPU_EXPECT_REGISTRAR=glibc run cargo test "${guest_packages[@]}" --all-features \
+        --target "$triple" --doc
 }
 step doctests doctests
 
@@ -235,9 +236,9 @@ new() {
     # Every test under thiscpu's own area, an optimized-mode area here; glibc 2.36's, a
     # legacy-mode one, the registration's tests (the sections are the same code whichever area
     # they read, and every test runs under glibc's area on a 7.x kernel in the x86_64 7.x guest).
-    add_built "$manifest" "$workspace_listing" THISCPU_EXPECT_REGISTRAR=glibc -- \
+    add_built "$manifest" "$tests_listing" THISCPU_EXPECT_REGISTRAR=glibc -- \
         "${registration_tests[@]}"
-    add_built "$manifest" "$workspace_listing" "${own[@]}" -- "${library_tests[@]}"
+    add_built "$manifest" "$tests_listing" "${own[@]}" -- "${library_tests[@]}"
     add_cli "$manifest"
     boot "$new_kernel/vmlinuz" "$manifest"
 }

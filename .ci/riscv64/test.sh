@@ -10,8 +10,10 @@
 # whole job must stay a modest part of .ci/run's hour, so every test executable is built once
 # and each kernel is booted once, for every check that concerns it:
 #   setup    .ci/riscv64/setup.sh, and trixie's and sid's riscv64 kernels
-#   build    every test executable of the workspace, the command and the fast-path probe, and
-#            the static test executables; the workspace's own crates are compiled through
+#   build    every test executable of the library, the stress driver and
+#            thiscpu-opentelemetry (every feature; not the command's, see guest_packages in
+#            .ci/built-tests.sh), the command, the fast-path probe and the static test
+#            executables; the workspace's own crates are compiled through
 #            Debian's clippy-driver (the compiler's twin) with -D warnings, so this also lints
 #            them for riscv64
 #   fast-path  .ci/check_fast_path.py on the riscv64 probe, through riscv64-linux-gnu-objdump
@@ -128,15 +130,15 @@ static_env=(RUSTFLAGS="-C target-feature=+crt-static" CARGO_TARGET_DIR="$CARGO_T
 cli_bin=$CARGO_TARGET_DIR/$triple/debug/thiscpu
 # What the build step built: the guests' runs pick their test executables from it.
 source "$repo/.ci/built-tests.sh"
-workspace_listing=$CARGO_TARGET_DIR/workspace-tests.json
+tests_listing=$CARGO_TARGET_DIR/guest-tests.json
 static_listing=$CARGO_TARGET_DIR/static-tests.json
 build() {
     # This also builds the command, which the command's own tests run: no `cargo build --bins`
     # (whose different feature set would build the dependencies a second time).
     mkdir -p "$CARGO_TARGET_DIR"
-    run cargo test --workspace --target "$triple" --no-run \
-        --message-format=json-render-diagnostics >"$workspace_listing"
-    [ -x "$cli_bin" ] || { echo "cargo test --no-run built no $cli_bin"; return 1; }
+    run cargo test "${guest_packages[@]}" --all-features --target "$triple" --no-run \
+        --message-format=json-render-diagnostics >"$tests_listing"
+    run cargo build -p thiscpu-cli --bin thiscpu --target "$triple"
     run cargo build --release -p thiscpu --example fast_path_probe --target "$triple"
     # A statically linked program cannot be a cdylib: the core tests only, in a directory of
     # their own so that the dynamic build stays.
@@ -177,15 +179,15 @@ boot() {
 lts() {
     local manifest=$CARGO_TARGET_DIR/vm-lts.manifest
     : >"$manifest"
-    add_built "$manifest" "$workspace_listing" THISCPU_EXPECT_REGISTRAR=glibc -- \
+    add_built "$manifest" "$tests_listing" THISCPU_EXPECT_REGISTRAR=glibc -- \
         "${library_tests[@]}" thiscpu-opentelemetry
     # thiscpu's own area is a legacy-mode area on 6.12, like glibc's: the tests of the
     # registration and of what it reports (on 7.x, in `new`, every test).
-    add_built "$manifest" "$workspace_listing" "${own[@]}" -- "${registration_tests[@]}"
+    add_built "$manifest" "$tests_listing" "${own[@]}" -- "${registration_tests[@]}"
     # Without rseq the library takes its portable path, whose code is the same on every
     # architecture and whose every test runs on x86_64 (test-off) and as s390x, armv7 and
     # Windows programs: here, that riscv64 decides for it and answers through it as they do.
-    add_built "$manifest" "$workspace_listing" THISCPU_RSEQ=off THISCPU_EXPECT_REGISTRAR=none -- \
+    add_built "$manifest" "$tests_listing" THISCPU_RSEQ=off THISCPU_EXPECT_REGISTRAR=none -- \
         "${registration_tests[@]}"
     add_built "$manifest" "$static_listing" THISCPU_EXPECT_REGISTRAR=thiscpu -- \
         "${static_selectors[@]}"
@@ -207,9 +209,9 @@ new() {
     : >"$manifest"
     # Every test under thiscpu's own area, which is an optimized-mode area here; glibc's, the
     # registration's tests (every test under glibc's area on 7.x runs in the x86_64 7.x guest).
-    add_built "$manifest" "$workspace_listing" THISCPU_EXPECT_REGISTRAR=glibc -- \
+    add_built "$manifest" "$tests_listing" THISCPU_EXPECT_REGISTRAR=glibc -- \
         "${registration_tests[@]}"
-    add_built "$manifest" "$workspace_listing" "${own[@]}" -- "${library_tests[@]}"
+    add_built "$manifest" "$tests_listing" "${own[@]}" -- "${library_tests[@]}"
     {
         manifest_line / "$cli_bin" info
         manifest_line / "${own[0]}" "$cli_bin" info

@@ -139,7 +139,7 @@ fn a_canary_survives_a_move_and_names_the_byte_that_changed() {
     let aligned = aligned.as_mut_ptr().cast::<u8>();
     // SAFETY: byte 1 of a buffer of 328 bytes.
     let odd = unsafe { odd.as_mut_ptr().cast::<u8>().add(1) };
-    let (address, size) = (0x7f00_1234_5670usize, 317);
+    let (address, size) = (0x1234_5670usize, 317);
     for (first, second) in [(aligned, odd), (odd, aligned)] {
         // SAFETY: both buffers hold `size` bytes at these pointers, and do not overlap.
         unsafe {

@@ -15,9 +15,10 @@
 #              (every feature; not the command's, see guest_packages in .ci/built-tests.sh), the
 #              command and the fast-path probe; the unit tests and tests/optimiser.rs built with
 #              --release (the miscompiled form of the rseq size clamp went wrong on aarch64
-#              only); the static and the inject test executables. The workspace's own crates are compiled through Debian's
-#              clippy-driver (same release as the compiler) with -D warnings, so this also lints
-#              them for aarch64 without a second pass over the dependencies
+#              only); the static and the inject test executables. The workspace's own crates
+#              are compiled through Debian's clippy-driver (same release as the compiler) with
+#              -D warnings, so this also lints them for aarch64 without a second pass over the
+#              dependencies
 #   fast-path  .ci/check_fast_path.py on the aarch64 probe, through aarch64-linux-gnu-objdump
 #   lts        one boot of Debian 12's 6.1 (rseq without node_id/mm_cid) that runs, one after
 #              the other:

@@ -1912,9 +1912,9 @@ mod tests {
     /// The region is address space until used: one allocation and its free, on one CPU, make
     /// resident only the header's first two pages (its fields, 4,776 bytes that every call
     /// reads, and the transfer lists after them) and that CPU's pages of the class's head, of
-    /// its counters and tallies and of the class's slots, not the 2 MiB each CPU's region spans at this budget. Pinned: a
-    /// thread that moved between the two (as one did in a guest under TCG, 7 pages) touches a
-    /// second CPU's.
+    /// its counters and tallies and of the class's slots, not the 2 MiB each CPU's region
+    /// spans at this budget. Pinned: a thread that moved between the two (as one did in a
+    /// guest under TCG, 7 pages) touches a second CPU's.
     #[cfg(target_os = "linux")]
     #[test]
     fn one_allocation_makes_few_pages_of_the_region_resident() {

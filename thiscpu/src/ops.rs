@@ -422,6 +422,71 @@ pub(crate) unsafe fn stack_pop<S: Spread>(
     unsafe { section_by!(S, stack_pop, [], at.offset, at.index, head, slots) }
 }
 
+/// Guarded batch pop from the position's stack, in one section: `if head.stopped != 0
+/// leave(Stopped); n = head.count; if n == 0 leave(Refused); k = min(n, max); out[..k] =
+/// slots[n - k..n]; commit head.count = n - k`. Returns the outcome and `k`, meaningful only
+/// when committed (0 when `max` is 0).
+///
+/// # Safety
+/// As for [`stack_push`]; `out` is valid for `max` writes and only the calling thread uses it.
+#[inline]
+pub(crate) unsafe fn stack_pop_batch<S: Spread>(
+    at: Position<S>,
+    head: *const StackHead,
+    slots: *const usize,
+    out: *mut usize,
+    max: usize,
+) -> (StackOutcome, usize) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        section_by!(
+            S,
+            stack_pop_batch,
+            [],
+            at.offset,
+            at.index,
+            head,
+            slots,
+            out,
+            max
+        )
+    }
+}
+
+/// Guarded batch push onto the position's stack, in one section: `if head.stopped != 0
+/// leave(Stopped); n = head.count; if n >= capacity leave(Refused); k = min(capacity - n,
+/// len); slots[n..n + k] = items[len - k..len]; commit head.count = n + k`. Returns the
+/// outcome and `k`, meaningful only when committed (0 when `len` is 0): the stack owns the
+/// last `k` items from then on, the caller the rest.
+///
+/// # Safety
+/// As for [`stack_push`]; `items` is valid for `len` reads.
+#[inline]
+pub(crate) unsafe fn stack_push_batch<S: Spread>(
+    at: Position<S>,
+    head: *const StackHead,
+    slots: *mut usize,
+    capacity: u64,
+    items: *const usize,
+    len: usize,
+) -> (StackOutcome, usize) {
+    // SAFETY: forwarded contract.
+    unsafe {
+        section_by!(
+            S,
+            stack_push_batch,
+            [],
+            at.offset,
+            at.index,
+            head,
+            slots,
+            capacity,
+            items,
+            len
+        )
+    }
+}
+
 /// Guarded pop from the stack of the CPU the calling thread runs on, which the section reads
 /// itself after arming (no position is read before it, and none is checked): CPU `c`'s stack
 /// is at `head` and `slots` plus `c << shift` bytes, for every `c < cpus`. Returns the item,

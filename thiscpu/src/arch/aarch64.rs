@@ -753,6 +753,168 @@ pub(crate) unsafe fn stack_pop<const FIELD: usize>(
     (StackOutcome::Committed, item)
 }
 
+// Batches: the allocator's slow paths move up to a batch of objects between a CPU's stack and
+// a buffer of the caller's in one section, as on x86_64: the guarded stacks' frame, `stopped`
+// check (with `ldar`) and single committing store of the count (a push's with `stlr`), and
+// between them a loop that copies the words. An abort leaves the stack as it was and the
+// caller reads nothing the section wrote; `k` goes back through a local, stored before the
+// commit.
+
+/// Guarded batch pop: `if head.stopped != 0 leave(Stopped); n = head.count; if n == 0
+/// leave(Refused); k = min(n, max); out[..k] = slots[n - k..n]; commit head.count = n - k`.
+/// Returns the outcome and `k`, which is meaningful only when committed (0 when `max` is 0).
+///
+/// # Safety
+/// As for `stack_push`; `out` is valid for `max` writes and only the calling thread uses it.
+#[inline]
+pub(crate) unsafe fn stack_pop_batch<const FIELD: usize>(
+    offset: AreaOffset,
+    index: u32,
+    head: *const StackHead,
+    slots: *const usize,
+    out: *mut usize,
+    max: usize,
+) -> (StackOutcome, usize) {
+    if max == 0 {
+        return (StackOutcome::Committed, 0);
+    }
+    let (count, stopped) = stack_words(head);
+    let mut taken = 0usize;
+    let taken_at: *mut usize = &mut taken;
+    // SAFETY: the caller's contract; the section follows the frame described above and writes
+    // nothing shared but the count (its commit) and the area's `rseq_cs`; the copy reads slots
+    // below the count and writes the caller's `out` and `taken`, which an abort leaves unread;
+    // `k` is at least 1 when the loop starts (n != 0, max != 0), so it ends at 0.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{abort}"),
+            rseq_exit_point!("2", "{stopped}"),
+            rseq_exit_point!("2", "{refused}"),
+            rseq_arm_and_check!("n"),
+            "ldar {n}, [{stopped_at}]",
+            "cbnz {n}, {stopped}",
+            inject!(3),
+            "ldr {n}, [{count_at}]",
+            "cbz {n}, {refused}",
+            "cmp {n}, {k}",
+            "csel {k}, {n}, {k}, lo",
+            "sub {n}, {n}, {k}",
+            "str {k}, [{taken_at}]",
+            "add {from}, {from}, {n}, lsl #3",
+            "8:",
+            "sub {k}, {k}, #1",
+            "ldr {word}, [{from}, {k}, lsl #3]",
+            "str {word}, [{out}, {k}, lsl #3]",
+            "cbnz {k}, 8b",
+            inject!(2),
+            "str {n}, [{count_at}]",
+            "4:",
+            rseq_abort!("5", "b {abort}");
+            off = in(reg) offset.0,
+            index = in(reg) index,
+            count_at = in(reg) count,
+            stopped_at = in(reg) stopped,
+            from = inout(reg) slots => _,
+            out = in(reg) out,
+            taken_at = in(reg) taken_at,
+            k = inout(reg) max => _,
+            base = out(reg) _,
+            n = out(reg) _,
+            word = out(reg) _,
+            cs = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS - offset::CPU_ID,
+            field = const FIELD as isize - offset::CPU_ID as isize,
+            stopped = label { return (StackOutcome::Stopped, 0); },
+            refused = label { return (StackOutcome::Refused, 0); },
+            abort = label { return (StackOutcome::Aborted, 0); },
+            options(nostack),
+        );
+    }
+    (StackOutcome::Committed, taken)
+}
+
+/// Guarded batch push: `if head.stopped != 0 leave(Stopped); n = head.count; if n >= capacity
+/// leave(Refused); k = min(capacity - n, len); slots[n..n + k] = items[len - k..len]; commit
+/// head.count = n + k` (with `stlr`). Returns the outcome and `k`, which is meaningful only
+/// when committed (0 when `len` is 0): the caller keeps `items[..len - k]`.
+///
+/// # Safety
+/// As for `stack_push`; `items` is valid for `len` reads.
+#[inline]
+pub(crate) unsafe fn stack_push_batch<const FIELD: usize>(
+    offset: AreaOffset,
+    index: u32,
+    head: *const StackHead,
+    slots: *mut usize,
+    capacity: u64,
+    items: *const usize,
+    len: usize,
+) -> (StackOutcome, usize) {
+    if len == 0 {
+        return (StackOutcome::Committed, 0);
+    }
+    let (count, stopped) = stack_words(head);
+    let mut pushed = 0usize;
+    let pushed_at: *mut usize = &mut pushed;
+    // SAFETY: the caller's contract; the section follows the frame described above; the
+    // words land in slots from the count up to below the capacity (k <= capacity - n), beyond
+    // the committed count, so an aborted push leaves nothing visible, and the `stlr` commit
+    // orders them (and the objects' contents) before the count; `k` is at least 1 when the
+    // loop starts (n < capacity, len != 0), so it ends at 0.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{abort}"),
+            rseq_exit_point!("2", "{stopped}"),
+            rseq_exit_point!("2", "{refused}"),
+            rseq_arm_and_check!("n"),
+            "ldar {n}, [{stopped_at}]",
+            "cbnz {n}, {stopped}",
+            inject!(3),
+            "ldr {n}, [{count_at}]",
+            "cmp {n}, {k}",
+            "b.hs {refused}",
+            "sub {k}, {k}, {n}",
+            "cmp {k}, {len}",
+            "csel {k}, {len}, {k}, hi",
+            "str {k}, [{pushed_at}]",
+            "add {to}, {to}, {n}, lsl #3",
+            "sub {from}, {from}, {k}, lsl #3",
+            "add {n}, {n}, {k}",
+            "8:",
+            "sub {k}, {k}, #1",
+            "ldr {word}, [{from}, {k}, lsl #3]",
+            "str {word}, [{to}, {k}, lsl #3]",
+            "cbnz {k}, 8b",
+            inject!(1),
+            "stlr {n}, [{count_at}]",
+            "4:",
+            rseq_abort!("5", "b {abort}");
+            off = in(reg) offset.0,
+            index = in(reg) index,
+            count_at = in(reg) count,
+            stopped_at = in(reg) stopped,
+            to = inout(reg) slots => _,
+            from = inout(reg) items.wrapping_add(len) => _,
+            len = in(reg) len,
+            k = inout(reg) capacity => _,
+            pushed_at = in(reg) pushed_at,
+            base = out(reg) _,
+            n = out(reg) _,
+            word = out(reg) _,
+            cs = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS - offset::CPU_ID,
+            field = const FIELD as isize - offset::CPU_ID as isize,
+            stopped = label { return (StackOutcome::Stopped, 0); },
+            refused = label { return (StackOutcome::Refused, 0); },
+            abort = label { return (StackOutcome::Aborted, 0); },
+            options(nostack),
+        );
+    }
+    (StackOutcome::Committed, pushed)
+}
+
 // The allocator's stacks, indexed inside the section: as on x86_64, the section reads
 // `cpu_id` itself after arming and finds that CPU's stack `cpu << shift` bytes after CPU 0's,
 // so nothing is read before it or checked in it. An unregistered area reads -1 (or -2), which

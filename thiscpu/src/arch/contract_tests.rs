@@ -363,3 +363,119 @@ fn here_sections_use_the_stack_of_the_cpu_they_run_on() {
     assert_eq!(popped, [4, 3, 2, 1]);
     assert_eq!(stacks.pop(cpus), 0);
 }
+
+/// Runs a positioned stack section until the kernel lets it end otherwise than by an abort.
+fn until_not_aborted(
+    mut section: impl FnMut(AreaOffset, u32) -> (StackOutcome, usize),
+) -> (StackOutcome, usize) {
+    for _ in 0..10_000 {
+        let offset = area_offset();
+        let index = field_at::<{ offset::CPU_ID }>(offset);
+        assert!(index >= 0);
+        let ended = section(offset, index as u32);
+        if ended.0 != StackOutcome::Aborted {
+            return ended;
+        }
+    }
+    panic!("every section aborted");
+}
+
+#[test]
+fn batch_sections_move_the_top_of_the_stack_in_one_commit() {
+    if !register() {
+        return;
+    }
+    const CAPACITY: usize = 8;
+    // The head's count and stopped words, then the slots.
+    let mut words = [0u64; 2 + CAPACITY];
+    let head: *const StackHead = words.as_ptr().cast();
+    let slots: *mut usize = words.as_mut_ptr().wrapping_add(2).cast();
+    let push = |items: &[usize]| {
+        until_not_aborted(|offset, index| {
+            // SAFETY: `offset` and `index` were just read from this thread's area; the head and
+            // its `CAPACITY` slots are a local that only this thread uses; `items` is valid
+            // for its length.
+            unsafe {
+                stack_push_batch::<{ offset::CPU_ID }>(
+                    offset,
+                    index,
+                    head,
+                    slots,
+                    CAPACITY as u64,
+                    items.as_ptr(),
+                    items.len(),
+                )
+            }
+        })
+    };
+    let pop = |out: &mut [usize]| {
+        until_not_aborted(|offset, index| {
+            // SAFETY: as in `push`; `out` is valid for its length.
+            unsafe {
+                stack_pop_batch::<{ offset::CPU_ID }>(
+                    offset,
+                    index,
+                    head,
+                    slots,
+                    out.as_mut_ptr(),
+                    out.len(),
+                )
+            }
+        })
+    };
+    let words_now = |words: *const u64| {
+        // SAFETY: `words` is the local array above, which no section writes meanwhile.
+        unsafe { core::slice::from_raw_parts(words, 2 + CAPACITY) }.to_vec()
+    };
+    let at = words.as_ptr();
+
+    assert_eq!(push(&[11, 12, 13, 14, 15]), (StackOutcome::Committed, 5));
+    assert_eq!(words_now(at), [5, 0, 11, 12, 13, 14, 15, 0, 0, 0]);
+    // Room for three: the last three go, in their order.
+    assert_eq!(push(&[21, 22, 23, 24, 25]), (StackOutcome::Committed, 3));
+    assert_eq!(words_now(at), [8, 0, 11, 12, 13, 14, 15, 23, 24, 25]);
+    assert_eq!(push(&[31]), (StackOutcome::Refused, 0));
+    assert_eq!(push(&[]), (StackOutcome::Committed, 0));
+
+    // The top four come out in their order; then the rest, fewer than asked for.
+    let mut out = [0usize; 4];
+    assert_eq!(pop(&mut out), (StackOutcome::Committed, 4));
+    assert_eq!(out, [15, 23, 24, 25]);
+    assert_eq!(words_now(at)[0], 4);
+    let mut out = [0usize; 6];
+    assert_eq!(pop(&mut out), (StackOutcome::Committed, 4));
+    assert_eq!(out[..4], [11, 12, 13, 14]);
+    assert_eq!(words_now(at)[0], 0);
+    assert_eq!(pop(&mut out), (StackOutcome::Refused, 0));
+    assert_eq!(pop(&mut []), (StackOutcome::Committed, 0));
+
+    // A stopped stack refuses both, and neither touches it.
+    assert_eq!(push(&[41, 42]), (StackOutcome::Committed, 2));
+    // SAFETY: the stopped word of the local array, which no section runs on meanwhile.
+    unsafe { words.as_mut_ptr().add(1).write(1) };
+    let before = words_now(at);
+    assert_eq!(push(&[51]), (StackOutcome::Stopped, 0));
+    assert_eq!(pop(&mut out), (StackOutcome::Stopped, 0));
+    assert_eq!(words_now(at), before);
+    assert_eq!(out[..4], [11, 12, 13, 14], "a stopped pop wrote out");
+
+    // A stale index aborts both before anything is written.
+    // SAFETY: as above.
+    unsafe { words.as_mut_ptr().add(1).write(0) };
+    let before = words_now(at);
+    let offset = area_offset();
+    let stale = (field_at::<{ offset::CPU_ID }>(offset) as u32).wrapping_add(1 << 20);
+    // SAFETY: as in `push`, with an index that is never this thread's CPU.
+    let pushed = unsafe {
+        stack_push_batch::<{ offset::CPU_ID }>(offset, stale, head, slots, 8, [61].as_ptr(), 1)
+    };
+    // SAFETY: as in `pop`, with that index.
+    let popped = unsafe {
+        stack_pop_batch::<{ offset::CPU_ID }>(offset, stale, head, slots, out.as_mut_ptr(), 6)
+    };
+    assert_eq!(
+        (pushed, popped),
+        ((StackOutcome::Aborted, 0), (StackOutcome::Aborted, 0))
+    );
+    assert_eq!(words_now(at), before);
+}

@@ -109,7 +109,7 @@ pub mod model;
 #[cfg(thiscpu_model)]
 pub(crate) use model::{
     active_field, field_at, load_add_store, load_cbeq_load_store, load_cbne_store, stack_pop,
-    stack_pop_here, stack_push, stack_push_here,
+    stack_pop_batch, stack_pop_here, stack_push, stack_push_batch, stack_push_here,
 };
 
 use crate::abi::Rseq;
@@ -304,6 +304,13 @@ const _: () = {
         stack_push::<CPU_ID>;
     let _: unsafe fn(AreaOffset, u32, *const StackHead, *const usize) -> (StackOutcome, usize) =
         stack_pop::<CPU_ID>;
+    type PopBatch =
+        unsafe fn(AreaOffset, u32, *const StackHead, *const usize, *mut usize, usize) -> Moved;
+    type PushBatch =
+        unsafe fn(AreaOffset, u32, *const StackHead, *mut usize, u64, *const usize, usize) -> Moved;
+    type Moved = (StackOutcome, usize);
+    let _: PopBatch = stack_pop_batch::<CPU_ID>;
+    let _: PushBatch = stack_push_batch::<CPU_ID>;
     let _: unsafe fn(
         AreaOffset,
         u64,

@@ -502,6 +502,101 @@ pub(crate) unsafe fn stack_pop<const FIELD: usize>(
     }
 }
 
+/// See `ops::stack_pop_batch`: as [`stack_pop`], with the top `k = min(count, max)` slots
+/// copied out to the caller's buffer before the commit.
+///
+/// # Safety
+/// As for [`stack_push`]; `out` is valid for `max` writes and only the calling thread uses it.
+pub(crate) unsafe fn stack_pop_batch<const FIELD: usize>(
+    _area: AreaOffset,
+    index: u32,
+    head: *const StackHead,
+    slots: *const usize,
+    out: *mut usize,
+    max: usize,
+) -> (StackOutcome, usize) {
+    if max == 0 {
+        return (StackOutcome::Committed, 0);
+    }
+    let Some(section) = Section::start(index) else {
+        return (StackOutcome::Aborted, 0);
+    };
+    // SAFETY: the caller's contract: `head` is a live stack head.
+    let head = unsafe { &*head };
+    if head.stopped.load(Ordering::Acquire) != 0 {
+        return (StackOutcome::Stopped, 0);
+    }
+    let n = head.count.load(Ordering::Relaxed);
+    if n == 0 {
+        return (StackOutcome::Refused, 0);
+    }
+    let k = (n as usize).min(max);
+    let from = n - k as u64;
+    for j in 0..k {
+        // SAFETY: `from + j < n`, at most the capacity, the number of slots (contract).
+        let item = unsafe { slot(slots, from + j as u64) }.load(Ordering::Relaxed);
+        // SAFETY: `j < max`, and `out` is the caller's for `max` writes.
+        unsafe { out.add(j).write(item) };
+    }
+    if section.store(|| {
+        head.count.swap(from, Ordering::Relaxed);
+    }) {
+        (StackOutcome::Committed, k)
+    } else {
+        (StackOutcome::Aborted, 0)
+    }
+}
+
+/// See `ops::stack_push_batch`: as [`stack_push`], with the last `k = min(capacity - count,
+/// len)` items stored beyond the count, one store each, before the commit.
+///
+/// # Safety
+/// As for [`stack_push`]; `items` is valid for `len` reads.
+pub(crate) unsafe fn stack_push_batch<const FIELD: usize>(
+    _area: AreaOffset,
+    index: u32,
+    head: *const StackHead,
+    slots: *mut usize,
+    capacity: u64,
+    items: *const usize,
+    len: usize,
+) -> (StackOutcome, usize) {
+    if len == 0 {
+        return (StackOutcome::Committed, 0);
+    }
+    let Some(section) = Section::start(index) else {
+        return (StackOutcome::Aborted, 0);
+    };
+    // SAFETY: the caller's contract: `head` is a live stack head.
+    let head = unsafe { &*head };
+    if head.stopped.load(Ordering::Acquire) != 0 {
+        return (StackOutcome::Stopped, 0);
+    }
+    let n = head.count.load(Ordering::Relaxed);
+    if n >= capacity {
+        return (StackOutcome::Refused, 0);
+    }
+    let k = ((capacity - n) as usize).min(len);
+    for j in 0..k {
+        // SAFETY: `len - k + j < len`, and `items` is valid for `len` reads (contract).
+        let item = unsafe { items.add(len - k + j).read() };
+        // SAFETY: `n + j < capacity`, and the slots hold `capacity` atomics (contract).
+        let slot = unsafe { slot(slots, n + j as u64) };
+        if !section.store(|| {
+            slot.swap(item, Ordering::Relaxed);
+        }) {
+            return (StackOutcome::Aborted, 0);
+        }
+    }
+    if section.store(|| {
+        head.count.swap(n + k as u64, Ordering::Release);
+    }) {
+        (StackOutcome::Committed, k)
+    } else {
+        (StackOutcome::Aborted, 0)
+    }
+}
+
 /// See `ops::stack_pop_here`: the model's CPU, read before a section that checks it, as the
 /// architecture files' sections read it inside themselves.
 ///

@@ -190,6 +190,39 @@ pub(crate) unsafe fn stack_pop<const FIELD: usize>(
     (StackOutcome::Aborted, 0)
 }
 
+/// Reports an abort: see `load_add_store`.
+///
+/// # Safety
+/// None needed: nothing is read or written.
+#[inline(always)]
+pub(crate) unsafe fn stack_pop_batch<const FIELD: usize>(
+    _offset: AreaOffset,
+    _index: u32,
+    _head: *const StackHead,
+    _slots: *const usize,
+    _out: *mut usize,
+    _max: usize,
+) -> (StackOutcome, usize) {
+    (StackOutcome::Aborted, 0)
+}
+
+/// Reports an abort: see `load_add_store`.
+///
+/// # Safety
+/// None needed: nothing is read or written.
+#[inline(always)]
+pub(crate) unsafe fn stack_push_batch<const FIELD: usize>(
+    _offset: AreaOffset,
+    _index: u32,
+    _head: *const StackHead,
+    _slots: *mut usize,
+    _capacity: u64,
+    _items: *const usize,
+    _len: usize,
+) -> (StackOutcome, usize) {
+    (StackOutcome::Aborted, 0)
+}
+
 /// Reports a pop that did not commit: see `load_add_store`.
 ///
 /// # Safety

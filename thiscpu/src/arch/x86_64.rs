@@ -740,6 +740,168 @@ pub(crate) unsafe fn stack_pop<const FIELD: usize>(
     (outcome_from_code(code), item)
 }
 
+// Batches: the allocator's slow paths move up to a batch of objects between a CPU's stack and
+// a buffer of the caller's in one section, rather than one section per object. The frame,
+// the `stopped` check and the single committing store of the count are the guarded stacks'
+// above; between the check and the commit a loop copies the words. A pop copies the top `k`
+// slots out to the caller's buffer, a push copies the last `k` words of the caller's buffer
+// into the slots beyond the count: either way an abort leaves the stack as it was (a pushed
+// word lies beyond the committed count until the commit) and the caller reads nothing the
+// section wrote. `k` goes back through a local, stored before the commit, since an `asm!`
+// that jumps to Rust labels cannot have outputs.
+
+/// Guarded batch pop: `if head.stopped != 0 leave(Stopped); n = head.count; if n == 0
+/// leave(Refused); k = min(n, max); out[..k] = slots[n - k..n]; commit head.count = n - k`.
+/// Returns the outcome and `k`, which is meaningful only when committed (0 when `max` is 0).
+///
+/// # Safety
+/// As for `stack_push`; `out` is valid for `max` writes and only the calling thread uses it.
+#[inline]
+pub(crate) unsafe fn stack_pop_batch<const FIELD: usize>(
+    offset: AreaOffset,
+    index: u32,
+    head: *const StackHead,
+    slots: *const usize,
+    out: *mut usize,
+    max: usize,
+) -> (StackOutcome, usize) {
+    if max == 0 {
+        return (StackOutcome::Committed, 0);
+    }
+    let mut taken = 0usize;
+    let taken_at: *mut usize = &mut taken;
+    // SAFETY: the caller's contract; the section follows the frame described above and writes
+    // nothing shared but the count (its commit) and the area's `rseq_cs`; the copy reads slots
+    // below the count and writes the caller's `out` and `taken`, which an abort leaves unread;
+    // `k` is at least 1 when the loop starts (n != 0, max != 0), so it ends at 0.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{stopped}"),
+            rseq_exit_point!("2", "{refused}"),
+            rseq_arm_and_check!(),
+            "cmp qword ptr [{head} + {stopped_at}], 0",
+            "jne {stopped}",
+            inject!(3),
+            "mov {n}, qword ptr [{head} + {count_at}]",
+            "test {n}, {n}",
+            "jz {refused}",
+            "cmp {n}, {k}",
+            "cmovb {k}, {n}",
+            "sub {n}, {k}",
+            "mov qword ptr [{taken_at}], {k}",
+            "lea {from}, [{from} + 8 * {n}]",
+            "8:",
+            "sub {k}, 1",
+            "mov {word}, qword ptr [{from} + 8 * {k}]",
+            "mov qword ptr [{out} + 8 * {k}], {word}",
+            "jnz 8b",
+            inject!(2),
+            "mov qword ptr [{head} + {count_at}], {n}",
+            "4:",
+            rseq_abort!("5", "jmp {abort}");
+            off = in(reg) offset.0,
+            index = in(reg) index,
+            head = in(reg) head,
+            from = inout(reg) slots => _,
+            out = in(reg) out,
+            taken_at = in(reg) taken_at,
+            k = inout(reg) max => _,
+            n = out(reg) _,
+            word = out(reg) _,
+            cs = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS,
+            field = const FIELD,
+            stopped_at = const StackHead::STOPPED,
+            count_at = const StackHead::COUNT,
+            stopped = label { return (StackOutcome::Stopped, 0); },
+            refused = label { return (StackOutcome::Refused, 0); },
+            abort = label { return (StackOutcome::Aborted, 0); },
+            options(nostack),
+        );
+    }
+    (StackOutcome::Committed, taken)
+}
+
+/// Guarded batch push: `if head.stopped != 0 leave(Stopped); n = head.count; if n >= capacity
+/// leave(Refused); k = min(capacity - n, len); slots[n..n + k] = items[len - k..len]; commit
+/// head.count = n + k`. Returns the outcome and `k`, which is meaningful only when committed
+/// (0 when `len` is 0): the caller keeps `items[..len - k]`.
+///
+/// # Safety
+/// As for `stack_push`; `items` is valid for `len` reads.
+#[inline]
+pub(crate) unsafe fn stack_push_batch<const FIELD: usize>(
+    offset: AreaOffset,
+    index: u32,
+    head: *const StackHead,
+    slots: *mut usize,
+    capacity: u64,
+    items: *const usize,
+    len: usize,
+) -> (StackOutcome, usize) {
+    if len == 0 {
+        return (StackOutcome::Committed, 0);
+    }
+    let mut pushed = 0usize;
+    let pushed_at: *mut usize = &mut pushed;
+    // SAFETY: the caller's contract; the section follows the frame described above; the
+    // words land in slots from the count up to below the capacity (k <= capacity - n), beyond
+    // the committed count, so an aborted push leaves nothing visible; `k` is at least 1 when
+    // the loop starts (n < capacity, len != 0), so it ends at 0.
+    unsafe {
+        rseq_asm!(
+            rseq_descriptor!("2", "4", "5"),
+            rseq_exit_point!("2", "{stopped}"),
+            rseq_exit_point!("2", "{refused}"),
+            rseq_arm_and_check!(),
+            "cmp qword ptr [{head} + {stopped_at}], 0",
+            "jne {stopped}",
+            inject!(3),
+            "mov {n}, qword ptr [{head} + {count_at}]",
+            "cmp {n}, {k}",
+            "jae {refused}",
+            "sub {k}, {n}",
+            "cmp {k}, {len}",
+            "cmova {k}, {len}",
+            "mov qword ptr [{pushed_at}], {k}",
+            "lea {to}, [{to} + 8 * {n}]",
+            "lea {word}, [8 * {k}]",
+            "sub {from}, {word}",
+            "add {n}, {k}",
+            "8:",
+            "sub {k}, 1",
+            "mov {word}, qword ptr [{from} + 8 * {k}]",
+            "mov qword ptr [{to} + 8 * {k}], {word}",
+            "jnz 8b",
+            inject!(1),
+            "mov qword ptr [{head} + {count_at}], {n}",
+            "4:",
+            rseq_abort!("5", "jmp {abort}");
+            off = in(reg) offset.0,
+            index = in(reg) index,
+            head = in(reg) head,
+            to = inout(reg) slots => _,
+            from = inout(reg) items.wrapping_add(len) => _,
+            len = in(reg) len,
+            k = inout(reg) capacity => _,
+            pushed_at = in(reg) pushed_at,
+            n = out(reg) _,
+            word = out(reg) _,
+            cs = out(reg) _,
+            rseq_cs = const offset::RSEQ_CS,
+            field = const FIELD,
+            stopped_at = const StackHead::STOPPED,
+            count_at = const StackHead::COUNT,
+            stopped = label { return (StackOutcome::Stopped, 0); },
+            refused = label { return (StackOutcome::Refused, 0); },
+            abort = label { return (StackOutcome::Aborted, 0); },
+            options(nostack),
+        );
+    }
+    (StackOutcome::Committed, pushed)
+}
+
 // The allocator's stacks, indexed inside the section. The sections above check a CPU that
 // the caller read before them; these read `cpu_id` themselves, after arming, and find that
 // CPU's stack from it: every CPU's stack for one class lies at the same place in its region,

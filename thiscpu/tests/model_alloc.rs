@@ -375,3 +375,40 @@ fn a_release_of_every_cache_and_list_racing_a_spill_and_a_miss_loses_nothing() {
         || a_spill_meets_a_miss(true),
     );
 }
+
+/// A heap whose caches hold six objects of the tests' class on each CPU, so that a spill or a
+/// miss moves a batch of three (half the capacity), two of them in one section; CPU 0's cache
+/// full, and a seventh object held, whose free spills.
+fn heap_with_batches_to_come() -> (Arc<Heap>, std::sync::Arc<Ledger>, usize) {
+    const HELD: usize = 6;
+    let inner = CountingInner::default();
+    let ledger = inner.0.clone();
+    let heap = Arc::new(PerCpuAlloc::with_inner(inner).with_cache_bytes(cache_bytes() * HELD / 2));
+    model::run_on(0);
+    let objects: Vec<usize> = (0..=HELD).map(|_| take(&heap, &ledger)).collect();
+    for &ptr in &objects[..HELD] {
+        give(&heap, &ledger, ptr);
+    }
+    (heap, ledger, objects[HELD])
+}
+
+/// A thread on CPU 0 frees into its full cache (the spill pops two objects in one section and
+/// hands three to the transfer list), takes five (the fifth misses and takes the list's batch
+/// back, pushing two in one section) and frees them, while a thread on CPU 1 releases CPU 0's
+/// cache: nothing lost or duplicated.
+#[test]
+fn a_release_racing_batches_moved_in_one_section_loses_and_duplicates_nothing() {
+    explore(
+        "a release while CPU 0 spills and refills in batches",
+        || {
+            let (heap, ledger, extra) = heap_with_batches_to_come();
+            race_a_release_of_cpu_0(heap, ledger, move |heap, ledger| {
+                give(heap, ledger, extra);
+                let objects: Vec<usize> = (0..5).map(|_| take(heap, ledger)).collect();
+                for ptr in objects {
+                    give(heap, ledger, ptr);
+                }
+            });
+        },
+    );
+}

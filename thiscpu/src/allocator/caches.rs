@@ -445,6 +445,52 @@ impl Caches {
         }
     }
 
+    /// One try at popping up to `max` objects of `class` from the cache of `at`'s CPU into
+    /// `out`, in one section; how many it took, meaningful only when committed.
+    ///
+    /// # Safety
+    /// As for [`Caches::pop_at`]; `out` is valid for `max` writes and only the calling thread
+    /// uses it.
+    unsafe fn pop_batch_at(
+        &self,
+        at: Position<ByCpu>,
+        class: usize,
+        out: *mut usize,
+        max: usize,
+    ) -> (StackOutcome, usize) {
+        let cpu = at.index() as usize;
+        // SAFETY: as in `pop_at`; `out` as the caller says.
+        unsafe { ops::stack_pop_batch(at, self.head(cpu, class), self.slots(cpu, class), out, max) }
+    }
+
+    /// One try at pushing the last of the `len` objects at `items` onto the cache of `at`'s
+    /// CPU for `class`, as many as fit, in one section; how many it took (the last ones),
+    /// meaningful only when committed.
+    ///
+    /// # Safety
+    /// As for [`Caches::push_at`], for each of the `len` objects at `items`, which the caller
+    /// gives up as far as the push takes them.
+    unsafe fn push_batch_at(
+        &self,
+        at: Position<ByCpu>,
+        class: usize,
+        items: *const usize,
+        len: usize,
+    ) -> (StackOutcome, usize) {
+        let cpu = at.index() as usize;
+        // SAFETY: as in `push_at`; `items` as the caller says.
+        unsafe {
+            ops::stack_push_batch(
+                at,
+                self.head(cpu, class),
+                self.slots(cpu, class),
+                self.capacity.limit(class),
+                items,
+                len,
+            )
+        }
+    }
+
     /// An object of `class` popped from the cache of the CPU the calling thread runs on, read
     /// inside the section; `None` if the section did not commit (see `ops::stack_pop_here`: an
     /// empty or stopped cache, an abort, a thread without rseq): the slow path says which.
@@ -540,16 +586,18 @@ impl Caches {
     pub(super) unsafe fn hand_over(&self, class: usize, object: *mut u8) -> Batch {
         let mut batch = Batch::new();
         batch.push(object);
-        while batch.len() < self.hand_over_length(class) {
-            let Some(at) = ops::position() else { break };
-            if at.index() as usize >= self.cpus {
-                break;
-            }
-            // SAFETY: `at` was just read on this thread; its index is below the CPUs.
-            match unsafe { self.pop_at(at, class) } {
-                // A committed pop made this call the object's only owner.
-                (StackOutcome::Committed, popped) => batch.push(popped as *mut u8),
-                _ => break,
+        let more = self.hand_over_length(class) - 1;
+        if more > 0
+            && let Some(at) = ops::position()
+            && (at.index() as usize) < self.cpus
+        {
+            let (unused, room) = batch.unused();
+            // SAFETY: `at` was just read on this thread; its index is below the CPUs; the
+            // batch's unused places are this call's, and the pop writes at most `room`.
+            let (outcome, popped) = unsafe { self.pop_batch_at(at, class, unused, more.min(room)) };
+            if outcome == StackOutcome::Committed {
+                // A committed pop made this call the objects' only owner.
+                batch.filled(popped);
             }
         }
         self.transfer(class)
@@ -575,35 +623,33 @@ impl Caches {
     }
 
     /// Pushes the objects of `batch`, of `class` and the caller's, onto the calling thread's
-    /// CPU's cache; those that do not fit go to `inner`.
+    /// CPU's cache in one section, again after an abort (a preemption or a signal should not
+    /// send them to the inner allocator); those that do not fit, or all of them when the cache
+    /// is stopped, the thread has no CPU to push on or it kept aborting, go to `inner`.
     pub(super) fn keep<A: GlobalAlloc>(&self, class: usize, mut batch: Batch, inner: &A) {
-        while let Some(rest) = batch.pop() {
-            if !self.push_retrying(class, rest) {
-                // SAFETY: an object of the class's layout by `inner` (every cached object
-                // is), which no push took.
-                unsafe { inner.dealloc(rest, class_layout(class)) };
-            }
-        }
-    }
-
-    /// Pushes `object` onto the calling thread's CPU's cache of `class`, again after an abort
-    /// (a preemption or a signal should not send it to the inner allocator); false if the
-    /// cache is full or stopped, the thread has no CPU to push on, or it kept aborting.
-    fn push_retrying(&self, class: usize, object: *mut u8) -> bool {
         let mut aborts = ops::AbortRun::new();
-        while let Some(at) = ops::position() {
+        while batch.len() > 0 {
+            let Some(at) = ops::position() else { break };
             if at.index() as usize >= self.cpus {
                 break;
             }
             // SAFETY: `at` was just read on this thread, its index is below the CPUs, and the
-            // object is the caller's to give.
-            match unsafe { self.push_at(at, class, object) } {
-                StackOutcome::Committed => return true,
-                StackOutcome::Aborted if !aborts.gives_up() => ops::note_abort(),
+            // batch's objects are the caller's to give; the batch stays put during the call.
+            match unsafe { self.push_batch_at(at, class, batch.as_ptr(), batch.len()) } {
+                (StackOutcome::Committed, pushed) => {
+                    // The cache took the last `pushed`; the rest did not fit.
+                    batch.taken(pushed);
+                    break;
+                }
+                (StackOutcome::Aborted, _) if !aborts.gives_up() => ops::note_abort(),
                 _ => break,
             }
         }
-        false
+        while let Some(rest) = batch.pop() {
+            // SAFETY: an object of the class's layout by `inner` (every cached object is),
+            // which no push took.
+            unsafe { inner.dealloc(rest, class_layout(class)) };
+        }
     }
 
     /// Gives the objects of the transfer lists of the classes for which `chosen(class)` holds

@@ -78,6 +78,30 @@ impl Batch {
         self.len = self.len.checked_sub(1)?;
         Some(self.objects[self.len] as *mut u8)
     }
+
+    /// Where a section may write objects for the batch: the first unused place, and how many
+    /// there are. The batch holds them only once [`Batch::filled`] says how many were written.
+    pub(super) fn unused(&mut self) -> (*mut usize, usize) {
+        (self.objects[self.len..].as_mut_ptr(), self.room())
+    }
+
+    /// The next `written` unused places now hold objects that the caller gives to the batch.
+    pub(super) fn filled(&mut self, written: usize) {
+        assert!(written <= self.room());
+        self.len += written;
+    }
+
+    /// The objects, for a section to read: valid for `len()` reads while the batch is neither
+    /// moved nor changed.
+    pub(super) fn as_ptr(&self) -> *const usize {
+        self.objects.as_ptr()
+    }
+
+    /// Gives up the last `taken` objects, which a section took over.
+    pub(super) fn taken(&mut self, taken: usize) {
+        assert!(taken <= self.len);
+        self.len -= taken;
+    }
 }
 
 /// One class's list: its lock and count, beside an array of slots that `Caches` keeps.

@@ -596,8 +596,10 @@ impl Caches {
             // batch's unused places are this call's, and the pop writes at most `room`.
             let (outcome, popped) = unsafe { self.pop_batch_at(at, class, unused, more.min(room)) };
             if outcome == StackOutcome::Committed {
-                // A committed pop made this call the objects' only owner.
+                // A committed pop made this call the objects' only owner. Top first, as
+                // popping one at a time would give them.
                 batch.filled(popped);
+                batch.reverse_from(1);
             }
         }
         self.transfer(class)
@@ -628,6 +630,9 @@ impl Caches {
     /// is stopped, the thread has no CPU to push on or it kept aborting, go to `inner`.
     pub(super) fn keep<A: GlobalAlloc>(&self, class: usize, mut batch: Batch, inner: &A) {
         let mut aborts = ops::AbortRun::new();
+        // The first object ends on top, as pushing them from last to first one at a time would
+        // leave them.
+        batch.reverse_from(0);
         while batch.len() > 0 {
             let Some(at) = ops::position() else { break };
             if at.index() as usize >= self.cpus {

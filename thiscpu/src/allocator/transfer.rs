@@ -97,6 +97,11 @@ impl Batch {
         self.objects.as_ptr()
     }
 
+    /// Reverses the order of the objects from the `from`th on.
+    pub(super) fn reverse_from(&mut self, from: usize) {
+        self.objects[from.min(self.len)..self.len].reverse();
+    }
+
     /// Gives up the last `taken` objects, which a section took over.
     pub(super) fn taken(&mut self, taken: usize) {
         assert!(taken <= self.len);

@@ -174,10 +174,17 @@ step s390x linux_tests s390x-unknown-linux-gnu qemu-s390x s390x-linux-gnu
 step armv7 linux_tests armv7-unknown-linux-gnueabihf qemu-arm arm-linux-gnueabihf
 
 windows_tests() {
-    run_tests x86_64-pc-windows-gnu wine -- -Zbuild-std
-    # The wine server outlives the last program by a few seconds: the step ends with it, so
-    # that nothing of it is left running.
-    wineserver --wait
+    # One wine server for every test executable. Left to itself, wine starts a server with the
+    # first program and the server exits a few seconds after the last one; a program started
+    # as it exits loses its connection ("wine client error:0: recvmsg: Connection reset by
+    # peer"), which failed a test executable that had not run at all, on a loaded host.
+    wineserver --persistent
+    local rc=0
+    run_tests x86_64-pc-windows-gnu wine -- -Zbuild-std || rc=$?
+    # The step ends with the server, so that nothing of it is left running.
+    wineserver --kill || true
+    wineserver --wait || true
+    return "$rc"
 }
 step windows windows_tests
 

@@ -179,12 +179,12 @@ windows_tests() {
     # as it exits loses its connection ("wine client error:0: recvmsg: Connection reset by
     # peer"), which failed a test executable that had not run at all, on a loaded host.
     wineserver --persistent
-    local rc=0
-    run_tests x86_64-pc-windows-gnu wine -- -Zbuild-std || rc=$?
-    # The step ends with the server, so that nothing of it is left running.
-    wineserver --kill || true
-    wineserver --wait || true
-    return "$rc"
+    # The job ends with the server, however it ends, so that nothing of it is left running. A
+    # trap rather than `run_tests ... || rc=$?`: under `||` bash ignores `set -e` inside the
+    # function, and a failed build would go on to run the executables an earlier build left.
+    trap 'wineserver --kill >/dev/null 2>&1 || true; wineserver --wait >/dev/null 2>&1 || true' \
+        EXIT
+    run_tests x86_64-pc-windows-gnu wine -- -Zbuild-std
 }
 step windows windows_tests
 

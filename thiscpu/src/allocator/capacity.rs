@@ -114,8 +114,13 @@ impl<const N: usize> Capacities<N> {
 
     /// `class` missed or spilled: counts the ask, and grows the class at every
     /// `ASKS_PER_GROWTH`th. True if it grew. `generation` is the process's fork generation.
+    ///
+    /// The count is a load and a store, not a read-modify-write: two CPUs asking at once may
+    /// count one ask, which only delays a growth. A locked add here would wait for every store
+    /// before it to reach the cache, and a miss or spill comes right after a batch's stores.
     pub(crate) fn ask(&self, class: usize, generation: u32) -> bool {
-        let asks = self.asks[class].fetch_add(1, Ordering::Relaxed) + 1;
+        let asks = self.asks[class].load(Ordering::Relaxed) + 1;
+        self.asks[class].store(asks, Ordering::Relaxed);
         asks.is_multiple_of(ASKS_PER_GROWTH) && self.grow(class, generation)
     }
 

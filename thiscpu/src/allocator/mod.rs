@@ -20,7 +20,7 @@
 //!
 //! An empty stack is a *miss*, a full one a *spill*. Between the CPUs' caches sits a
 //! *transfer list* per class: a spill hands the freed object over to it, with half the
-//! stack's objects (up to 32) as one batch, and a miss takes a batch from it, keeping one
+//! stack's objects (up to 128) as one batch, and a miss takes a batch from it, keeping one
 //! object and pushing the rest onto its CPU's stack. So objects freed on one CPU serve
 //! allocations on another, a batch at a time: a producer thread and a consumer thread on two
 //! CPUs move their objects through the list rather than through the inner allocator. The list

@@ -40,7 +40,7 @@ const BRIEF_TRIES: usize = if cfg!(thiscpu_model) { 4 } else { 1024 };
 const PATIENT_ROUNDS: usize = 1000;
 
 /// The most objects one batch holds.
-pub(super) const MAX_BATCH: usize = 32;
+pub(super) const MAX_BATCH: usize = 128;
 
 /// Up to `MAX_BATCH` free objects of one class, held by the caller.
 #[derive(Debug)]

@@ -129,6 +129,12 @@ mod os {
         unsafe { start.as_ptr().write_bytes(0, length) };
     }
 
+    /// Backing changes nothing a reader of the memory sees.
+    ///
+    /// # Safety
+    /// None needed here; the signature matches the system's.
+    pub(crate) unsafe fn back_pages(_start: *mut u8, _length: usize) {}
+
     pub(crate) fn coarse_millis() -> u32 {
         CLOCK_MS.get()
     }

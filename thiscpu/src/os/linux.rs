@@ -235,6 +235,21 @@ pub(crate) unsafe fn return_pages(start: NonNull<u8>, length: usize) {
     }
 }
 
+/// Backs the pages of a range now, as first writes would one fault at a time; does nothing
+/// where the kernel cannot (before Linux 5.14, `MADV_POPULATE_WRITE`) or has no memory left
+/// for them, in which case the first writes fault as before.
+///
+/// # Safety
+/// The range is page-aligned and inside a mapping of [`map_aligned`].
+pub(crate) unsafe fn back_pages(start: *mut u8, length: usize) {
+    // SAFETY: the caller's contract: a range of a private anonymous read-write mapping, whose
+    // contents backing does not change (a page already backed is left as it is, one not yet
+    // backed reads as zero either way).
+    unsafe {
+        libc::madvise(start.cast(), length, libc::MADV_POPULATE_WRITE);
+    }
+}
+
 /// Milliseconds of the system's coarse monotonic clock (a vDSO read, without a system call,
 /// at the resolution of the scheduler's tick), wrapping every 49 days: for ages compared with
 /// `wrapping_sub`.

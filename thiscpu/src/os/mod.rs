@@ -79,6 +79,7 @@ const _: () = {
     let _: unsafe fn(core::ptr::NonNull<u8>, usize) = unreserve;
     let _: fn(usize) -> Option<core::ptr::NonNull<u8>> = map_aligned;
     let _: unsafe fn(core::ptr::NonNull<u8>, usize) = return_pages;
+    let _: unsafe fn(*mut u8, usize) = back_pages;
     let _: fn(extern "C" fn(), extern "C" fn(), extern "C" fn()) = at_fork;
     let _: fn() -> usize = configured_cpus;
     let _: fn(&core::ffi::CStr) -> bool = path_exists;

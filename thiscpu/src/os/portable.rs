@@ -179,6 +179,12 @@ pub(crate) fn coarse_millis() -> u32 {
 /// None needed; the signature matches the Linux backend's.
 pub(crate) unsafe fn return_pages(_start: NonNull<u8>, _length: usize) {}
 
+/// Nothing to back: [`map_aligned`] maps nothing here.
+///
+/// # Safety
+/// None needed; the signature matches the Linux backend's.
+pub(crate) unsafe fn back_pages(_start: *mut u8, _length: usize) {}
+
 /// Registers `before` to run before every `fork`, `parent` after it in the parent and `child`
 /// after it in the child, where the system forks (Unix); elsewhere there is no `fork` to guard
 /// against.

@@ -72,6 +72,10 @@ mod transfer {
         pub(crate) fn pop(&mut self) -> Option<*mut u8> {
             self.0.pop()
         }
+
+        pub(crate) fn retain(&mut self, mut keep: impl FnMut(*mut u8) -> bool) {
+            self.0.retain(|&object| keep(object));
+        }
     }
 }
 

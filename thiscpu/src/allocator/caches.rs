@@ -608,17 +608,22 @@ impl Caches {
     }
 
     /// For an allocation that found its cache of `class` empty: a batch from the class's
-    /// transfer list, one object of it for the caller and the rest pushed onto the calling
-    /// thread's CPU's cache (those that do not fit go to `inner`); `None` if the list has no
-    /// batch or another thread holds it.
+    /// transfer list into `batch` (the caller's, empty), one object of it for the caller and
+    /// the rest pushed onto the calling thread's CPU's cache (those that do not fit go to
+    /// `inner`), which leaves `batch` empty; `None` if the list has no batch or another thread
+    /// holds it.
     pub(super) fn take_over_batch<A: GlobalAlloc>(
         &self,
         class: usize,
+        batch: &mut Batch,
         inner: &A,
     ) -> Option<*mut u8> {
-        let mut batch = self
+        if !self
             .transfer(class)
-            .take(self.transfer_slots(class), self.batch_length(class))?;
+            .take(self.transfer_slots(class), self.batch_length(class), batch)
+        {
+            return None;
+        }
         let object = batch.pop()?;
         self.keep(class, batch, inner);
         Some(object)
@@ -628,7 +633,7 @@ impl Caches {
     /// CPU's cache in one section, again after an abort (a preemption or a signal should not
     /// send them to the inner allocator); those that do not fit, or all of them when the cache
     /// is stopped, the thread has no CPU to push on or it kept aborting, go to `inner`.
-    pub(super) fn keep<A: GlobalAlloc>(&self, class: usize, mut batch: Batch, inner: &A) {
+    pub(super) fn keep<A: GlobalAlloc>(&self, class: usize, batch: &mut Batch, inner: &A) {
         let mut aborts = ops::AbortRun::new();
         // The first object ends on top, as pushing them from last to first one at a time would
         // leave them.
@@ -673,9 +678,8 @@ impl Caches {
             if !chosen(transfer) {
                 continue;
             }
-            while let Some(mut batch) =
-                transfer.take_patiently(self.transfer_slots(class), MAX_BATCH)
-            {
+            let mut batch = Batch::new();
+            while transfer.take_patiently(self.transfer_slots(class), MAX_BATCH, &mut batch) {
                 while let Some(object) = batch.pop() {
                     // SAFETY: the caller's contract; taking the batch made its objects ours.
                     unsafe { inner.dealloc(object, class_layout(class)) };

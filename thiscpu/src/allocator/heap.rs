@@ -558,14 +558,14 @@ impl Heap {
     /// caller's to give up.
     pub(super) unsafe fn give(&self, class: usize, batch: &mut Batch) {
         let spans = &self.classes[class];
-        let mut emptied = Batch::new();
-        let mut foreign = Batch::new();
         spans.lock.lock();
-        while let Some(object) = batch.pop() {
+        // In place, without a second batch: a free that fills its cache comes here with its
+        // own batch on the stack, and a process whose address space is used up (`RLIMIT_AS`)
+        // cannot grow its stack by another page for it.
+        batch.retain(|object| {
             let address = object as usize;
             if !self.owns(address) {
-                foreign.push(object);
-                continue;
+                return true;
             }
             // SAFETY: the heap owns the chunk.
             let record = unsafe { record_of(address) };
@@ -587,18 +587,14 @@ impl Heap {
             if live == 0 {
                 self.unlink(spans, record);
                 spans.spans.fetch_sub(1, Ordering::Relaxed);
-                emptied.push(address_of(record) as *mut u8);
+                // No later object of the batch is in the span: all of its objects are back.
+                self.pages.lock.lock();
+                self.free_span(record);
+                self.pages.lock.unlock();
             }
-        }
-        if emptied.len() > 0 {
-            self.pages.lock.lock();
-            while let Some(record) = emptied.pop() {
-                self.free_span(record_at(record as usize).expect("a record"));
-            }
-            self.pages.lock.unlock();
-        }
+            false
+        });
         spans.lock.unlock();
-        *batch = foreign;
     }
 
     /// Puts `record` first on `spans`'s list. Under the class's lock.

@@ -9,7 +9,7 @@
 use super::lock_word::{AtomicU32, Ordering, wait, wake};
 
 /// Tries of a contended lock before the taker sleeps: a holder keeps it for one batch, at most
-/// 128 objects. The model checker, for which each try is a step to interleave, tries once.
+/// 64 objects. The model checker, for which each try is a step to interleave, tries once.
 const SPINS: usize = if cfg!(thiscpu_model) { 1 } else { 100 };
 
 #[derive(Debug)]

@@ -20,7 +20,7 @@
 //!
 //! An empty stack is a *miss*, a full one a *spill*. Between the CPUs' caches sits a
 //! *transfer list* per class: a spill hands the freed object over to it, with half the
-//! stack's objects (up to 128) as one batch, and a miss takes a batch from it, keeping one
+//! stack's objects (up to 64) as one batch, and a miss takes a batch from it, keeping one
 //! object and pushing the rest onto its CPU's stack. So objects freed on one CPU serve
 //! allocations on another, a batch at a time: a producer thread and a consumer thread on two
 //! CPUs move their objects through the list rather than through the inner allocator. The list
@@ -375,14 +375,15 @@ impl<A: GlobalAlloc> PerCpuAlloc<A> {
         caches.count(at, Tally::Misses);
         caches.ask_for_room(class);
         let backing = self.backing();
-        if let Some(object) = caches.take_over_batch(class, &backing) {
+        // One batch for both ways, empty again when the transfer list had none.
+        let mut batch = Batch::new();
+        if let Some(object) = caches.take_over_batch(class, &mut batch, &backing) {
             return object;
         }
         if let Some(heap) = backing.heap {
-            let mut batch = Batch::new();
             heap.take(class, &mut batch, caches.batch_length(class));
             if let Some(object) = batch.pop() {
-                caches.keep(class, batch, &backing);
+                caches.keep(class, &mut batch, &backing);
                 return object;
             }
         }

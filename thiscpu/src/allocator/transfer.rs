@@ -39,8 +39,12 @@ const BRIEF_TRIES: usize = if cfg!(thiscpu_model) { 4 } else { 1024 };
 /// as it is.
 const PATIENT_ROUNDS: usize = 1000;
 
-/// The most objects one batch holds.
-pub(super) const MAX_BATCH: usize = 128;
+/// The most objects one batch holds. A batch lives on the stack of the call that moves it: at
+/// 128, with batches returned by value and copied on the way, a process whose address space
+/// was used up (`RLIMIT_AS`, the C library's stress test) could not grow its stack for a
+/// miss's deeper frames and died of it in 10 of 12 runs, and at 64 in 1 of 8 runs of its
+/// checking mode; at 64 with one batch per miss, filled in place, it passed 16 of 16.
+pub(super) const MAX_BATCH: usize = 64;
 
 /// Up to `MAX_BATCH` free objects of one class, held by the caller.
 #[derive(Debug)]
@@ -100,6 +104,20 @@ impl Batch {
     /// Reverses the order of the objects from the `from`th on.
     pub(super) fn reverse_from(&mut self, from: usize) {
         self.objects[from.min(self.len)..self.len].reverse();
+    }
+
+    /// Keeps the objects for which `keep` holds, in their order, and gives up the others to
+    /// `keep`, which sees each object once.
+    pub(super) fn retain(&mut self, mut keep: impl FnMut(*mut u8) -> bool) {
+        let mut kept = 0;
+        for place in 0..self.len {
+            let object = self.objects[place];
+            if keep(object as *mut u8) {
+                self.objects[kept] = object;
+                kept += 1;
+            }
+        }
+        self.len = kept;
     }
 
     /// Gives up the last `taken` objects, which a section took over.
@@ -235,42 +253,49 @@ impl Transfer {
         true
     }
 
-    /// Takes up to `want` objects (at most `MAX_BATCH`) from `slots`, if the list has any
-    /// and no other thread holds it.
-    pub(super) fn take(&self, slots: Slots, want: usize) -> Option<Batch> {
+    /// Takes up to `want` objects (at most the room of `batch`, the caller's empty batch) from
+    /// `slots` into `batch`, if the list has any and no other thread holds it; whether it took
+    /// any. The caller's batch rather than a returned one, so that a miss keeps one batch on
+    /// its stack, not a copy per call it passes through.
+    pub(super) fn take(&self, slots: Slots, want: usize, batch: &mut Batch) -> bool {
         if self.count.load(Ordering::Relaxed) == 0 {
-            return None;
+            return false;
         }
-        let _locked = self.lock_briefly()?;
-        let batch = self.take_locked(slots, want)?;
-        self.taken.fetch_add(1, Ordering::Relaxed);
-        Some(batch)
+        let Some(_locked) = self.lock_briefly() else {
+            return false;
+        };
+        let took = self.take_locked(slots, want, batch);
+        if took {
+            self.taken.fetch_add(1, Ordering::Relaxed);
+        }
+        took
     }
 
-    /// Takes up to `want` objects, at most `MAX_BATCH`, waiting a while for the lock
-    /// (`lock_patiently`); `None` once the list is empty, or if the lock stays taken.
-    pub(super) fn take_patiently(&self, slots: Slots, want: usize) -> Option<Batch> {
+    /// Takes up to `want` objects into `batch`, the caller's empty batch, waiting a while for
+    /// the lock (`lock_patiently`); false once the list is empty, or if the lock stays taken.
+    pub(super) fn take_patiently(&self, slots: Slots, want: usize, batch: &mut Batch) -> bool {
         if self.count.load(Ordering::Relaxed) == 0 {
-            return None;
+            return false;
         }
-        let _locked = self.lock_patiently()?;
-        self.take_locked(slots, want)
+        let Some(_locked) = self.lock_patiently() else {
+            return false;
+        };
+        self.take_locked(slots, want, batch)
     }
 
-    /// The top `want` objects (at most `MAX_BATCH`), taken by one store of the count. The
-    /// caller holds the lock.
-    fn take_locked(&self, slots: Slots, want: usize) -> Option<Batch> {
+    /// The top `want` objects (at most the room of `batch`), taken into `batch` by one store
+    /// of the count; whether there were any. The caller holds the lock.
+    fn take_locked(&self, slots: Slots, want: usize, batch: &mut Batch) -> bool {
         let count = self.count.load(Ordering::Relaxed) as usize;
-        let len = count.min(want).min(MAX_BATCH);
+        let len = count.min(want).min(batch.room());
         if len == 0 {
-            return None;
+            return false;
         }
-        let mut batch = Batch::new();
         for at in count - len..count {
             batch.push(slots.slot(at).load(Ordering::Relaxed) as *mut u8);
         }
         self.count.store((count - len) as u64, Ordering::Relaxed);
-        Some(batch)
+        true
     }
 
     /// Whether `object` is in the list now, read without its lock: the count and slots are

@@ -1002,14 +1002,16 @@ mod tests {
         pages.iter().map(|&page| page & 1 == 1).collect()
     }
 
-    /// A kernel that can back pages ahead (Linux 5.14 and later): one `madvise` on a fresh
-    /// mapping tells.
+    /// A system that backs pages ahead (Linux 5.14 and later): one `madvise` on a fresh
+    /// mapping, and `mincore` to see that the page is now resident, since an emulator
+    /// (qemu-user) may accept the advice and do nothing.
     fn kernel_backs_ahead() -> bool {
         let chunk = crate::os::map_aligned(CHUNK_BYTES)
             .expect("a chunk")
             .as_ptr();
         // SAFETY: the first page of the chunk just mapped, which nothing else uses.
-        let backed = unsafe { libc::madvise(chunk.cast(), 4096, libc::MADV_POPULATE_WRITE) } == 0;
+        let advised = unsafe { libc::madvise(chunk.cast(), 4096, libc::MADV_POPULATE_WRITE) } == 0;
+        let backed = advised && resident_pages(chunk as usize, 4096) == [true];
         // SAFETY: the whole aligned mapping just made, used by nothing.
         unsafe { libc::munmap(chunk.cast(), CHUNK_BYTES) };
         backed

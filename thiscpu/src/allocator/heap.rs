@@ -938,7 +938,12 @@ mod tests {
     fn take_many(heap: &Heap, class: usize, count: usize) -> Vec<usize> {
         let mut objects = Vec::new();
         while objects.len() < count {
-            objects.extend(take(heap, class, (count - objects.len()).min(MAX_BATCH)));
+            let taken = take(heap, class, (count - objects.len()).min(MAX_BATCH));
+            assert!(
+                !taken.is_empty(),
+                "the heap had no memory for class {class}"
+            );
+            objects.extend(taken);
         }
         objects
     }
